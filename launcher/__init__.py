@@ -1,0 +1,1 @@
+"""Launcher: turns a chosen frontier point into running workers (see the launch issue)."""

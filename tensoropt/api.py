@@ -1,0 +1,78 @@
+"""The library's front door: ``capture`` a model (cached) and ``fold`` it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .graph.cache import GraphCache, fingerprint
+from .graph.capture import trace_module
+from .graph.fold import FoldedGraph, fold
+from .graph.ir import OpGraph
+from .models import ModelSource, module_identity, resolve_model
+
+# Bump when capture, op rules or the IR change what a captured graph contains.
+CAPTURE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A captured graph and how it was obtained."""
+
+    graph: OpGraph
+    capture_seconds: float      # this call: tracing, or loading from the cache
+    trace_seconds: float        # what tracing took when the graph was first captured
+    cached: bool
+
+
+def _identity(source: ModelSource, batch_size: int | None, seq_len: int | None) -> dict:
+    return {"capture_version": CAPTURE_VERSION, "torch": torch.__version__,
+            "source": source.identity(batch_size, seq_len)}
+
+
+def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = None, *,
+            batch_size: int | None = None, seq_len: int | None = None, name: str | None = None,
+            cache: bool = True, cache_dir: Path | None = None) -> Captured:
+    """Capture a model into an ``OpGraph`` on the meta device, from the cache when possible.
+
+    ``model`` is a ``--model`` string (preset, JSON config, ``file.py:function``) or an
+    ``nn.Module`` with ``example_inputs`` (a tuple of positional or a dict of keyword arguments).
+    """
+    start = time.perf_counter()
+    if isinstance(model, nn.Module):
+        if example_inputs is None:
+            raise TypeError("capture(module) needs example_inputs")
+        label = name or type(model).__name__
+        identity = {"capture_version": CAPTURE_VERSION, "torch": torch.__version__,
+                    "source": {"kind": "module", **module_identity(model, example_inputs)}}
+        build = lambda: (model, example_inputs)   # noqa: E731
+    else:
+        source = resolve_model(model)
+        label = name or source.name
+        identity = _identity(source, batch_size, seq_len)
+        build = lambda: source.build(batch_size, seq_len)   # noqa: E731
+
+    key = fingerprint(identity)
+    store = GraphCache(cache_dir) if cache else None
+    if store is not None and (graph := store.load(key)) is not None:
+        return Captured(graph, time.perf_counter() - start, float(graph.meta("trace_seconds", "0")), True)
+
+    module, inputs = build()
+    graph = trace_module(module, inputs, label)
+    seconds = time.perf_counter() - start
+    src = identity["source"]
+    graph = replace(graph, fingerprint=key, metadata=tuple(sorted({
+        "source": label, "torch": torch.__version__, "trace_seconds": f"{seconds:.6f}",
+        "batch_size": str(src.get("batch_size", "")), "seq_len": str(src.get("seq_len", "")),
+    }.items())))
+    if store is not None:
+        store.store(key, graph)
+    return Captured(graph, seconds, seconds, False)
+
+
+__all__ = ["Captured", "FoldedGraph", "OpGraph", "capture", "fold"]

@@ -1,0 +1,44 @@
+"""The ``tensoropt`` command line: a thin layer over the library.
+
+User errors (``TensorOptError``) become one line on stderr and exit status 1; nothing else is
+caught, so a real bug still shows its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import TensorOptError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except TensorOptError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tensoropt")
+def cli() -> None:
+    """TensorOpt: find the Pareto frontier of parallel training plans (time vs memory per device)
+    and launch the one that fits your devices."""
+
+
+def _register() -> None:
+    from .inspect_cmd import inspect
+    cli.add_command(inspect)
+
+
+_register()
+
+
+def main() -> None:
+    sys.exit(cli.main(prog_name="tensoropt", standalone_mode=True))

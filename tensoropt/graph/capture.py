@@ -1,0 +1,266 @@
+"""Capture an ``nn.Module`` into an ``OpGraph`` without allocating its memory.
+
+The forward pass runs once under ``FakeTensorMode`` on meta parameters, with autograd on, while
+a dispatch-level tracer records every ATen op below autograd: its shapes, FLOPs, bytes, module
+path and producers. ``saved_tensors_hooks`` tell which activations autograd keeps for backward.
+Executing (rather than symbolically tracing) the forward means Python control flow, Hugging Face
+models and arbitrary user code all work, as long as nothing depends on tensor *values*.
+Fake tensors also make libraries that check ``is_fake_tensor`` (transformers does) skip their
+data-dependent fast paths.
+
+``F.scaled_dot_product_attention`` is routed to the fused (flash) attention op so that the graph
+has one attention op that saves O(s) state, as on a GPU, instead of the meta device's unfused
+fallback that would save the O(s^2) score matrix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..errors import CaptureError
+from .ir import Op, OpGraph, Ref, TensorMeta
+from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(int(d) for d in t.shape), _dtype_name(t.dtype))
+
+
+def _attr_value(value: object) -> str | None:
+    """Stringify a non-tensor argument; None for those that do not affect cost (devices...)."""
+    if isinstance(value, (torch.device, torch.layout, torch.memory_format)) or value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        return _dtype_name(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return None
+    return str(value)
+
+
+@dataclass
+class _Record:
+    func: torch._ops.OpOverload
+    module_path: str
+    in_tensors: list[torch.Tensor]
+    sources: list[Ref]
+    out_tensors: list[torch.Tensor]
+    attrs: tuple[tuple[str, str], ...]
+    forward_flops: int
+    requires_grad: bool
+    grad_operands: int
+
+
+class _FlashAttention(TorchFunctionMode):
+    """Route ``F.scaled_dot_product_attention`` to the fused attention kernel."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        attn_mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        dropout_p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        is_causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+        if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
+            groups = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(~attn_mask, float("-inf"))
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=kwargs.get("scale"))
+        return out[0]
+
+
+class _Tracer(TorchDispatchMode):
+    """Records ops as they are dispatched (below autograd) and where each input came from."""
+
+    def __init__(self, state_refs: dict[int, Ref], module_stack: list[str]) -> None:
+        super().__init__()
+        self.origin: dict[int, Ref] = dict(state_refs)
+        self.records: list[_Record] = []
+        self.keep_alive: list[torch.Tensor] = []   # ids stay unique while tensors live
+        self.module_stack = module_stack
+        self.current = ""
+
+    def ref(self, t: torch.Tensor) -> Ref:
+        return self.origin.get(id(t), Ref("const"))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.current = str(func)
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":
+            return out
+        out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not out_tensors:
+            return out
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ALIAS_OPS:
+            base = self.ref(in_tensors[0]) if in_tensors else Ref("const")
+            for t in out_tensors:
+                self.origin[id(t)] = base
+                self.keep_alive.append(t)
+            return out
+        self._record(func, name, args, kwargs, out, in_tensors, out_tensors)
+        return out
+
+    def _record(self, func, name, args, kwargs, out, in_tensors, out_tensors) -> None:
+        kind = op_kind(name)
+        requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in in_tensors)
+        grad_operands = sum(1 for t in product_operands(kind, name, in_tensors) if t.requires_grad)
+        schema_args = func._schema.arguments
+        attrs = []
+        for i, value in enumerate(args):
+            text = None if isinstance(value, torch.Tensor) else _attr_value(value)
+            if text is not None:
+                attrs.append((schema_args[i].name if i < len(schema_args) else str(i), text))
+        attrs += [(k, t) for k, v in sorted(kwargs.items())
+                  if not isinstance(v, torch.Tensor) and (t := _attr_value(v)) is not None]
+        index = len(self.records)
+        self.records.append(_Record(
+            func=func, module_path=self.module_stack[-1] if self.module_stack else "",
+            in_tensors=in_tensors, sources=[self.ref(t) for t in in_tensors], out_tensors=out_tensors,
+            attrs=tuple(attrs),
+            forward_flops=forward_flops(func, kind, args, kwargs, out, out_tensors, in_tensors),
+            requires_grad=requires_grad, grad_operands=grad_operands,
+        ))
+        for slot, t in enumerate(out_tensors):
+            self.origin[id(t)] = Ref("op", index, slot)
+        self.keep_alive.extend(in_tensors + out_tensors)
+
+
+def _translate_error(exc: Exception, op: str, module_path: str) -> CaptureError:
+    """One line that names the failing op / module and says what to do."""
+    where = f"in module '{module_path or '<root>'}'" + (f" at {op}" if op else "")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    data_dependent = ("item()" in text or "data-dependent" in text.lower() or "DynamicOutputShape" in
+                      type(exc).__name__ or "DataDependent" in type(exc).__name__)
+    if data_dependent:
+        return CaptureError(
+            f"cannot capture the model {where}: its forward depends on tensor values ({text}); "
+            "TensorOpt captures on the meta device, so make shapes and control flow independent of "
+            "data (no .item(), bool(tensor) or nonzero() in forward)")
+    return CaptureError(f"cannot capture the model {where}: {type(exc).__name__}: {text}; "
+                        "check that the model's forward runs on the meta device with the example inputs")
+
+
+def _fake_inputs(fake_mode: FakeTensorMode, example_inputs: object) -> object:
+    def convert(x: object) -> object:
+        return fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+    if isinstance(example_inputs, Mapping):
+        return {k: convert(v) for k, v in example_inputs.items()}
+    return tuple(convert(x) for x in example_inputs)
+
+
+def _input_refs(example_inputs: object, fakes: object) -> tuple[dict[int, Ref], list[TensorMeta]]:
+    values = list(fakes.values()) if isinstance(fakes, Mapping) else list(fakes)
+    refs, metas = {}, []
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            refs[id(x)] = Ref("input", len(metas))
+            metas.append(_meta(x))
+    return refs, metas
+
+
+def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = "model",
+                 metadata: Mapping[str, str] | None = None) -> OpGraph:
+    """Run one training-mode forward of ``model`` on fake tensors and return its op graph.
+
+    ``example_inputs`` is a tuple of positional arguments or a mapping of keyword arguments; its
+    tensors should be on the meta device (CPU tensors are converted, never computed on).
+    """
+    model.train()
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    module_names: dict[int, str] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(mod), mod_name)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = _fake_inputs(fake_mode, example_inputs)
+    refs, input_metas = _input_refs(example_inputs, fakes)
+    refs.update({id(p): Ref("param", name=n) for n, p in params.items()})
+    refs.update({id(b): Ref("buffer", name=n) for n, b in buffers.items()})
+
+    stack: list[str] = []
+    tracer = _Tracer(refs, stack)
+    saved: set[tuple[int, int]] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        r = tracer.ref(t)
+        if r.kind == "op":
+            saved.add((r.index, r.slot))
+        return t
+
+    def enter(mod: nn.Module, _args: object) -> None:
+        stack.append(module_names.get(id(mod), type(mod).__name__))
+
+    def leave(_mod: nn.Module, _args: object, _out: object) -> None:   # must return None
+        if stack:
+            stack.pop()
+
+    pre = nn.modules.module.register_module_forward_pre_hook(enter)
+    post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    try:
+        with fake_mode, _FlashAttention(), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if isinstance(fakes, Mapping):
+                model(**fakes)
+            else:
+                model(*fakes)
+    except CaptureError:
+        raise
+    except Exception as exc:   # any failure inside user code becomes one line
+        raise _translate_error(exc, tracer.current, stack[-1] if stack else "") from exc
+    finally:
+        pre.remove()
+        post.remove()
+
+    saved_slots: dict[int, list[int]] = {}
+    for index, slot in saved:
+        saved_slots.setdefault(index, []).append(slot)
+    ops = tuple(_build_op(i, rec, saved_slots.get(i, [])) for i, rec in enumerate(tracer.records))
+    return OpGraph(
+        name=name, ops=ops,
+        params=tuple((n, _meta(p)) for n, p in params.items()),   # tied weights appear once
+        buffers=tuple((n, _meta(b)) for n, b in buffers.items()),
+        inputs=tuple(input_metas),
+        metadata=tuple(sorted((metadata or {}).items())),
+    )
+
+
+def _build_op(index: int, rec: _Record, saved_slots: list[int]) -> Op:
+    inputs = tuple(_meta(t) for t in rec.in_tensors)
+    outputs = tuple(_meta(t) for t in rec.out_tensors)
+    kind = op_kind(rec.func.overloadpacket.__name__)
+    return Op(
+        index=index, target=str(rec.func), kind=kind, module_path=rec.module_path,
+        inputs=inputs, outputs=outputs, sources=tuple(rec.sources), attrs=rec.attrs,
+        forward_flops=rec.forward_flops,
+        backward_flops=backward_flops(kind, rec.forward_flops, rec.grad_operands, rec.requires_grad),
+        bytes_read=sum(m.nbytes for m in inputs), bytes_written=sum(m.nbytes for m in outputs),
+        saved_bytes=sum(outputs[s].nbytes for s in saved_slots),
+        requires_grad=rec.requires_grad,
+    )
+
+
+def timed_trace(model: nn.Module, example_inputs: tuple | Mapping, name: str,
+                metadata: Mapping[str, str] | None = None) -> tuple[OpGraph, float]:
+    """``trace_module`` and the seconds it took."""
+    start = time.perf_counter()
+    graph = trace_module(model, example_inputs, name, metadata)
+    return graph, time.perf_counter() - start

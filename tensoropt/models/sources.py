@@ -1,0 +1,269 @@
+"""Resolve the ``--model`` argument into something that builds an ``nn.Module`` on the meta device.
+
+Three kinds of source:
+- a built-in preset name (``gpt3-175b``, ``llama2-70b``, ...);
+- a JSON file: ``{"family": "gpt", "hidden_size": ...}`` or a Hugging Face ``config.json``
+  (recognised by ``"model_type"``; built with ``transformers`` ``from_config``, nothing downloaded);
+- ``path/to/file.py:function`` returning ``(model, example_inputs)`` for any user module.
+
+Every source has an ``identity``: a JSON-able description that, with the capture code's version,
+decides the captured graph, so the capture cache can be keyed by it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ModelSpecError
+from .bert import BertForPreTraining
+from .presets import PRESETS
+from .resnet import ResNetConfig, WideResNet
+from .transformer import DecoderLM, TransformerConfig
+
+MODEL_DTYPE = torch.bfloat16   # built-in and Hugging Face models are captured in bf16 (mixed precision)
+FAMILIES = ("gpt", "llama", "moe", "bert", "resnet")
+_GPT_REQUIRED = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                 "vocab_size")
+
+
+class ModelSource(ABC):
+    """Something that can build a model and example inputs on the meta device."""
+
+    name: str
+
+    @abstractmethod
+    def identity(self, batch_size: int | None, seq_len: int | None) -> dict[str, Any]:
+        """What decides the captured graph (JSON-able)."""
+
+    @abstractmethod
+    def build(self, batch_size: int | None, seq_len: int | None) -> tuple[nn.Module, tuple | dict]:
+        """The model and its example inputs, on the meta device."""
+
+
+class BuiltinSource(ModelSource):
+    def __init__(self, name: str, family: str, config: TransformerConfig | ResNetConfig) -> None:
+        self.name, self.family, self.config = name, family, config
+
+    def _seq_len(self, seq_len: int | None) -> int:
+        if isinstance(self.config, ResNetConfig):
+            return self.config.image_size
+        return seq_len or self.config.seq_length
+
+    def _config_for(self, seq_len: int) -> TransformerConfig | ResNetConfig:
+        cfg = self.config
+        if isinstance(cfg, ResNetConfig) or seq_len <= cfg.seq_length:
+            return cfg
+        if cfg.position == "learned" or self.family == "bert":
+            raise ModelSpecError(f"--seq-len {seq_len} exceeds {self.name}'s {cfg.seq_length} learned "
+                                 f"positions; use --seq-len <= {cfg.seq_length}")
+        return replace(cfg, seq_length=seq_len)
+
+    def identity(self, batch_size, seq_len):
+        seq = self._seq_len(seq_len)
+        return {"kind": "builtin", "family": self.family, "config": self._config_for(seq).to_dict(),
+                "batch_size": batch_size or 1, "seq_len": seq}
+
+    def build(self, batch_size, seq_len):
+        b, seq = batch_size or 1, self._seq_len(seq_len)
+        cfg = self._config_for(seq)
+        with torch.device("meta"):
+            if self.family == "resnet":
+                model = WideResNet(cfg)
+                inputs = (torch.empty(b, 3, cfg.image_size, cfg.image_size, dtype=MODEL_DTYPE),
+                          torch.zeros(b, dtype=torch.long))
+            elif self.family == "bert":
+                model = BertForPreTraining(cfg)
+                ids = torch.zeros(b, seq, dtype=torch.long)
+                inputs = (ids, torch.zeros_like(ids), ids, torch.zeros(b, dtype=torch.long))
+            else:
+                model = DecoderLM(cfg)
+                ids = torch.zeros(b, seq, dtype=torch.long)
+                inputs = (ids, ids)
+        return model.to(MODEL_DTYPE), inputs
+
+
+class HuggingFaceSource(ModelSource):
+    """A Hugging Face ``config.json``, built with ``AutoModelForCausalLM.from_config``."""
+
+    DEFAULT_SEQ_LEN_CAP = 4096
+
+    def __init__(self, name: str, config: dict[str, Any]) -> None:
+        self.name, self.config = name, config
+
+    def _seq_len(self, seq_len: int | None) -> int:
+        return seq_len or min(int(self.config.get("max_position_embeddings", 2048)), self.DEFAULT_SEQ_LEN_CAP)
+
+    def identity(self, batch_size, seq_len):
+        import transformers
+        return {"kind": "huggingface", "config": self.config, "transformers": transformers.__version__,
+                "batch_size": batch_size or 1, "seq_len": self._seq_len(seq_len)}
+
+    def build(self, batch_size, seq_len):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import transformers
+        fields = {k: v for k, v in self.config.items() if k not in ("model_type", "transformers_version")}
+        try:
+            hf_config = transformers.AutoConfig.for_model(self.config["model_type"], **fields)
+        except (ValueError, KeyError) as exc:
+            raise ModelSpecError(f"{self.name}: transformers does not know model_type "
+                                 f"{self.config['model_type']!r} ({exc}); check the config.json") from exc
+        hf_config.use_cache = False
+        try:
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        except ValueError as exc:
+            raise ModelSpecError(f"{self.name}: model_type {self.config['model_type']!r} has no causal-LM "
+                                 "class in transformers; capture it with a file.py:function source") from exc
+        b, seq = batch_size or 1, self._seq_len(seq_len)
+        ids = torch.zeros(b, seq, dtype=torch.long, device="meta")
+        return model.to(MODEL_DTYPE), {"input_ids": ids, "labels": ids}
+
+
+class FileSource(ModelSource):
+    """``path/to/file.py:function`` returning ``(model, example_inputs)``.
+
+    The function runs with the meta device as the default device, so a model built with default
+    arguments allocates no memory. If it accepts ``batch_size`` / ``seq_len`` they are passed on.
+    """
+
+    def __init__(self, path: Path, function: str) -> None:
+        self.path, self.function, self.name = path, function, f"{path.name}:{function}"
+        self._built: dict[tuple, tuple[nn.Module, tuple | dict]] = {}
+
+    def _call(self, batch_size, seq_len):
+        key = (batch_size, seq_len)
+        if key in self._built:
+            return self._built[key]
+        spec = importlib.util.spec_from_file_location(f"tensoropt_user_{self.path.stem}", self.path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ModelSpecError(f"{self.path}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        fn = getattr(module, self.function, None)
+        if not callable(fn):
+            raise ModelSpecError(f"{self.path} has no function {self.function!r}; "
+                                 "write FILE.py:FUNCTION with a function that returns (model, example_inputs)")
+        accepted = inspect.signature(fn).parameters
+        kwargs = {}
+        for flag, key_name, value in (("--batch-size", "batch_size", batch_size), ("--seq-len", "seq_len", seq_len)):
+            if value is None:
+                continue
+            if key_name not in accepted:
+                raise ModelSpecError(f"{self.name} does not take {key_name}; drop {flag} or add a "
+                                     f"{key_name} parameter to {self.function}()")
+            kwargs[key_name] = value
+        try:
+            with torch.device("meta"):
+                result = fn(**kwargs)
+        except Exception as exc:
+            raise ModelSpecError(f"{self.name} raised {type(exc).__name__}: {exc}") from exc
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+            raise ModelSpecError(f"{self.name} must return (model, example_inputs), got {type(result).__name__}")
+        model, inputs = result
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, (tuple, list, Mapping)):
+            raise ModelSpecError(f"{self.name}: example_inputs must be a tensor, a tuple or a dict, "
+                                 f"got {type(inputs).__name__}")
+        self._built[key] = (model, inputs if isinstance(inputs, Mapping) else tuple(inputs))
+        return self._built[key]
+
+    def identity(self, batch_size, seq_len):
+        model, inputs = self._call(batch_size, seq_len)
+        return {"kind": "file", "file_sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
+                "function": self.function, "module": module_identity(model, inputs)}
+
+    def build(self, batch_size, seq_len):
+        return self._call(batch_size, seq_len)
+
+
+def module_identity(model: nn.Module, inputs: tuple | Mapping) -> dict[str, Any]:
+    """A structural description of a built module: its module tree, state shapes, input shapes and
+    the source code of every non-torch module class (so an edited forward invalidates the cache)."""
+    values = inputs.items() if isinstance(inputs, Mapping) else enumerate(inputs)
+    classes = {}
+    for mod in model.modules():
+        cls = type(mod)
+        if not cls.__module__.startswith("torch.") and cls.__qualname__ not in classes:
+            try:
+                classes[cls.__qualname__] = inspect.getsource(cls)
+            except (OSError, TypeError):
+                classes[cls.__qualname__] = cls.__module__
+    return {
+        "repr": repr(model),
+        "state": [[n, list(t.shape), str(t.dtype)] for n, t in model.state_dict(keep_vars=True).items()],
+        "inputs": [[str(k), list(v.shape), str(v.dtype)] if isinstance(v, torch.Tensor) else [str(k), repr(v)]
+                   for k, v in values],
+        "classes": classes,
+    }
+
+
+def _json_source(path: Path) -> ModelSource:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelSpecError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{path}: expected a JSON object with \"family\" or \"model_type\"")
+    if "model_type" in data:
+        return HuggingFaceSource(path.name, data)
+    family = data.pop("family", None)
+    if family not in FAMILIES:
+        raise ModelSpecError(f"{path}: \"family\" must be one of {', '.join(FAMILIES)} "
+                             f"(or give a Hugging Face config with \"model_type\"), got {family!r}")
+    if family == "resnet":
+        allowed = set(ResNetConfig.__dataclass_fields__)
+        _check_keys(path, data, allowed, ())
+        if "layers" in data:
+            data["layers"] = tuple(data["layers"])
+        return BuiltinSource(path.stem, family, ResNetConfig(**data))
+    _check_keys(path, data, set(TransformerConfig.field_names()), _GPT_REQUIRED)
+    defaults = {"gpt": {"dropout": 0.1}, "moe": {"dropout": 0.1, "num_experts": 8},
+                "bert": {"dropout": 0.1},
+                "llama": {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False,
+                          "tie_embeddings": False, "attention": "flash"}}[family]
+    return BuiltinSource(path.stem, family, TransformerConfig(**{**defaults, **data}))
+
+
+def _check_keys(path: Path, data: dict, allowed: set[str], required: tuple[str, ...]) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ModelSpecError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ModelSpecError(f"{path}: missing required key(s) {', '.join(missing)}")
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn a ``--model`` argument into a ``ModelSource``; a bad spec is a one-line ``ModelSpecError``."""
+    if spec in PRESETS:
+        preset = PRESETS[spec]
+        return BuiltinSource(preset.name, preset.family, preset.config)
+    path_part, _, function = spec.rpartition(":")
+    if path_part.endswith(".py") and function:
+        path = Path(path_part)
+        if not path.is_file():
+            raise ModelSpecError(f"{path}: no such file")
+        return FileSource(path, function)
+    if spec.endswith(".py"):
+        raise ModelSpecError(f"{spec}: name the function too, as {spec}:FUNCTION")
+    if spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ModelSpecError(f"{path}: no such file")
+        return _json_source(path)
+    raise ModelSpecError(f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}), "
+                         "a JSON config file, or FILE.py:FUNCTION")

@@ -1,0 +1,243 @@
+"""Decoder-only transformer language models: GPT (Megatron-style), LLaMA (GQA, SwiGLU, RoPE,
+RMSNorm) and mixture-of-experts GPT (Switch / GShard top-1 routing with a fixed capacity).
+
+Plain PyTorch modules, written so that a forward on meta tensors has static shapes: the MoE
+dispatch is the dense einsum formulation of GShard (Lepikhin et al., 2020), not a data-dependent
+gather, so the captured graph is the same whatever the router decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelSpecError
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_length: int
+    vocab_size: int
+    num_key_value_heads: int | None = None   # GQA groups; None = multi-head attention
+    norm: str = "layernorm"                  # layernorm | rmsnorm
+    activation: str = "gelu"                 # gelu | swiglu
+    position: str = "learned"                # learned | rope
+    bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    attention: str = "eager"                 # eager (explicit softmax, Megatron) | flash (fused SDPA)
+    num_experts: int = 0                     # > 0: mixture-of-experts MLP every `moe_every` layers
+    moe_every: int = 2
+    capacity_factor: float = 1.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                     "seq_length", "vocab_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                problems.append(f"{name} must be a positive integer (got {getattr(self, name)!r})")
+        if not problems and self.hidden_size % self.num_attention_heads:
+            problems.append(f"hidden_size {self.hidden_size} must be divisible by "
+                            f"num_attention_heads {self.num_attention_heads}")
+        kv = self.kv_heads if not problems else 1
+        if not problems and (kv <= 0 or self.num_attention_heads % kv):
+            problems.append(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+                            f"num_key_value_heads {kv}")
+        for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("activation", ("gelu", "swiglu")),
+                              ("position", ("learned", "rope")), ("attention", ("eager", "flash"))):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+        if self.num_experts < 0 or self.moe_every < 1:
+            problems.append("num_experts must be >= 0 and moe_every >= 1")
+        if problems:
+            raise ModelSpecError("invalid transformer config: " + "; ".join(problems))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """MoE replaces the MLP of every ``moe_every``-th layer, the last of each group
+        (layers 1, 3, 5, ... for moe_every=2, as in GShard and DeepSpeed-MoE)."""
+        return self.num_experts > 0 and index % self.moe_every == self.moe_every - 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Self-attention with a fused QKV projection (Megatron layout) and optional GQA."""
+
+    def __init__(self, cfg: TransformerConfig, causal: bool = True) -> None:
+        super().__init__()
+        self.cfg, self.causal = cfg, causal
+        d = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.kv_heads) * d, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.bias)
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        cfg, (b, s, _) = self.cfg, x.shape
+        heads, kv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+        q, k, v = self.qkv(x).split([heads * d, kv * d, kv * d], dim=-1)
+        q = q.view(b, s, heads, d).transpose(1, 2)
+        k = k.view(b, s, kv, d).transpose(1, 2)
+        v = v.view(b, s, kv, d).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cfg.attention == "flash":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=kv != heads,
+                                               dropout_p=cfg.dropout if self.training else 0.0)
+        else:
+            if kv != heads:
+                k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            y = self.attn_dropout(scores.softmax(dim=-1)) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, s, heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        if self.swiglu:
+            self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
+        self.up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
+        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate(x)) * self.up(x) if self.swiglu else F.gelu(self.up(x))
+        return self.down(h)
+
+
+class MoE(nn.Module):
+    """Top-1 mixture of experts with capacity C = ceil(capacity_factor * tokens / experts).
+
+    Tokens beyond an expert's capacity are dropped (they pass through the residual), as in the
+    Switch Transformer (Fedus et al., 2021). Expert weights are stacked so that one batched
+    product runs all experts; sharding the expert dimension is expert parallelism.
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
+        self.cfg = cfg
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_in = nn.Parameter(torch.empty(e, h, f))
+        self.w_out = nn.Parameter(torch.empty(e, f, h))
+        self.b_in = nn.Parameter(torch.zeros(e, 1, f)) if cfg.bias else None
+        self.b_out = nn.Parameter(torch.zeros(e, 1, h)) if cfg.bias else None
+        for w in (self.w_in, self.w_out):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        e = self.cfg.num_experts
+        tokens = x.reshape(b * s, h)
+        capacity = math.ceil(self.cfg.capacity_factor * b * s / e)
+        probs = self.router(tokens).float().softmax(dim=-1)                  # (T, E)
+        gate, expert = probs.max(dim=-1)                                     # top-1
+        chosen = F.one_hot(expert, e)                                        # (T, E)
+        position = (chosen.cumsum(dim=0) - 1) * chosen                       # slot in its expert
+        kept = chosen * (position < capacity)
+        dispatch = F.one_hot(position.clamp(0, capacity - 1), capacity) * kept.unsqueeze(-1)
+        dispatch = dispatch.to(x.dtype)                                      # (T, E, C)
+        expert_in = torch.einsum("tec,th->ech", dispatch, tokens)            # (E, C, H)
+        hidden = expert_in @ self.w_in + (self.b_in if self.b_in is not None else 0)
+        out = F.gelu(hidden) @ self.w_out + (self.b_out if self.b_out is not None else 0)
+        combine = dispatch * gate.to(x.dtype).view(-1, 1, 1)
+        return torch.einsum("tec,ech->th", combine, out).reshape(b, s, h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: TransformerConfig, moe: bool) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, mask=None, rope=None):
+        x = x + self.dropout(self.attn(self.norm1(x), mask, rope))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+def rope_tables(cfg: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin tables of rotary embeddings (Su et al., 2021), shape (seq, head_dim)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class DecoderLM(nn.Module):
+    """Token embedding, ``num_layers`` blocks, final norm, LM head and cross-entropy loss."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embed = nn.Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position == "learned" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        mask = torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool).triu(1)
+        self.register_buffer("causal_mask", mask, persistent=False)
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed.weight[:s]
+        x = self.dropout(x)
+        mask = self.causal_mask[:s, :s] if self.cfg.attention == "eager" else None
+        rope = None
+        if self.cfg.position == "rope":
+            rope = (self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype))
+        for layer in self.layers:
+            x = layer(x, mask, rope)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
