@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ..api import capture
-from ..errors import TensorOptError
 from ..graph.fold import fold
 from .format import binary_bytes, count, si
 
@@ -96,4 +95,4 @@ def inspect(model: str, batch_size: int | None, seq_len: int | None, as_json: bo
         _print_tables(report)
 
 
-__all__ = ["inspect", "inspect_report", "TensorOptError"]
+__all__ = ["inspect", "inspect_report"]

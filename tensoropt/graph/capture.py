@@ -15,7 +15,6 @@ fallback that would save the O(s^2) score matrix.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -167,7 +166,7 @@ def _fake_inputs(fake_mode: FakeTensorMode, example_inputs: object) -> object:
     return tuple(convert(x) for x in example_inputs)
 
 
-def _input_refs(example_inputs: object, fakes: object) -> tuple[dict[int, Ref], list[TensorMeta]]:
+def _input_refs(fakes: object) -> tuple[dict[int, Ref], list[TensorMeta]]:
     values = list(fakes.values()) if isinstance(fakes, Mapping) else list(fakes)
     refs, metas = {}, []
     for x in values:
@@ -193,7 +192,7 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = _fake_inputs(fake_mode, example_inputs)
-    refs, input_metas = _input_refs(example_inputs, fakes)
+    refs, input_metas = _input_refs(fakes)
     refs.update({id(p): Ref("param", name=n) for n, p in params.items()})
     refs.update({id(b): Ref("buffer", name=n) for n, b in buffers.items()})
 
@@ -214,8 +213,9 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
         if stack:
             stack.pop()
 
+    # not always_call: after an exception the stack still names the module that failed
     pre = nn.modules.module.register_module_forward_pre_hook(enter)
-    post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    post = nn.modules.module.register_module_forward_hook(leave)
     try:
         with fake_mode, _FlashAttention(), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if isinstance(fakes, Mapping):
@@ -256,11 +256,3 @@ def _build_op(index: int, rec: _Record, saved_slots: list[int]) -> Op:
         saved_bytes=sum(outputs[s].nbytes for s in saved_slots),
         requires_grad=rec.requires_grad,
     )
-
-
-def timed_trace(model: nn.Module, example_inputs: tuple | Mapping, name: str,
-                metadata: Mapping[str, str] | None = None) -> tuple[OpGraph, float]:
-    """``trace_module`` and the seconds it took."""
-    start = time.perf_counter()
-    graph = trace_module(model, example_inputs, name, metadata)
-    return graph, time.perf_counter() - start

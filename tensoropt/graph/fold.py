@@ -75,13 +75,6 @@ class FoldedGraph:
         """Ops a search visits: each unique block once, plus the ops between blocks."""
         return sum(len(b.ops) for b in self.blocks) + len(self.loose_ops)
 
-    def segments(self) -> list[tuple[str, int, int]]:
-        """The original order as ("op", op index, 0) and ("block", block index, occurrence index)."""
-        items = [(op.index, ("op", op.index, 0)) for op in self.loose_ops]
-        items += [(occ.start, ("block", b, k)) for b, block in enumerate(self.blocks)
-                  for k, occ in enumerate(block.occurrences)]
-        return [seg for _, seg in sorted(items)]
-
     def unfold(self) -> tuple[Op, ...]:
         """Rebuild the original ops exactly (indices, sources, names) from the folded form."""
         ops: dict[int, Op] = {op.index: op for op in self.loose_ops}
@@ -296,22 +289,22 @@ def _template(ops: tuple[Op, ...], start: int, period: int) -> tuple[Op, ...] | 
 
 
 def _block_name(scopes: list[str], first_copy: tuple[Op, ...], index: int) -> str:
-    """``layers.*`` for one layer per copy, ``layers.{0,1}`` for a copy spanning two children of
-    its scope, ``alpha..delta`` for copies with unrelated names, ``block<i>`` when there are none."""
+    """``layers.*`` for one layer per copy, ``alpha..delta`` for copies with unrelated names,
+    ``layers.{0,1}`` for copies spanning two children of one scope, else ``block<i>``."""
     parts = [s.split(".") for s in scopes]
-    if len({len(p) for p in parts}) == 1 and parts[0] != [""]:
+    if all(scopes) and len({len(p) for p in parts}) == 1:
         pattern = [names[0] if len(set(names)) == 1 else "*" for names in zip(*parts)]
-        if "*" in pattern and pattern != ["*"] * len(pattern):
+        if any(c != "*" for c in pattern) and "*" in pattern:
             return ".".join(pattern)
         if "*" in pattern:
             return f"{scopes[0]}..{scopes[-1]}"
     scope = scopes[0]
-    depth = len(scope.split(".")) if scope else 0
-    children = sorted({op.module_path.split(".")[depth] for op in first_copy
-                       if op.module_path.count(".") + 1 > depth and op.module_path.startswith(scope)},
-                      key=lambda c: (len(c), c))
-    if scope and len(children) > 1:
-        return f"{scope}.{{{','.join(children)}}}"
+    if scope and all(s == scope for s in scopes):
+        depth = len(parts[0])
+        children = sorted({op.module_path.split(".")[depth] for op in first_copy
+                           if op.module_path.startswith(scope + ".")}, key=lambda c: (len(c), c))
+        if len(children) > 1:
+            return f"{scope}.{{{','.join(children)}}}"
     return f"block{index}"
 
 
@@ -342,8 +335,9 @@ def fold(graph: OpGraph) -> FoldedGraph:
     covered = np.zeros(len(ops), dtype=bool)
     for start, period, repeats in runs:
         tmpl = _template(ops, start, period)
+        # same ops, same wiring inside, same external producers (shared inputs): the same block
         key = None if tmpl is None else tuple(
-            (t.signature(), tuple((r.kind, r.index, r.slot) for r in t.sources if r.kind in ("local", "prev")))
+            (t.signature(), tuple((r.kind, r.index, r.slot) for r in t.sources if r.kind in ("local", "prev", "op")))
             for t in tmpl)
         if key in groups:
             tmpl = groups[key][0]           # later runs of a known block reuse its template's names

@@ -1,0 +1,41 @@
+"""Helpers shared by the benchmark scripts: machine description and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    import torch
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": commit}
+
+
+def write_results(name: str, rows: list[dict], table_md: str, notes: str = "") -> None:
+    RESULTS.mkdir(exist_ok=True)
+    info = machine()
+    (RESULTS / f"{name}.json").write_text(json.dumps({"schema_version": 1, "machine": info, "rows": rows},
+                                                     indent=1) + "\n")
+    header = (f"Machine: {info['cpu']}, {info['cores']} cores; Python {info['python']}, torch {info['torch']}; "
+              f"{info['date']}, commit {info['commit']}.\n\n")
+    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{header}{table_md}\n{notes}")

@@ -1,0 +1,34 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """All tests share one fresh capture cache, never the user's."""
+    path = tmp_path_factory.mktemp("tensoropt-cache")
+    old = os.environ.get("TENSOROPT_CACHE_DIR")
+    os.environ["TENSOROPT_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TENSOROPT_CACHE_DIR", None)
+    else:
+        os.environ["TENSOROPT_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def write_json(tmp_path):
+    def write(name: str, data: dict) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        return str(path)
+    return write
+
+
+SMALL_GPT = {"family": "gpt", "hidden_size": 64, "num_layers": 4, "num_attention_heads": 4,
+             "ffn_hidden_size": 256, "seq_length": 32, "vocab_size": 128}

@@ -1,0 +1,210 @@
+"""Folding finds repeated blocks from graph structure and reconstructs the graph exactly."""
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import EXAMPLES, SMALL_GPT
+from torch import nn
+
+import tensoropt
+from tensoropt.graph.capture import trace_module
+from tensoropt.graph.fold import fold
+
+
+def assert_exact(graph, folded):
+    """The folded graph gives back the same ops (multiset of signatures), the same edges, and in
+    fact every op field, names included."""
+    ops = folded.unfold()
+    assert Counter(op.signature() for op in ops) == Counter(op.signature() for op in graph.ops)
+    rebuilt = type(graph)(graph.name, ops, graph.params, graph.buffers, graph.inputs)
+    assert sorted(rebuilt.edges()) == sorted(graph.edges())
+    assert ops == graph.ops
+    covered = sorted([op.index for op in folded.loose_ops]
+                     + [o.start + j for b in folded.blocks for o in b.occurrences for j in range(len(b.ops))])
+    assert covered == list(range(len(graph.ops)))           # a partition of the ops
+
+
+def blocks(folded):
+    return [(b.name, len(b.ops), b.repeats) for b in folded.blocks]
+
+
+def test_gpt(write_json):
+    graph = tensoropt.capture(write_json("gpt.json", SMALL_GPT)).graph
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    assert blocks(folded) == [("layers.*", 27, 4)]
+    assert folded.ops_after_folding == len(graph.ops) - 3 * 27
+
+
+def test_llama_with_gqa(write_json):
+    cfg = {"family": "llama", "hidden_size": 128, "num_layers": 6, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "ffn_hidden_size": 384, "seq_length": 64, "vocab_size": 100}
+    graph = tensoropt.capture(write_json("llama.json", cfg)).graph
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    ((name, _, repeats),) = blocks(folded)
+    assert (name, repeats) == ("layers.*", 6)
+
+
+def test_moe_alternating_layers_fold_as_pairs(write_json):
+    cfg = {"family": "moe", "hidden_size": 64, "num_layers": 8, "num_attention_heads": 4,
+           "ffn_hidden_size": 128, "seq_length": 32, "vocab_size": 100, "num_experts": 4}
+    graph = tensoropt.capture(write_json("moe.json", cfg)).graph
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    ((name, _, repeats),) = blocks(folded)
+    assert (name, repeats) == ("layers.{0,1}", 4)          # a dense layer and an MoE layer per copy
+
+
+def test_wide_resnet_stages_stay_apart():
+    graph = tensoropt.capture("wide-resnet50-2").graph
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    # each stage's first block downsamples; the others repeat with the stage's own shapes
+    assert blocks(folded) == [("stages.0.*", 16, 2), ("stages.1.*", 16, 3), ("stages.2.*", 16, 5),
+                              ("stages.3.*", 16, 2)]
+
+
+def test_user_model_with_arbitrary_names_and_two_widths():
+    graph = tensoropt.capture(f"{EXAMPLES / 'custom_model.py'}:build").graph
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    assert blocks(folded) == [("alpha..delta", 12, 4), ("epsilon..eta", 12, 3)]
+
+
+def test_hugging_face_llama_config():
+    graph = tensoropt.capture(str(EXAMPLES / "llama2-7b-hf-config.json"), seq_len=256).graph
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    assert graph.num_parameters == 6_738_415_616
+    ((name, _, repeats),) = blocks(folded)
+    assert (name, repeats) == ("model.layers.*", 32)
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x, skip=None):
+        y = self.norm(torch.relu(self.fc(x)))
+        return y + (x if skip is None else skip)
+
+
+class Widths(nn.Module):
+    """Same structure in every layer, but widths 32, 32, 32, 48, 48, 48."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ModuleList(Layer(32) for _ in range(3))
+        self.up = nn.Linear(32, 48)
+        self.b = nn.ModuleList(Layer(48) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.a:
+            x = layer(x)
+        x = self.up(x)
+        for layer in self.b:
+            x = layer(x)
+        return x.sum()
+
+
+def _capture(module, *shapes):
+    with torch.device("meta"):
+        model = module()
+    return trace_module(model, tuple(torch.empty(*s, device="meta") for s in shapes))
+
+
+def test_same_structure_different_shapes_do_not_fold_together():
+    graph = _capture(Widths, (4, 32))
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    shapes = [{m.shape for op in b.ops for m in op.inputs if len(m.shape) == 2 and m.shape[0] == 4}
+              for b in folded.blocks]
+    assert len(folded.blocks) == 2 and shapes[0] != shapes[1]
+
+
+class Rewired(nn.Module):
+    """Identical op sequences, but odd layers add the *stem* output instead of their own input:
+    labels repeat every layer, edges only every two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(32, 32)
+        self.layers = nn.ModuleList(Layer(32) for _ in range(8))
+
+    def forward(self, x):
+        stem = x = self.stem(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, stem if i % 2 else None)
+        return x.sum()
+
+
+def test_edges_decide_what_folds_not_only_op_kinds():
+    graph = _capture(Rewired, (4, 32))
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    ((name, ops, repeats),) = blocks(folded)
+    assert (name, ops, repeats) == ("layers.{0,1}", 2 * 4, 4)       # two 4-op layers per copy
+
+
+class NoRepeats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(w) for w in (16, 24, 32, 40))
+        self.proj = nn.ModuleList(nn.Linear(a, b) for a, b in ((16, 24), (24, 32), (32, 40)))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < 3:
+                x = self.proj[i](x)
+        return x.sum()
+
+
+def test_nothing_repeats_nothing_folds():
+    graph = _capture(NoRepeats, (4, 16))
+    folded = fold(graph)
+    assert folded.blocks == () and folded.ops_after_folding == len(graph.ops)
+    assert_exact(graph, folded)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layers", [("gpt3-175b", 96), ("llama2-70b", 80), ("megatron-1t", 128)])
+def test_large_presets_fold_to_one_block(name, layers):
+    graph = tensoropt.capture(name).graph
+    folded = fold(graph)
+    ((block, _, repeats),) = blocks(folded)
+    assert (block, repeats) == ("layers.*", layers)
+    assert_exact(graph, folded)
+
+
+class TwoStacks(nn.Module):
+    """Two runs of identical layers, each stack with its own shared input (a per-stack bias
+    computed once): one block structure, two different external producers."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(32, 32)
+        self.first = nn.ModuleList(Layer(32) for _ in range(3))
+        self.middle = nn.Linear(32, 32)
+        self.second = nn.ModuleList(Layer(32) for _ in range(3))
+
+    def forward(self, x):
+        x = self.stem(x)
+        shared = torch.tanh(x)
+        for layer in self.first:
+            x = layer(x, shared)
+        shared = torch.sigmoid(self.middle(x))
+        for layer in self.second:
+            x = layer(x, shared)
+        return x.sum()
+
+
+def test_runs_with_different_shared_inputs_unfold_exactly():
+    graph = _capture(TwoStacks, (4, 32))
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    assert [(b.name, b.repeats) for b in folded.blocks] == [("first.*", 3), ("second.*", 3)]
