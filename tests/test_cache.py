@@ -1,6 +1,7 @@
 """The capture cache: hits return the same graph, any model change misses, writes are atomic."""
 
 import json
+import os
 import textwrap
 
 import pytest
@@ -28,7 +29,12 @@ USER_MODEL = textwrap.dedent("""
 
 
 def _write_model(path, width=16, act="torch.relu"):
+    """Write the model; edits keep the file's size and mtime, the worst case for Python's
+    bytecode cache (it would run the old code)."""
+    mtime = path.stat().st_mtime if path.exists() else None
     path.write_text(USER_MODEL.replace("WIDTH", str(width)).replace("ACT", act))
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
     return f"{path}:build"
 
 
@@ -40,7 +46,8 @@ def test_second_capture_comes_from_the_cache(tmp_path):
     assert second.trace_seconds == pytest.approx(first.trace_seconds, abs=1e-5)
 
 
-def test_changing_the_model_invalidates_the_cache(tmp_path):
+def test_changing_the_model_invalidates_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.dont_write_bytecode", False)         # as in a clean environment
     spec = _write_model(tmp_path / "net.py")
     assert tensoropt.capture(spec, cache_dir=tmp_path).cached is False
     assert tensoropt.capture(spec, cache_dir=tmp_path).cached is True

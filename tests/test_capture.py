@@ -145,3 +145,17 @@ def test_total_flops_of_a_conv_net_use_the_conv_formula():
     assert op.kind == "conv"
     assert op.forward_flops == 2 * 2 * 8 * 16 * 16 * 3 * 3 * 3
     assert math.prod(op.outputs[0].shape) == 2 * 8 * 16 * 16
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1024), (2, 128)])
+def test_gpt_layer_keeps_exactly_the_megatron_activation_bytes(batch, seq):
+    """Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    eq. 1): a GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes for backward with 16-bit activations
+    and 1-byte dropout masks; the two LayerNorms also keep fp32 mean and rstd (16*s*b bytes)."""
+    graph = tensoropt.capture("gpt2-small", batch_size=batch, seq_len=seq).graph
+    (block,) = tensoropt.fold(graph).blocks
+    h, a = 768, 12
+    expected = seq * batch * h * (34 + 5 * a * seq / h) + 16 * seq * batch
+    assert sum(op.saved_bytes for op in block.ops) == expected
+    masks = [op for op in block.ops if op.kind == "dropout"]
+    assert len(masks) == 3 and all(op.outputs[1].dtype == "bool" for op in masks)

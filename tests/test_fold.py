@@ -33,8 +33,8 @@ def test_gpt(write_json):
     graph = tensoropt.capture(write_json("gpt.json", SMALL_GPT)).graph
     folded = fold(graph)
     assert_exact(graph, folded)
-    assert blocks(folded) == [("layers.*", 27, 4)]
-    assert folded.ops_after_folding == len(graph.ops) - 3 * 27
+    assert blocks(folded) == [("layers.*", 18, 4)]
+    assert folded.ops_after_folding == len(graph.ops) - 3 * 18
 
 
 def test_llama_with_gqa(write_json):

@@ -8,9 +8,10 @@ models and arbitrary user code all work, as long as nothing depends on tensor *v
 Fake tensors also make libraries that check ``is_fake_tensor`` (transformers does) skip their
 data-dependent fast paths.
 
-``F.scaled_dot_product_attention`` is routed to the fused (flash) attention op so that the graph
-has one attention op that saves O(s) state, as on a GPU, instead of the meta device's unfused
-fallback that would save the O(s^2) score matrix.
+Two functions are routed to the kernels a GPU runs, because the meta device's CPU fallbacks
+would misstate memory: ``F.scaled_dot_product_attention`` becomes the fused (flash) attention op,
+one op that saves O(s) state instead of the O(s^2) score matrix, and ``F.dropout`` becomes
+``native_dropout``, which keeps a 1-byte mask instead of one in the activation dtype.
 """
 
 from __future__ import annotations
@@ -63,13 +64,25 @@ class _Record:
     grad_operands: int
 
 
-class _FlashAttention(TorchFunctionMode):
-    """Route ``F.scaled_dot_product_attention`` to the fused attention kernel."""
+class _GpuKernels(TorchFunctionMode):
+    """Route attention and dropout to the kernels a GPU would run (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(args, kwargs)
+        if func is F.dropout:
+            return self._dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0:
+            return x
+        return torch.ops.aten.native_dropout(x, p, True)[0]
+
+    @staticmethod
+    def _attention(args: tuple, kwargs: dict) -> torch.Tensor:
         q, k, v = args[:3]
         attn_mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         dropout_p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
@@ -217,7 +230,7 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     pre = nn.modules.module.register_module_forward_pre_hook(enter)
     post = nn.modules.module.register_module_forward_hook(leave)
     try:
-        with fake_mode, _FlashAttention(), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fake_mode, _GpuKernels(), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if isinstance(fakes, Mapping):
                 model(**fakes)
             else:

@@ -13,10 +13,12 @@ decides the captured graph, so the capture cache can be keyed by it.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import inspect
 import json
+import linecache
 import os
+import sys
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import replace
@@ -146,12 +148,7 @@ class FileSource(ModelSource):
         key = (batch_size, seq_len)
         if key in self._built:
             return self._built[key]
-        spec = importlib.util.spec_from_file_location(f"tensoropt_user_{self.path.stem}", self.path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            raise ModelSpecError(f"{self.path}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        module = self._load_module()
         fn = getattr(module, self.function, None)
         if not callable(fn):
             raise ModelSpecError(f"{self.path} has no function {self.function!r}; "
@@ -180,6 +177,22 @@ class FileSource(ModelSource):
                                  f"got {type(inputs).__name__}")
         self._built[key] = (model, inputs if isinstance(inputs, Mapping) else tuple(inputs))
         return self._built[key]
+
+    def _load_module(self) -> types.ModuleType:
+        """Execute the file from its current source. Not through the import system: its bytecode
+        cache trusts mtime (1 s resolution) and size, so a quick same-size edit would run stale code
+        while the fingerprint, a hash of the source, already describes the new one."""
+        source = self.path.read_text()
+        name = f"tensoropt_user_{hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:12]}"
+        module = types.ModuleType(name)
+        module.__file__ = str(self.path)
+        sys.modules[name] = module            # classes must find their module (dataclasses, inspect)
+        linecache.checkcache(str(self.path))  # inspect.getsource must read the new text too
+        try:
+            exec(compile(source, str(self.path), "exec"), module.__dict__)
+        except Exception as exc:
+            raise ModelSpecError(f"{self.path}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        return module
 
     def identity(self, batch_size, seq_len):
         model, inputs = self._call(batch_size, seq_len)
