@@ -25,14 +25,19 @@ def assert_exact(graph, folded):
     assert covered == list(range(len(graph.ops)))           # a partition of the ops
 
 
+def folded_exactly(graph):
+    folded = fold(graph)
+    assert_exact(graph, folded)
+    return folded
+
+
 def blocks(folded):
     return [(b.name, len(b.ops), b.repeats) for b in folded.blocks]
 
 
 def test_gpt(write_json):
     graph = tensoropt.capture(write_json("gpt.json", SMALL_GPT)).graph
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     assert blocks(folded) == [("layers.*", 18, 4)]
     assert folded.ops_after_folding == len(graph.ops) - 3 * 18
 
@@ -41,8 +46,7 @@ def test_llama_with_gqa(write_json):
     cfg = {"family": "llama", "hidden_size": 128, "num_layers": 6, "num_attention_heads": 8,
            "num_key_value_heads": 2, "ffn_hidden_size": 384, "seq_length": 64, "vocab_size": 100}
     graph = tensoropt.capture(write_json("llama.json", cfg)).graph
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     ((name, _, repeats),) = blocks(folded)
     assert (name, repeats) == ("layers.*", 6)
 
@@ -51,16 +55,14 @@ def test_moe_alternating_layers_fold_as_pairs(write_json):
     cfg = {"family": "moe", "hidden_size": 64, "num_layers": 8, "num_attention_heads": 4,
            "ffn_hidden_size": 128, "seq_length": 32, "vocab_size": 100, "num_experts": 4}
     graph = tensoropt.capture(write_json("moe.json", cfg)).graph
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     ((name, _, repeats),) = blocks(folded)
     assert (name, repeats) == ("layers.{0,1}", 4)          # a dense layer and an MoE layer per copy
 
 
 def test_wide_resnet_stages_stay_apart():
     graph = tensoropt.capture("wide-resnet50-2").graph
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     # each stage's first block downsamples; the others repeat with the stage's own shapes
     assert blocks(folded) == [("stages.0.*", 16, 2), ("stages.1.*", 16, 3), ("stages.2.*", 16, 5),
                               ("stages.3.*", 16, 2)]
@@ -68,15 +70,13 @@ def test_wide_resnet_stages_stay_apart():
 
 def test_user_model_with_arbitrary_names_and_two_widths():
     graph = tensoropt.capture(f"{EXAMPLES / 'custom_model.py'}:build").graph
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     assert blocks(folded) == [("alpha..delta", 12, 4), ("epsilon..eta", 12, 3)]
 
 
 def test_hugging_face_llama_config():
     graph = tensoropt.capture(str(EXAMPLES / "llama2-7b-hf-config.json"), seq_len=256).graph
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     assert graph.num_parameters == 6_738_415_616
     ((name, _, repeats),) = blocks(folded)
     assert (name, repeats) == ("model.layers.*", 32)
@@ -119,8 +119,7 @@ def _capture(module, *shapes):
 
 def test_same_structure_different_shapes_do_not_fold_together():
     graph = _capture(Widths, (4, 32))
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     shapes = [{m.shape for op in b.ops for m in op.inputs if len(m.shape) == 2 and m.shape[0] == 4}
               for b in folded.blocks]
     assert len(folded.blocks) == 2 and shapes[0] != shapes[1]
@@ -144,8 +143,7 @@ class Rewired(nn.Module):
 
 def test_edges_decide_what_folds_not_only_op_kinds():
     graph = _capture(Rewired, (4, 32))
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     ((name, ops, repeats),) = blocks(folded)
     assert (name, ops, repeats) == ("layers.{0,1}", 2 * 4, 4)       # two 4-op layers per copy
 
@@ -166,19 +164,16 @@ class NoRepeats(nn.Module):
 
 def test_nothing_repeats_nothing_folds():
     graph = _capture(NoRepeats, (4, 16))
-    folded = fold(graph)
+    folded = folded_exactly(graph)
     assert folded.blocks == () and folded.ops_after_folding == len(graph.ops)
-    assert_exact(graph, folded)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layers", [("gpt3-175b", 96), ("llama2-70b", 80), ("megatron-1t", 128)])
 def test_large_presets_fold_to_one_block(name, layers):
     graph = tensoropt.capture(name).graph
-    folded = fold(graph)
-    ((block, _, repeats),) = blocks(folded)
+    ((block, _, repeats),) = blocks(folded_exactly(graph))
     assert (block, repeats) == ("layers.*", layers)
-    assert_exact(graph, folded)
 
 
 class TwoStacks(nn.Module):
@@ -205,6 +200,5 @@ class TwoStacks(nn.Module):
 
 def test_runs_with_different_shared_inputs_unfold_exactly():
     graph = _capture(TwoStacks, (4, 32))
-    folded = fold(graph)
-    assert_exact(graph, folded)
+    folded = folded_exactly(graph)
     assert [(b.name, b.repeats) for b in folded.blocks] == [("first.*", 3), ("second.*", 3)]
