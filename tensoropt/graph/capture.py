@@ -90,8 +90,6 @@ class _GpuKernels(TorchFunctionMode):
         if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
             groups = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(~attn_mask, float("-inf"))
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=kwargs.get("scale"))
         return out[0]

@@ -1,0 +1,1 @@
+"""Cost model: pure functions of (op, strategy, cluster, profile) -> time and memory."""

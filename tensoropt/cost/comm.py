@@ -1,0 +1,59 @@
+"""Collective communication times on the links a group really crosses (TAPS, Li et al.,
+arXiv 2301.04285: price communication by topology, not by volume).
+
+Ranks are laid out with tensor parallelism innermost, then data, then pipeline parallelism (the
+Megatron-LM order), so a group is described by its size and the rank stride between members.
+A group inside one node runs a ring over NVLink; a group spanning nodes runs the hierarchical
+algorithm: reduce-scatter inside each node, the inter-node step on 1/g of the data over every
+GPU's own NIC in parallel, all-gather inside the node (NCCL's tree/ring hierarchy, as modelled by
+TAPS). Ring costs: all-reduce 2(n-1)/n * M/B + 2(n-1)*alpha; all-gather and reduce-scatter
+(n-1)/n * M/B + (n-1)*alpha (Thakur et al., 2005; Patarasuk & Yuan, 2009).
+"""
+
+from __future__ import annotations
+
+from .profile import Cluster, Link
+
+
+def group_layout(size: int, stride: int, devices_per_node: int) -> tuple[int, int]:
+    """(members per node, nodes spanned) of a group of ``size`` ranks spaced ``stride`` apart."""
+    if size <= 1:
+        return 1, 1
+    per_node = max(1, min(size, devices_per_node // stride)) if stride < devices_per_node else 1
+    return per_node, -(-size // per_node)
+
+
+def _ring(nbytes: float, n: int, link: Link, passes: float) -> float:
+    """``passes`` = 2 for all-reduce, 1 for all-gather / reduce-scatter."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return passes * ((n - 1) / n * nbytes / link.effective_bytes_per_s + (n - 1) * link.latency_s)
+
+
+def _collective(nbytes: float, size: int, stride: int, cluster: Cluster, passes: float) -> float:
+    per_node, nodes = group_layout(size, stride, cluster.devices_per_node)
+    intra, inter = cluster.profile.intra_node, cluster.profile.inter_node
+    if nodes == 1:
+        return _ring(nbytes, per_node, intra, passes)
+    # hierarchical: intra-node reduce-scatter / all-gather around an inter-node step on 1/g of the data
+    return (_ring(nbytes, per_node, intra, passes)
+            + _ring(nbytes / per_node, nodes, inter, passes))
+
+
+def all_reduce_s(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+    return _collective(nbytes, size, stride, cluster, 2.0)
+
+
+def all_gather_s(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+    """``nbytes`` is the size of the gathered (full) tensor."""
+    return _collective(nbytes, size, stride, cluster, 1.0)
+
+
+def reduce_scatter_s(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+    """``nbytes`` is the size of the full (unreduced) tensor."""
+    return _collective(nbytes, size, stride, cluster, 1.0)
+
+
+def p2p_s(nbytes: float, crosses_node: bool, cluster: Cluster) -> float:
+    link = cluster.profile.inter_node if crosses_node else cluster.profile.intra_node
+    return nbytes / link.effective_bytes_per_s + link.latency_s if nbytes > 0 else 0.0

@@ -1,0 +1,132 @@
+"""Device profiles (versioned JSON in ``profiles/``) and clusters built from them."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import TensorOptError
+
+PROFILE_SCHEMA_VERSION = 1
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+
+
+class ProfileError(TensorOptError):
+    """A device profile that cannot be found or read."""
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_bytes_per_s: float     # per GPU, one direction
+    latency_s: float
+    efficiency: float = 1.0          # achieved fraction of the link rate for collectives
+
+    @property
+    def effective_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    device: str
+    peak_flops: tuple[tuple[str, float], ...]
+    matmul_efficiency: tuple[tuple[float, float], ...]   # (FLOPs of one product, fraction of peak)
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    memory_efficiency: float
+    intra_node: Link
+    inter_node: Link
+    pcie_bandwidth_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    kernel_overhead_s: float
+    runtime_overhead_bytes: int
+    measured: bool = False
+    sources: tuple[str, ...] = ()
+
+    def peak(self, dtype: str) -> float:
+        table = dict(self.peak_flops)
+        return table.get(dtype) or table.get("bfloat16") or max(table.values())
+
+    def efficiency(self, flops: float) -> float:
+        """Fraction of peak a product of ``flops`` FLOPs reaches: piecewise linear in log10(flops)
+        between the profile's points, constant beyond the first and the last."""
+        xs = [math.log10(f) for f, _ in self.matmul_efficiency]
+        ys = [e for _, e in self.matmul_efficiency]
+        x = math.log10(max(flops, 1.0))
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, x)
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
+
+    @staticmethod
+    def from_json(data: dict) -> DeviceProfile:
+        if data.get("kind") != "tensoropt.device_profile" or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
+            raise ValueError(f"not a device profile of schema_version {PROFILE_SCHEMA_VERSION}")
+        link = lambda d: Link(float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]),  # noqa: E731
+                              float(d.get("efficiency", 1.0)))
+        curve = tuple(sorted((float(f), float(e)) for f, e in data["matmul_efficiency"]))
+        if not curve or any(not 0 < e <= 1 for _, e in curve):
+            raise ValueError("matmul_efficiency needs points with efficiencies in (0, 1]")
+        return DeviceProfile(
+            name=data["name"], device=data["device"],
+            peak_flops=tuple(sorted((k, float(v)) for k, v in data["peak_flops"].items())),
+            matmul_efficiency=curve, memory_bytes=int(data["memory_bytes"]),
+            memory_bandwidth_bytes_per_s=float(data["memory_bandwidth_bytes_per_s"]),
+            memory_efficiency=float(data["memory_efficiency"]),
+            intra_node=link(data["intra_node"]), inter_node=link(data["inter_node"]),
+            pcie_bandwidth_bytes_per_s=float(data["host"]["pcie_bandwidth_bytes_per_s"]),
+            cpu_adam_params_per_s=float(data["host"]["cpu_adam_params_per_s"]),
+            kernel_overhead_s=float(data["kernel_overhead_s"]),
+            runtime_overhead_bytes=int(data["runtime_overhead_bytes"]),
+            measured=bool(data.get("measured", False)), sources=tuple(data.get("sources", ())),
+        )
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def load_profile(spec: str) -> DeviceProfile:
+    """A profile by name (``h100-80gb``, looked up in ``profiles/``) or by path to a JSON file."""
+    path = Path(spec)
+    if not path.suffix:
+        path = PROFILES_DIR / f"{spec}.json"
+    if not path.is_file():
+        raise ProfileError(f"unknown device profile {spec!r}: use one of {', '.join(available_profiles())} "
+                           "or a path to a profile JSON file")
+    try:
+        return DeviceProfile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ProfileError(f"{path}: not a valid device profile ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_devices`` identical devices, ``devices_per_node`` per node."""
+
+    num_devices: int
+    devices_per_node: int
+    profile: DeviceProfile
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1 or self.devices_per_node < 1:
+            raise TensorOptError(f"--gpus ({self.num_devices}) and --gpus-per-node ({self.devices_per_node}) "
+                                 "must be positive")
+        if self.num_devices > self.devices_per_node and self.num_devices % self.devices_per_node:
+            raise TensorOptError(f"--gpus {self.num_devices} is not a multiple of --gpus-per-node "
+                                 f"{self.devices_per_node}; use whole nodes")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.num_devices // self.devices_per_node)

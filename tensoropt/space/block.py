@@ -1,0 +1,183 @@
+"""Where tensor parallelism can apply inside a block, found from its data flow.
+
+Megatron-LM's layout (Shoeybi et al., 2019): a *branch* is a set of column-parallel linears (their
+weight split by output features), the ops between them, and the row-parallel linears that
+consume them (weight split by input features, output a partial sum that one all-reduce, or a
+reduce-scatter under sequence parallelism, completes). Attention (QKV -> core -> output
+projection) and the MLP (up/gate -> activation -> down) are such branches. Everything else in the
+block (norms, residual adds, dropouts after the branch) is the *stream*: replicated over the
+tensor-parallel group, or split by sequence under sequence parallelism (Korthikanti et al., 2022).
+
+The analysis is structural, so every block that has this shape gets tensor parallelism, whatever
+its module names; a block without it (a convolution, an MoE router) stays replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..graph.ir import Op
+
+
+@dataclass(frozen=True)
+class Branch:
+    name: str
+    column: tuple[int, ...]      # template op indices
+    row: tuple[int, ...]
+    inner: tuple[int, ...]       # ops between column and row linears (sharded by heads/features)
+    max_tp: int                  # every TP degree must divide this (heads, kv heads, features)
+
+    @property
+    def ops(self) -> tuple[int, ...]:
+        return tuple(sorted(self.column + self.inner + self.row))
+
+
+@dataclass(frozen=True)
+class BlockSpace:
+    branches: tuple[Branch, ...]
+    stream: tuple[int, ...]          # ops outside every branch
+    attention_core: tuple[int, ...]  # ops with an s x s output: what selective recomputation drops
+    carried_bytes: int               # bytes entering the block from the previous copy (its checkpoint)
+
+    def tp_allowed(self, tp: int) -> bool:
+        return tp == 1 or (bool(self.branches) and all(b.max_tp % tp == 0 for b in self.branches))
+
+
+def _weight(op: Op):
+    """The 2-D weight a linear reads, if any."""
+    for meta, ref in zip(op.inputs, op.sources):
+        if ref.kind == "param" and len(meta.shape) == 2:
+            return meta
+    return None
+
+
+def _activation_inputs(op: Op) -> list[int]:
+    return [r.index for r in op.sources if r.kind == "local"]
+
+
+def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int = 0) -> BlockSpace:
+    """Branches, stream and attention core of a block template (sources coded local/prev).
+
+    Tensors are labelled as Megatron-LM treats them: the stream (replicated) starts at the
+    block's inputs; a linear reading the stream is column-parallel and its output is sharded; a
+    linear reading a sharded tensor is row-parallel and its output (after the all-reduce) is
+    stream again; other ops propagate the label. Sharded ops connected through edges form one
+    branch. A branch is invalid, and stays replicated, if one of its ops also reads a stream
+    activation (e.g. an MoE dispatch mixing routing weights with tokens) or if a sharded value
+    leaves the block.
+    """
+    n = len(ops)
+    sharded = [False] * n
+    role = [""] * n                  # "column", "row" or ""
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    # constant: computed from parameters, buffers or tensors made once before the block (masks,
+    # rotary tables); such tensors broadcast into a branch like parameters do
+    constant = [False] * n
+    conflicts, consumed = set(), set()
+    for op in ops:
+        inputs = _activation_inputs(op)
+        consumed.update(inputs)
+        shard_in = [i for i in inputs if sharded[i]]
+        stream_in = [i for i in inputs if not sharded[i] and not constant[i]]
+        reads_stream = bool(stream_in) or any(r.kind in ("prev", "input") for r in op.sources)
+        constant[op.index] = not reads_stream and not shard_in
+        if op.kind == "matmul" and _weight(op) is not None:
+            role[op.index] = "row" if shard_in else "column"
+            sharded[op.index] = not shard_in
+        else:
+            sharded[op.index] = bool(shard_in)
+            if shard_in and reads_stream:
+                conflicts.add(op.index)
+        for i in shard_in:
+            parent[find(i)] = find(op.index)
+    escaped = {find(i) for i in range(n) if sharded[i] and i not in consumed}
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        if sharded[i] or role[i] == "row":
+            groups.setdefault(find(i), []).append(i)
+    branches = []
+    for root, members in groups.items():
+        cols = tuple(i for i in members if role[i] == "column")
+        rows = tuple(i for i in members if role[i] == "row")
+        if not rows or root in escaped or conflicts.intersection(members):
+            continue
+        inner = tuple(i for i in members if not role[i])
+        branches.append(Branch(_branch_name(ops, cols + rows), cols, rows, inner,
+                               _max_tp(ops, cols, rows, inner, seq_len)))
+    branches.sort(key=lambda b: b.column[0])
+    in_branch = {i for b in branches for i in b.ops}
+    stream = tuple(i for i in range(n) if i not in in_branch)
+    core = tuple(sorted({i for b in branches for i in _attention_core(ops, b)}))
+    return BlockSpace(tuple(branches), stream, core, carried_bytes)
+
+
+def _attention_core(ops: tuple[Op, ...], branch: Branch) -> set[int]:
+    """Ops from a product of two activations (Q K^T) up to, not including, the next one (P V):
+    the scores, mask, softmax and dropout that selective recomputation drops (Korthikanti et
+    al., 2022, sec. 5). Fused attention has no such pair, and keeps no scores anyway."""
+    inner = set(branch.inner)
+    products = [i for i in branch.inner if ops[i].kind == "matmul"
+                and not any(r.kind == "param" for r in ops[i].sources)]
+    forward: dict[int, set[int]] = {}
+    for i in sorted(inner):
+        for j in _activation_inputs(ops[i]):
+            if j in inner:
+                forward.setdefault(j, set()).add(i)
+    core = set()
+    for first in products:
+        reach, todo = set(), [first]
+        while todo:
+            for nxt in forward.get(todo.pop(), ()):
+                if nxt not in reach:
+                    reach.add(nxt)
+                    if nxt not in products:
+                        todo.append(nxt)
+        for second in products:
+            if second in reach:
+                core |= {first} | {i for i in reach if i != second and i not in products and second in
+                                   _downstream(forward, i)}
+    return core
+
+
+def _downstream(forward: dict[int, set[int]], start: int) -> set[int]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in forward.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _branch_name(ops: tuple[Op, ...], linears: tuple[int, ...]) -> str:
+    paths = [ops[i].module_path.split(".") for i in linears]
+    common = []
+    for names in zip(*paths):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return common[-1] if common else f"branch{linears[0]}"
+
+
+def _max_tp(ops, cols, rows, inner, seq_len: int | None) -> int:
+    """The gcd of everything a TP degree must divide: column output features, row input features,
+    and the heads of (batch, heads, seq, dim) tensors the branch computes (key/value heads too)."""
+    sizes = [_weight(ops[c]).shape[1] if _is_transposed(ops[c]) else _weight(ops[c]).shape[0] for c in cols]
+    sizes += [_weight(ops[r]).shape[0] if _is_transposed(ops[r]) else _weight(ops[r]).shape[1] for r in rows]
+    sizes += [m.shape[1] for i in inner for m in ops[i].outputs      # outputs: the sharded values
+              if seq_len and len(m.shape) == 4 and m.shape[2] == seq_len]
+    return math.gcd(*sizes) if sizes else 1
+
+
+def _is_transposed(op: Op) -> bool:
+    """Linears reach ATen as x @ W^T: the weight input then has shape (in, out)."""
+    x = next(m for m, r in zip(op.inputs, op.sources) if r.kind != "param")
+    return _weight(op).shape[0] == x.shape[-1]
