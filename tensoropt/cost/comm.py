@@ -12,6 +12,8 @@ TAPS). Ring costs: all-reduce 2(n-1)/n * M/B + 2(n-1)*alpha; all-gather and redu
 
 from __future__ import annotations
 
+import numpy as np
+
 from .profile import Cluster, Link
 
 
@@ -23,14 +25,16 @@ def group_layout(size: int, stride: int, devices_per_node: int) -> tuple[int, in
     return per_node, -(-size // per_node)
 
 
-def _ring(nbytes: float, n: int, link: Link, passes: float) -> float:
-    """``passes`` = 2 for all-reduce, 1 for all-gather / reduce-scatter."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return passes * ((n - 1) / n * nbytes / link.effective_bytes_per_s + (n - 1) * link.latency_s)
+def _ring(nbytes, n: int, link: Link, passes: float):
+    """``passes`` = 2 for all-reduce, 1 for all-gather / reduce-scatter. ``nbytes`` may be a
+    numpy array (one value per plan); nothing to send costs nothing."""
+    if n <= 1:
+        return 0.0 * nbytes
+    t = passes * ((n - 1) / n * nbytes / link.effective_bytes_per_s + (n - 1) * link.latency_s)
+    return np.where(nbytes > 0, t, 0.0) if isinstance(nbytes, np.ndarray) else (t if nbytes > 0 else 0.0)
 
 
-def _collective(nbytes: float, size: int, stride: int, cluster: Cluster, passes: float) -> float:
+def _collective(nbytes, size: int, stride: int, cluster: Cluster, passes: float) -> float:
     per_node, nodes = group_layout(size, stride, cluster.devices_per_node)
     intra, inter = cluster.profile.intra_node, cluster.profile.inter_node
     if nodes == 1:
@@ -40,16 +44,16 @@ def _collective(nbytes: float, size: int, stride: int, cluster: Cluster, passes:
             + _ring(nbytes / per_node, nodes, inter, passes))
 
 
-def all_reduce_s(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+def all_reduce_s(nbytes, size: int, stride: int, cluster: Cluster):
     return _collective(nbytes, size, stride, cluster, 2.0)
 
 
-def all_gather_s(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+def all_gather_s(nbytes, size: int, stride: int, cluster: Cluster):
     """``nbytes`` is the size of the gathered (full) tensor."""
     return _collective(nbytes, size, stride, cluster, 1.0)
 
 
-def reduce_scatter_s(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+def reduce_scatter_s(nbytes, size: int, stride: int, cluster: Cluster):
     """``nbytes`` is the size of the full (unreduced) tensor."""
     return _collective(nbytes, size, stride, cluster, 1.0)
 

@@ -1,0 +1,156 @@
+"""Cost of one copy of a block under a layer strategy, and of the ops between blocks.
+
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021): a sharded
+branch costs one all-reduce of its output in the forward and one of its input gradient in the
+backward; under sequence parallelism (Korthikanti et al. 2022) each all-reduce becomes an
+all-gather plus a reduce-scatter of the same total volume, and the stream's ops and activations
+divide by tp. Activation memory is what the captured graph says autograd keeps, divided by the
+op's shard; recomputation keeps less and runs more (Chen et al. 2016; Korthikanti et al. 2022):
+``selective`` drops the attention core, ``full`` keeps only the block's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graph.ir import Op
+from ..space.block import BlockSpace
+from ..space.plan import LayerStrategy
+from .comm import all_gather_s, all_reduce_s
+from .ops import OpArrays, op_times
+from .profile import Cluster
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    tp_comm_s: float
+    activation_bytes: float      # kept for backward, per micro-batch
+    transient_bytes: float       # extra working set while its backward runs (recomputed activations)
+    parameters: float            # elements held on one device before ZeRO partitioning
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s
+
+
+def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
+    """Elements of the parameters each op reads, each parameter counted at its first reader."""
+    seen, out = set(), np.zeros(len(ops))
+    for i in indices:
+        for meta, ref in zip(ops[i].inputs, ops[i].sources):
+            if ref.kind == "param" and ref.name not in seen:
+                seen.add(ref.name)
+                out[i] += meta.numel
+    return out
+
+
+class BlockCost:
+    """Costs of one unique block's copies; built once per (block, profile)."""
+
+    def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster) -> None:
+        self.ops, self.space, self.cluster = ops, space, cluster
+        self.arrays = OpArrays.of(ops, cluster.profile)
+        self.params = _param_elements(ops, range(len(ops)))
+        self.core = np.zeros(len(ops), dtype=bool)
+        self.core[list(space.attention_core)] = True
+        self._cache: dict[tuple, LayerCost] = {}
+
+    def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
+        shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
+        for branch in self.space.branches:
+            shard[list(branch.ops)] = tp if branch.name in tp_branches else 1
+        return shard
+
+    def _branch_bytes(self, branch) -> float:
+        """Bytes of the tensor a branch's all-reduce moves: its row linears' output."""
+        return float(sum(self.ops[r].outputs[0].nbytes for r in branch.row))
+
+    def tp_comm_s(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool, micro_batch: int) -> float:
+        """Forward + backward tensor-parallel communication of one copy (tp ranks are adjacent)."""
+        if tp == 1:
+            return 0.0
+        total = 0.0
+        for branch in self.space.branches:
+            nbytes = self._branch_bytes(branch) * micro_batch
+            if branch.name in tp_branches:
+                # all-reduce fwd + bwd; under SP all-gather + reduce-scatter of the same volume each way
+                total += 2 * all_reduce_s(nbytes, tp, 1, self.cluster)
+            elif sequence_parallel:
+                # a replicated branch on a sequence-split stream gathers its input, and its gradient
+                total += 3 * all_gather_s(nbytes, tp, 1, self.cluster)
+        return total
+
+    def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int) -> LayerCost:
+        key = (strategy, tp, tp_branches, micro_batch)
+        if key not in self._cache:
+            self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch)
+        return self._cache[key]
+
+    def _layer(self, strategy, tp, tp_branches, micro_batch) -> LayerCost:
+        sp = strategy.sequence_parallel and tp > 1
+        shard = self.shards(tp, tp_branches, sp)
+        fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
+        comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
+        saved = self.arrays.saved_bytes * micro_batch / shard
+        all_saved = float(saved.sum())
+        if strategy.recompute == "full":
+            kept = self.space.carried_bytes * micro_batch / (tp if sp else 1)
+            recompute, transient = float(fwd.sum()) + comm / 2, all_saved
+        elif strategy.recompute == "selective":
+            kept = all_saved - float(saved[self.core].sum())
+            recompute, transient = float(fwd[self.core].sum()), float(saved[self.core].sum())
+        else:
+            kept, recompute, transient = all_saved, 0.0, 0.0
+        params = float((self.params / np.where(self._sharded_params(tp_branches), tp, 1)).sum())
+        return LayerCost(float(fwd.sum()), float(bwd.sum()), recompute, comm, kept, transient, params)
+
+    def _sharded_params(self, tp_branches: tuple[str, ...]) -> np.ndarray:
+        out = np.zeros(len(self.ops), dtype=bool)
+        for branch in self.space.branches:
+            if branch.name in tp_branches:
+                out[list(branch.column + branch.row)] = True
+        return out
+
+    def layout_change_s(self, tp: int, micro_batch: int) -> float:
+        """Moving the carried stream between replicated and sequence-split (one way, fwd + bwd)."""
+        return all_gather_s(self.space.carried_bytes * micro_batch, tp, 1, self.cluster) if tp > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class LooseCost:
+    """The ops before the first block (first stage) or after the last one (last stage)."""
+
+    time_s: float
+    activation_bytes: float
+    parameters: float
+    tp_comm_s: float
+
+
+def loose_cost(ops: tuple[Op, ...], tp: int, micro_batch: int, cluster: Cluster, vocab: int | None) -> LooseCost:
+    """Embedding, final norm, LM head and loss. With tp > 1 the vocabulary dimension is split
+    (Megatron's vocabulary-parallel embedding and cross-entropy): ops that read the embedding table
+    or produce vocabulary-sized tensors divide by tp, at the cost of one all-reduce of the hidden
+    state in the forward (embedding output) and one in the backward (head input gradient)."""
+    if not ops:
+        return LooseCost(0.0, 0.0, 0.0, 0.0)
+    shard = np.ones(len(ops))
+    hidden_bytes = 0.0
+    if tp > 1 and vocab:
+        v = vocab
+        for i, op in enumerate(ops):
+            reads_table = any(r.kind == "param" and m.numel >= v and v in m.shape for m, r in zip(op.inputs, op.sources))
+            if reads_table or any(m.shape and m.shape[-1] == v for m in op.outputs + op.inputs):
+                shard[i] = tp
+            if op.kind == "embedding":
+                hidden_bytes = max(hidden_bytes, float(op.outputs[0].nbytes))
+    arrays = OpArrays.of(ops, cluster.profile)
+    fwd, bwd = op_times(arrays, shard, micro_batch, cluster.profile)
+    params = _param_elements(ops, range(len(ops))) / shard
+    comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, cluster) if hidden_bytes else 0.0
+    return LooseCost(float((fwd + bwd).sum()) + comm, float((arrays.saved_bytes * micro_batch / shard).sum()),
+                     float(params.sum()), comm)

@@ -1,0 +1,226 @@
+"""Iteration time and peak memory per device of a plan.
+
+Pipeline (Narayanan et al., SC'21): 1F1B with ``v`` interleaved stages takes (m + (p-1)/v) stage
+times for m micro-batches, the bubble being (p-1)/(v m) of the ideal; stage 0 keeps p micro-batches
+of activations in flight, times (1 + (p-1)/(p v)) when interleaved (Korthikanti et al. 2022,
+sec. 4.2.3). Data parallelism: gradients are all-reduced over dp (ZeRO 0/1), reduce-scattered and
+the updated parameters all-gathered (ZeRO 2, same volume), and ZeRO 3 also all-gathers parameters
+in every micro-batch's forward and backward (Rajbhandari et al., SC'20: 3x the volume of 0/1);
+gradient communication overlaps the last micro-batch's backward. Model states take 2 + 2 + 12 bytes
+per parameter (bf16 weights and gradients, fp32 master weights and Adam moments; ZeRO's K = 12),
+divided over dp by stage: 1 optimizer states, 2 also gradients, 3 also weights; offload moves the
+optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graph.fold import Block, FoldedGraph
+from ..graph.ir import OpGraph
+from ..space.block import BlockSpace, analyse_block
+from ..space.plan import LayerStrategy, Plan
+from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from .layer import BlockCost, LooseCost, loose_cost
+from .profile import Cluster
+
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+ADAM_BYTES_MOVED = 36          # per parameter and step: read/write fp32 master, m, v; read grad; write bf16
+
+
+def _carried_bytes(block: Block) -> int:
+    refs = {(r.index, r.slot) for op in block.ops for r in op.sources if r.kind == "prev"}
+    return sum(block.ops[j].outputs[s].nbytes for j, s in refs)
+
+
+class ModelCost:
+    """A folded model on a cluster: per-block costs and the ops between blocks."""
+
+    def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster) -> None:
+        self.graph, self.folded, self.cluster = graph, folded, cluster
+        seq_len = int(graph.meta("seq_len") or 0) or None
+        self.blocks: list[tuple[Block, BlockCost]] = [
+            (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b)), cluster)) for b in folded.blocks]
+        first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
+        last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
+        self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
+        self.tail_ops = tuple(op for op in folded.loose_ops if op.index >= last_block and folded.blocks)
+        self.middle_ops = tuple(op for op in folded.loose_ops if first_block <= op.index < last_block)
+        vocab = {op.inputs[0].shape[0] for op in graph.ops if op.kind == "embedding"}
+        self.vocab = max(vocab) if vocab else None
+        self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
+
+    @property
+    def spaces(self) -> list[BlockSpace]:
+        return [cost.space for _, cost in self.blocks]
+
+    def tp_allowed(self, tp: int) -> bool:
+        return tp == 1 or (bool(self.blocks) and all(s.tp_allowed(tp) for s in self.spaces))
+
+    @property
+    def max_pp(self) -> int:
+        """Pipelines split the layers of a single repeated block evenly."""
+        return self.blocks[0][0].repeats if len(self.blocks) == 1 else 1
+
+    @property
+    def branch_names(self) -> tuple[str, ...]:
+        return tuple(sorted({b.name for s in self.spaces for b in s.branches}))
+
+    def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
+        """(first stage, last stage) costs of the ops outside blocks."""
+        key = (tp, micro_batch, pp)
+        if key not in self._loose:
+            first = loose_cost(self.head_ops + self.middle_ops + (self.tail_ops if pp == 1 else ()),
+                               tp, micro_batch, self.cluster, self.vocab)
+            last = loose_cost(self.tail_ops, tp, micro_batch, self.cluster, self.vocab) if pp > 1 else first
+            self._loose[key] = (first, last)
+        return self._loose[key]
+
+
+@dataclass(frozen=True)
+class Context:
+    """The global choices of a plan (everything but the per-layer strategies)."""
+
+    dp: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    micro_batch: int
+    global_batch: int
+    zero: int
+    offload: bool
+    tp_branches: tuple[str, ...]
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @staticmethod
+    def of(plan: Plan) -> Context:
+        return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
+                       plan.zero, plan.offload, plan.tp_branches)
+
+
+def in_flight(ctx: Context) -> float:
+    """Micro-batches of activations stage 0 holds at its peak."""
+    if ctx.pp == 1:
+        return 1.0
+    base = float(min(ctx.micro_batches, ctx.pp))
+    return base * (1 + (ctx.pp - 1) / (ctx.pp * ctx.virtual_stages)) if ctx.virtual_stages > 1 else base
+
+
+def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
+             parameters) -> dict[str, np.ndarray]:
+    """Time and memory of plans from their per-stage layer sums (arrays, one entry per plan)."""
+    cluster, prof = model.cluster, model.cluster.profile
+    first, last = model.loose(ctx.tp, ctx.micro_batch, ctx.pp)
+    m, p, v = ctx.micro_batches, ctx.pp, ctx.virtual_stages
+    stage_s = np.asarray(layer_time_s, dtype=float) + max(first.time_s, last.time_s)
+    # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
+    if p > 1:
+        crosses = ctx.tp * ctx.dp >= cluster.devices_per_node
+        p2p = 2 * v * p2p_s(_boundary_bytes(model, ctx), crosses, cluster)
+        pipeline_s = (m + (p - 1) / v) * (stage_s + p2p)
+        bubble_s = (p - 1) / v * (stage_s + p2p)
+        p2p_total = m * p2p
+    else:
+        pipeline_s, bubble_s, p2p_total = m * stage_s, np.zeros_like(stage_s), 0.0
+    # model states on stage 0 (the larger share of the tied embedding lives there too)
+    params = np.asarray(parameters, dtype=float) + max(first.parameters, last.parameters)
+    backward = np.asarray(layer_backward_s, dtype=float)
+    dp, z = ctx.dp, ctx.zero
+    grad_bytes = GRAD_BYTES * params
+    if dp > 1 and z == 3:
+        gather = all_gather_s(WEIGHT_BYTES * params, dp, ctx.tp, cluster)
+        scatter = reduce_scatter_s(grad_bytes, dp, ctx.tp, cluster)
+        dp_comm = m * 2 * gather + scatter
+        exposed = m * np.maximum(2 * gather - stage_s, 0.0) + np.maximum(scatter - backward, 0.0)
+    elif dp > 1:
+        dp_comm = all_reduce_s(grad_bytes, dp, ctx.tp, cluster)
+        exposed = np.maximum(dp_comm - backward, 0.0)
+    else:
+        dp_comm = exposed = np.zeros_like(stage_s)
+    opt_params = params / (dp if z >= 1 else 1)
+    if ctx.offload:
+        optimizer_s = opt_params / prof.cpu_adam_params_per_s + 4 * opt_params / prof.pcie_bandwidth_bytes_per_s
+    else:
+        optimizer_s = opt_params * ADAM_BYTES_MOVED / prof.memory_bytes_per_s
+    time_s = pipeline_s + exposed + optimizer_s
+
+    weights = WEIGHT_BYTES * params / (dp if z == 3 else 1)
+    grads = grad_bytes / (dp if z >= 2 else 1)
+    optimizer = np.zeros_like(params) if ctx.offload else OPTIMIZER_BYTES * params / (dp if z >= 1 else 1)
+    acts_first = in_flight(ctx) * (np.asarray(activation_bytes) + first.activation_bytes)
+    acts_last = np.asarray(activation_bytes) + last.activation_bytes if p > 1 else acts_first
+    activations = np.maximum(acts_first, acts_last)
+    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes
+    memory = weights + grads + optimizer + activations + other
+    return {
+        "iteration_time_s": time_s, "peak_memory_bytes": memory,
+        "parameters_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optimizer,
+        "activations_bytes": activations, "other_bytes": other,
+        "compute_s": m * (np.asarray(layer_time_s) + max(first.time_s, last.time_s)),
+        "pipeline_bubble_s": bubble_s, "pipeline_p2p_s": np.full_like(stage_s, p2p_total),
+        "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
+    }
+
+
+def _boundary_bytes(model: ModelCost, ctx: Context) -> float:
+    """Activation sent between pipeline stages per micro-batch: the carried stream, split over the
+    tensor-parallel ranks (Megatron's scatter/gather optimisation, Narayanan et al. sec. 4.1)."""
+    carried = max((cost.space.carried_bytes for _, cost in model.blocks), default=0)
+    return carried * ctx.micro_batch / ctx.tp
+
+
+def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
+               micro_batch: int) -> tuple[float, float, float, float, float]:
+    """Sums over an ordered chain of copies, entered and left with a replicated stream:
+    (time incl. layout changes, backward time, kept activations, transient max, parameters)."""
+    time = back = acts = params = 0.0
+    transient = 0.0
+    layout = False
+    for strategy, n in counts:
+        if n == 0:
+            continue
+        sp = strategy.sequence_parallel and tp > 1
+        if sp != layout:
+            time += cost.layout_change_s(tp, micro_batch)
+            layout = sp
+        c = cost.layer(strategy, tp, tp_branches, micro_batch)
+        time, back = time + n * c.time_s, back + n * c.backward_s
+        acts, params = acts + n * c.activation_bytes, params + n * c.parameters
+        transient = max(transient, c.transient_bytes)
+    if layout:
+        time += cost.layout_change_s(tp, micro_batch)
+    return time, back, acts, transient, params
+
+
+@dataclass(frozen=True)
+class Estimate:
+    iteration_time_s: float
+    peak_memory_bytes: float
+    memory_breakdown: dict
+    time_breakdown: dict
+
+
+def estimate(model: ModelCost, plan: Plan) -> Estimate:
+    """The what-if of one plan."""
+    ctx = Context.of(plan)
+    by_block = {bp.block: list(bp.strategies) for bp in plan.blocks}
+    time = back = acts = transient = params = 0.0
+    for block, cost in model.blocks:
+        counts = by_block.get(block.name, [(LayerStrategy(), block.repeats // plan.pp)])
+        t, b, a, x, p = chain_sums(cost, counts, plan.tp, plan.tp_branches, plan.micro_batch)
+        time, back, acts, params = time + t, back + b, acts + a, params + p
+        transient = max(transient, x)
+    r = evaluate(model, ctx, [time], [back], [acts], [transient], [params])
+    mem_keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "other_bytes")
+    time_keys = ("compute_s", "pipeline_bubble_s", "pipeline_p2p_s", "data_parallel_comm_s",
+                 "data_parallel_exposed_s", "optimizer_s")
+    return Estimate(float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0]),
+                    {k: float(r[k][0]) for k in mem_keys}, {k: float(r[k][0]) for k in time_keys})
+
+
+__all__ = ["Context", "Estimate", "ModelCost", "chain_sums", "estimate", "evaluate", "in_flight"]

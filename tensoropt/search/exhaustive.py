@@ -1,0 +1,51 @@
+"""Exhaustive enumeration: the reference FT is judged against on small cases.
+
+The same global choices as ``ft.search``, but every *ordered* sequence of layer strategies over a
+stage's copies is priced on its own through ``chain_sums`` (the code ``estimate`` uses), with no
+Pareto pruning before the end. Exponential in the number of copies: small models only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from ..cost.model import Context, ModelCost, chain_sums, evaluate
+from ..space.plan import BlockPlan, Plan
+from .ft import FrontierPoint, SearchResult, SearchSpace, _front_2d, contexts, layer_options
+
+
+def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_sequences: int = 200_000) -> SearchResult:
+    start = time.perf_counter()
+    values, plans = [], []
+    for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
+        per_block = []
+        for block, cost in model.blocks:
+            options = layer_options(cost, tp, space)
+            k = block.repeats // pp
+            if len(options) ** k > max_sequences:
+                raise ValueError(f"{len(options)}^{k} sequences: too many for exhaustive search")
+            per_block.append([(seq, chain_sums(cost, [(o, 1) for o in seq], tp, branches, mb))
+                              for seq in itertools.product(options, repeat=k)])
+        for combo in itertools.product(*per_block):
+            sums = np.array([c[1] for c in combo])
+            t, b, a, p = sums[:, 0].sum(), sums[:, 1].sum(), sums[:, 2].sum(), sums[:, 4].sum()
+            x = sums[:, 3].max()
+            for v, z, off in globals_:
+                ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches)
+                r = evaluate(model, ctx, [t], [b], [a], [x], [p])
+                values.append((float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0])))
+                plans.append((ctx, [seq for seq, _ in combo]))
+    values = np.array(values)
+    keep = _front_2d(values)
+    keep = keep[np.argsort(values[keep, 0], kind="stable")]
+    points = []
+    for k in keep:
+        ctx, seqs = plans[k]
+        blocks = tuple(BlockPlan(block.name, tuple((o, 1) for o in seq)) for (block, _), seq in zip(model.blocks, seqs))
+        plan = Plan(devices, ctx.dp, ctx.tp, ctx.pp, ctx.micro_batch, ctx.global_batch, ctx.virtual_stages,
+                    ctx.zero, ctx.offload, ctx.tp_branches, blocks=blocks)
+        points.append(FrontierPoint(plan, float(values[k, 0]), float(values[k, 1])))
+    return SearchResult(points, time.perf_counter() - start, len(values))

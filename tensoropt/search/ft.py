@@ -1,0 +1,244 @@
+"""Frontier-tracking search (FT; Cai et al., "TensorOpt", IEEE TPDS 2021, arXiv 2004.10856).
+
+Dynamic programming whose states hold Pareto sets instead of single values. Along the chain of a
+block's copies the state is the layout of the carried stream between two copies (replicated, or
+split by sequence when the copy runs sequence-parallel); a copy's options are its layer strategies
+(recomputation x sequence parallelism) priced by the cost model, and moving the stream between
+layouts costs a collective. The Pareto sets for "k copies from layout a to layout b" form a matrix
+over layouts; two chains compose by a (union, Minkowski-sum) matrix product, so k copies of a block
+searched once compose in O(log k) products by repeated doubling, and the result equals the
+copy-by-copy DP (tests check both against exhaustive enumeration).
+
+Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
+which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload.
+Every candidate is priced by the same ``evaluate`` as ``tensoropt estimate``, and the non-dominated
+(time, peak memory) points form the frontier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cost.layer import BlockCost
+from ..cost.model import Context, ModelCost, evaluate
+from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, divisors, meshes
+from .pareto import ParetoSet, combine, nondominated, union
+
+Matrix = dict[tuple[bool, bool], ParetoSet]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    global_batch: int
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE
+    sequence_parallel: bool = True
+    offload: bool = True
+    max_virtual_stages: int = 4
+    eps: float = 0.0                   # epsilon-dominance while composing (0 = exact)
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    plan: Plan
+    iteration_time_s: float
+    peak_memory_bytes: float
+
+
+@dataclass
+class SearchResult:
+    points: list[FrontierPoint]
+    seconds: float
+    candidates: int = 0
+    stats: dict = field(default_factory=dict)
+
+
+def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStrategy]:
+    recompute = [r for r in space.recompute if r != "selective" or cost.space.attention_core]
+    sps = (False, True) if tp > 1 and space.sequence_parallel else (False,)
+    return [LayerStrategy(r, sp) for r in recompute for sp in sps]
+
+
+def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
+                  micro_batch: int) -> Matrix:
+    change = cost.layout_change_s(tp, micro_batch)
+    layouts = sorted({o.sequence_parallel for o in options})
+    matrix: Matrix = {}
+    for a in layouts:
+        for b in layouts:
+            rows = [i for i, o in enumerate(options) if o.sequence_parallel == b]
+            costs = [cost.layer(options[i], tp, branches, micro_batch) for i in rows]
+            values = np.array([[c.time_s + (change if a != b else 0.0), c.activation_bytes, c.transient_bytes]
+                               for c in costs])
+            counts = np.eye(len(options), dtype=np.int64)[rows]
+            matrix[(a, b)] = ParetoSet.single(values, counts)
+    return matrix
+
+
+def _multiply(p: Matrix, q: Matrix, eps: float) -> Matrix:
+    layouts = sorted({a for a, _ in p})
+    out: Matrix = {}
+    for a in layouts:
+        for c in layouts:
+            parts = [combine(p[(a, b)], q[(b, c)], eps) for b in layouts if (a, b) in p and (b, c) in q]
+            parts = [s for s in parts if len(s)]
+            if parts:
+                out[(a, c)] = union(parts, eps)
+    return out
+
+
+class Chain:
+    """Pareto sets of k consecutive copies of one block for one (tp, branches, micro-batch), entered
+    and left with a replicated stream. Powers 2^i of the one-copy matrix are kept, so every pipeline
+    depth (k = copies / pp) costs only the products its binary digits need."""
+
+    def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
+                 micro_batch: int, eps: float = 0.0) -> None:
+        self.eps = eps
+        self.change = cost.layout_change_s(tp, micro_batch)
+        self.powers = [_layer_matrix(cost, options, tp, branches, micro_batch)]
+
+    def _power(self, i: int) -> Matrix:
+        while len(self.powers) <= i:
+            self.powers.append(_multiply(self.powers[-1], self.powers[-1], self.eps))
+        return self.powers[i]
+
+    def copies(self, k: int, doubling: bool = True) -> ParetoSet:
+        result: Matrix | None = None
+        if doubling:
+            for i in range(k.bit_length()):
+                if k >> i & 1:
+                    result = self._power(i) if result is None else _multiply(result, self._power(i), self.eps)
+        else:
+            for _ in range(k):
+                result = self.powers[0] if result is None else _multiply(result, self.powers[0], self.eps)
+        exits = [ParetoSet(s.values + np.array([self.change if b else 0.0, 0.0, 0.0]), s.counts)
+                 for (a, b), s in result.items() if not a]
+        return union(exits, self.eps)
+
+
+def chain(cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...], micro_batch: int,
+          copies: int, eps: float = 0.0, doubling: bool = True) -> ParetoSet:
+    """Pareto set of ``copies`` consecutive copies entered and left with a replicated stream."""
+    return Chain(cost, options, tp, branches, micro_batch, eps).copies(copies, doubling)
+
+
+def _combine_blocks(parts: list[ParetoSet], eps: float) -> ParetoSet:
+    """Blocks run one after another: Minkowski sum, counts side by side."""
+    total = None
+    for part in parts:
+        if total is None:
+            total = part
+            continue
+        grown = ParetoSet(total.values, np.pad(total.counts, ((0, 0), (0, part.counts.shape[1]))))
+        shifted = ParetoSet(part.values, np.pad(part.counts, ((0, 0), (total.counts.shape[1], 0))))
+        total = combine(grown, shifted, eps)
+    return total
+
+
+def contexts(model: ModelCost, devices: int, space: SearchSpace):
+    """Every global choice the runtime supports for this model on ``devices`` devices."""
+    cluster = model.cluster
+    max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
+    for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
+        if not model.tp_allowed(tp):
+            continue
+        branch_sets = [()] if tp == 1 else [c for r in range(len(model.branch_names), 0, -1)
+                                            for c in itertools.combinations(model.branch_names, r)]
+        for branches in branch_sets:
+            for mb in space.micro_batches:
+                if space.global_batch % (dp * mb):
+                    continue
+                m = space.global_batch // (dp * mb)
+                copies = model.blocks[0][0].repeats // pp if model.blocks else 1
+                virtual = [v for v in divisors(copies) if v <= space.max_virtual_stages and (v == 1 or m % pp == 0)] \
+                    if pp > 1 else [1]
+                zeros = [z for z in space.zero_stages if pp == 1 or z <= 1]
+                globals_ = [(v, z, off) for v in virtual for z in zeros
+                            for off in ((False, True) if space.offload and z >= 1 else (False,))]
+                yield dp, tp, pp, branches, mb, globals_
+
+
+def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True) -> SearchResult:
+    start = time.perf_counter()
+    chains: dict[tuple, tuple[ParetoSet, list[list[LayerStrategy]]]] = {}
+    builders: dict[tuple, Chain] = {}
+    candidates = []      # (values (n, 2), ctx, counts (n, S), option lists)
+    n_candidates = 0
+    for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
+        key = (tp, branches, mb, pp)
+        if key not in chains:
+            parts, option_lists = [], []
+            for b, (block, cost) in enumerate(model.blocks):
+                options = layer_options(cost, tp, space)
+                builder = builders.setdefault((b, tp, branches, mb),
+                                              Chain(cost, options, tp, branches, mb, space.eps))
+                parts.append(builder.copies(block.repeats // pp, doubling))
+                option_lists.append(options)
+            chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
+                (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
+        stage, option_lists = chains[key]
+        backward = _backward_sums(model, stage, option_lists, tp, branches, mb)
+        params = _param_sums(model, stage, option_lists, tp, branches, mb)
+        for v, z, off in globals_:
+            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches)
+            r = evaluate(model, ctx, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params)
+            values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
+            keep = _front_2d(values)
+            n_candidates += len(values)
+            candidates.append((values[keep], ctx, stage.counts[keep], option_lists))
+    all_values = np.concatenate([c[0] for c in candidates])
+    owner = np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(candidates)])
+    row = np.concatenate([np.arange(len(c[0])) for c in candidates])
+    keep = _front_2d(all_values)
+    keep = keep[np.argsort(all_values[keep, 0], kind="stable")]
+    points = []
+    for k in keep:
+        values, ctx, counts, option_lists = candidates[owner[k]]
+        plan = _plan(model, devices, ctx, counts[row[k]], option_lists)
+        points.append(FrontierPoint(plan, float(values[row[k], 0]), float(values[row[k], 1])))
+    return SearchResult(points, time.perf_counter() - start, n_candidates,
+                        {"chains": len(chains), "contexts": len(candidates)})
+
+
+def _front_2d(values: np.ndarray) -> np.ndarray:
+    return nondominated(np.concatenate([values, np.zeros((len(values), 1))], axis=1))
+
+
+def _split(counts: np.ndarray, option_lists: list[list[LayerStrategy]]):
+    start = 0
+    for options in option_lists:
+        yield options, counts[..., start:start + len(options)]
+        start += len(options)
+
+
+def _per_option_sum(model, stage, option_lists, tp, branches, mb, attr) -> np.ndarray:
+    total = np.zeros(len(stage))
+    for (block, cost), (options, counts) in zip(model.blocks, _split(stage.counts, option_lists)):
+        per = np.array([getattr(cost.layer(o, tp, branches, mb), attr) for o in options])
+        total += counts @ per
+    return total
+
+
+def _backward_sums(model, stage, option_lists, tp, branches, mb) -> np.ndarray:
+    return _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
+
+
+def _param_sums(model, stage, option_lists, tp, branches, mb) -> np.ndarray:
+    return _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
+
+
+def _plan(model: ModelCost, devices: int, ctx: Context, counts: np.ndarray, option_lists) -> Plan:
+    blocks = []
+    for (block, _), (options, c) in zip(model.blocks, _split(counts, option_lists)):
+        used = sorted(((o, int(n)) for o, n in zip(options, c) if n > 0),
+                      key=lambda item: (item[0].sequence_parallel, RECOMPUTE.index(item[0].recompute)))
+        blocks.append(BlockPlan(block.name, tuple(used)))
+    return Plan(devices=devices, dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, micro_batch=ctx.micro_batch,
+                global_batch=ctx.global_batch, virtual_stages=ctx.virtual_stages, zero=ctx.zero,
+                offload=ctx.offload, tp_branches=ctx.tp_branches, blocks=tuple(blocks))

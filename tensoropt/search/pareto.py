@@ -1,0 +1,79 @@
+"""Pareto sets of partial plans for frontier tracking, held as numpy columns.
+
+A point has a time, an additive memory (activations kept), a max-combined memory (the transient
+working set: the largest of the parts, since one layer's backward runs at a time) and, as its
+provenance, how many copies use each layer strategy. Combining two sets is the Minkowski sum of
+their points (times and kept memory add, transients take the max) followed by dropping dominated
+points; all three objectives are minimised. Dominance is exact unless ``eps`` > 0, in which case
+values are first rounded up onto a relative grid of ratio (1 + eps), so any dropped point is within
+a factor (1 + eps) of a kept one in every objective (epsilon-dominance, Laumanns et al., 2002).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ParetoSet:
+    values: np.ndarray     # (n, 3): time, additive memory, transient memory
+    counts: np.ndarray     # (n, S): copies per strategy
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @staticmethod
+    def single(values: np.ndarray, counts: np.ndarray) -> ParetoSet:
+        return prune(np.atleast_2d(values).astype(float), np.atleast_2d(counts))
+
+
+def nondominated(values: np.ndarray) -> np.ndarray:
+    """Indices of the non-dominated rows of ``values`` (minimisation), duplicates kept once.
+
+    Exact: the third column is split into its distinct levels; a point is dominated iff a point
+    of its level or a lower one comes before it in (time, memory) order with memory <= its memory.
+    """
+    n = len(values)
+    if n <= 1:
+        return np.arange(n)
+    idx = np.lexsort((values[:, 2], values[:, 1], values[:, 0]))   # by time, then memory, then transient
+    v = values[idx]
+    distinct = np.concatenate(([True], np.any(v[1:] != v[:-1], axis=1)))   # duplicates are adjacent now
+    v, idx = v[distinct], idx[distinct]
+    keep = np.zeros(len(v), dtype=bool)
+    levels = np.unique(v[:, 2])
+    for level in levels:
+        pool = v[:, 2] <= level                        # points that can dominate this level
+        mem = np.where(pool, v[:, 1], np.inf)
+        best_before = np.concatenate(([np.inf], np.minimum.accumulate(mem)[:-1]))
+        at_level = v[:, 2] == level
+        keep[at_level] = best_before[at_level] > v[at_level, 1]
+    return idx[keep]
+
+
+def prune(values: np.ndarray, counts: np.ndarray, eps: float = 0.0) -> ParetoSet:
+    if eps > 0 and len(values):
+        grid = np.log1p(eps)
+        snapped = np.exp(np.ceil(np.log(np.maximum(values, 1e-300)) / grid) * grid)
+        values = np.where(values > 0, snapped, values)
+    keep = nondominated(values)
+    return ParetoSet(values[keep], counts[keep])
+
+
+def combine(a: ParetoSet, b: ParetoSet, eps: float = 0.0) -> ParetoSet:
+    """Minkowski sum of two sets (one part after the other), pruned."""
+    if not len(a) or not len(b):
+        return ParetoSet(np.zeros((0, 3)), np.zeros((0, a.counts.shape[1]), dtype=np.int64))
+    va, vb = a.values[:, None, :], b.values[None, :, :]
+    values = np.concatenate([va[..., :2] + vb[..., :2], np.maximum(va[..., 2:], vb[..., 2:])], axis=2).reshape(-1, 3)
+    counts = (a.counts[:, None, :] + b.counts[None, :, :]).reshape(-1, a.counts.shape[1])
+    return prune(values, counts, eps)
+
+
+def union(sets: list[ParetoSet], eps: float = 0.0) -> ParetoSet:
+    sets = [s for s in sets if len(s)]
+    if not sets:
+        raise ValueError("union of no points")
+    return prune(np.concatenate([s.values for s in sets]), np.concatenate([s.counts for s in sets]), eps)

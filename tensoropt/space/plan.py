@@ -1,0 +1,113 @@
+"""Plans: the global choices (mesh, ZeRO, micro-batching, pipeline) plus per-layer strategies.
+
+Every field is something the runtime can apply: a (dp, tp, pp) mesh with tensor parallelism
+inside a node, Megatron branches sharded over tp, sequence parallelism per layer, recomputation
+per layer, ZeRO stage over dp, optimizer offload, micro-batches, 1F1B pipeline with ``virtual``
+interleaved stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+RECOMPUTE = ("none", "selective", "full")
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, order=True)
+class LayerStrategy:
+    """What one copy of a block does: recomputation and whether its stream is sequence-parallel."""
+
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    def label(self) -> str:
+        return self.recompute + ("+sp" if self.sequence_parallel else "")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How the copies of one unique block are run: (strategy, number of copies) pairs."""
+
+    block: str
+    strategies: tuple[tuple[LayerStrategy, int], ...]
+
+    @property
+    def copies(self) -> int:
+        return sum(n for _, n in self.strategies)
+
+
+@dataclass(frozen=True)
+class Plan:
+    devices: int
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    global_batch: int
+    virtual_stages: int = 1
+    zero: int = 0
+    offload: bool = False
+    tp_branches: tuple[str, ...] = ()       # branch names sharded over tp (others replicated)
+    dtype: str = "bfloat16"
+    blocks: tuple[BlockPlan, ...] = field(default=())   # per pipeline stage (every stage alike)
+
+    @property
+    def grad_accumulation(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def summary(self) -> str:
+        parts = [f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
+                 f"mb{self.micro_batch}x{self.grad_accumulation}", f"zero{self.zero}"]
+        if self.offload:
+            parts.append("offload")
+        if self.tp > 1 and self.tp_branches:
+            parts.append("tp:" + "+".join(sorted(set(self.tp_branches))))
+        for bp in self.blocks:
+            mix = ",".join(f"{n}x{s.label()}" for s, n in bp.strategies)
+            parts.append(f"[{mix}]")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION, "devices": self.devices, "dp": self.dp, "tp": self.tp,
+            "pp": self.pp, "virtual_stages": self.virtual_stages, "micro_batch": self.micro_batch,
+            "global_batch": self.global_batch, "gradient_accumulation": self.grad_accumulation,
+            "zero": self.zero, "offload": self.offload, "tp_branches": list(self.tp_branches), "dtype": self.dtype,
+            "blocks": [{"block": bp.block, "strategies": [
+                {"recompute": s.recompute, "sequence_parallel": s.sequence_parallel, "copies": n}
+                for s, n in bp.strategies]} for bp in self.blocks],
+            "summary": self.summary(),
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Plan:
+        if d.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise ValueError(f"plan schema_version {d.get('schema_version')!r} is not {PLAN_SCHEMA_VERSION}")
+        return Plan(
+            devices=int(d["devices"]), dp=int(d["dp"]), tp=int(d["tp"]), pp=int(d["pp"]),
+            micro_batch=int(d["micro_batch"]), global_batch=int(d["global_batch"]),
+            virtual_stages=int(d.get("virtual_stages", 1)), zero=int(d["zero"]), offload=bool(d["offload"]),
+            tp_branches=tuple(d.get("tp_branches", ())), dtype=d.get("dtype", "bfloat16"),
+            blocks=tuple(BlockPlan(b["block"], tuple(
+                (LayerStrategy(s["recompute"], bool(s["sequence_parallel"])), int(s["copies"]))
+                for s in b["strategies"])) for b in d["blocks"]),
+        )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(devices: int, devices_per_node: int, max_tp: int, max_pp: int) -> list[tuple[int, int, int]]:
+    """(dp, tp, pp) with tp inside a node (tp divides the node and the model's ``max_tp``) and pp
+    dividing ``max_pp`` (the layers that can be split evenly)."""
+    out = []
+    for tp in divisors(min(devices, devices_per_node)):
+        if devices_per_node % tp or max_tp % tp or devices % tp:
+            continue
+        for pp in divisors(devices // tp):
+            if max_pp % pp == 0:
+                out.append((devices // (tp * pp), tp, pp))
+    return out

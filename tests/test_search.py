@@ -1,0 +1,62 @@
+"""Frontier-tracking search: equal to exhaustive enumeration, folded equal to unfolded, and every
+frontier point priced exactly as `estimate` prices its plan."""
+
+import numpy as np
+import pytest
+
+import tensoropt
+from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.search.exhaustive import exhaustive_search
+from tensoropt.search.ft import SearchSpace, search
+
+TINY_GPT = {"family": "gpt", "hidden_size": 64, "num_layers": 4, "num_attention_heads": 4,
+            "ffn_hidden_size": 256, "seq_length": 64, "vocab_size": 256}
+
+
+def _model(write_json, cfg, devices, per_node, profile="h100-80gb"):
+    graph = tensoropt.capture(write_json("m.json", cfg)).graph
+    return ModelCost(graph, tensoropt.fold(graph), Cluster(devices, per_node, load_profile(profile)))
+
+
+def _front(result):
+    return np.array([[p.iteration_time_s, p.peak_memory_bytes] for p in result.points])
+
+
+@pytest.mark.parametrize("devices, per_node", [(1, 1), (4, 2), (4, 4)])
+def test_ft_equals_exhaustive_enumeration(write_json, devices, per_node):
+    model = _model(write_json, TINY_GPT, devices, per_node)
+    space = SearchSpace(global_batch=8, micro_batches=(1, 2), max_virtual_stages=2)
+    ft, brute = search(model, devices, space), exhaustive_search(model, devices, space)
+    assert brute.candidates > ft.candidates / 10                       # the brute force really enumerated
+    np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
+
+
+def test_folded_search_equals_unfolded_search(write_json):
+    cfg = {**TINY_GPT, "num_layers": 12}
+    model = _model(write_json, cfg, 8, 4)
+    space = SearchSpace(global_batch=16)
+    folded, unfolded = search(model, 8, space), search(model, 8, space, doubling=False)
+    np.testing.assert_allclose(_front(folded), _front(unfolded), rtol=1e-12)
+    assert [p.plan for p in folded.points] == [p.plan for p in unfolded.points]
+
+
+def test_frontier_points_are_sorted_non_dominated_and_priced_like_estimate(write_json):
+    model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 8, 4)
+    result = search(model, 8, SearchSpace(global_batch=32))
+    front = _front(result)
+    assert len(front) > 3
+    assert np.all(np.diff(front[:, 0]) > 0) and np.all(np.diff(front[:, 1]) < 0)   # faster costs memory
+    for point in result.points:
+        e = estimate(model, point.plan)
+        assert e.iteration_time_s == pytest.approx(point.iteration_time_s, rel=1e-12)
+        assert e.peak_memory_bytes == pytest.approx(point.peak_memory_bytes, rel=1e-12)
+        assert sum(n for _, n in point.plan.blocks[0].strategies) * point.plan.pp == 8
+
+
+def test_mixed_recomputation_fills_the_memory_gaps(write_json):
+    """Per-layer choices give points between 'recompute nothing' and 'recompute everything'."""
+    model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 1, 1)
+    result = search(model, 1, SearchSpace(global_batch=4, micro_batches=(4,), zero_stages=(0,), offload=False))
+    mixes = [{s.recompute for s, _ in p.plan.blocks[0].strategies} for p in result.points]
+    assert any(len(m) > 1 for m in mixes)
