@@ -143,7 +143,7 @@ def loose_cost(ops: tuple[Op, ...], tp: int, micro_batch: int, cluster: Cluster,
     if tp > 1 and vocab:
         v = vocab
         for i, op in enumerate(ops):
-            reads_table = any(r.kind == "param" and m.numel >= v and v in m.shape for m, r in zip(op.inputs, op.sources))
+            reads_table = any(r.kind == "param" and v in m.shape for m, r in zip(op.inputs, op.sources))
             if reads_table or any(m.shape and m.shape[-1] == v for m in op.outputs + op.inputs):
                 shard[i] = tp
             if op.kind == "embedding":

@@ -219,7 +219,7 @@ def _split(counts: np.ndarray, option_lists: list[list[LayerStrategy]]):
 
 def _per_option_sum(model, stage, option_lists, tp, branches, mb, attr) -> np.ndarray:
     total = np.zeros(len(stage))
-    for (block, cost), (options, counts) in zip(model.blocks, _split(stage.counts, option_lists)):
+    for (_, cost), (options, counts) in zip(model.blocks, _split(stage.counts, option_lists)):
         per = np.array([getattr(cost.layer(o, tp, branches, mb), attr) for o in options])
         total += counts @ per
     return total

@@ -58,7 +58,8 @@ class Plan:
         return self.global_batch // (self.dp * self.micro_batch)
 
     def summary(self) -> str:
-        parts = [f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
+        virtual = f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        parts = [f"dp{self.dp} tp{self.tp} pp{self.pp}{virtual}",
                  f"mb{self.micro_batch}x{self.grad_accumulation}", f"zero{self.zero}"]
         if self.offload:
             parts.append("offload")
