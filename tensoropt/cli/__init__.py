@@ -33,8 +33,12 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from .estimate_cmd import estimate
+    from .frontier_cmd import frontier
     from .inspect_cmd import inspect
-    cli.add_command(inspect)
+    from .show_cmd import show
+    for command in (inspect, frontier, estimate, show):
+        cli.add_command(command)
 
 
 _register()

@@ -37,16 +37,48 @@ class OpArrays:
     def of(ops: tuple[Op, ...], profile: DeviceProfile) -> OpArrays:
         def param_bytes(op: Op) -> int:
             return sum(m.nbytes for m, r in zip(op.inputs, op.sources) if r.kind == "param")
+        moved = np.array([op.bytes_read + op.bytes_written - param_bytes(op) for op in ops], dtype=float)
         return OpArrays(
             forward_flops=np.array([op.forward_flops for op in ops], dtype=float),
             backward_flops=np.array([op.backward_flops for op in ops], dtype=float),
-            activation_bytes=np.array([op.bytes_read + op.bytes_written - param_bytes(op) for op in ops], dtype=float),
+            activation_bytes=moved - fused_bytes(ops),
             parameter_bytes=np.array([param_bytes(op) for op in ops], dtype=float),
             saved_bytes=np.array([op.saved_bytes for op in ops], dtype=float),
             product=np.array([op.kind in PRODUCT_KINDS for op in ops], dtype=bool),
             needs_backward=np.array([op.requires_grad or op.backward_flops > 0 for op in ops], dtype=bool),
             peak_flops=np.array([profile.peak(op.outputs[0].dtype if op.outputs else "bfloat16") for op in ops]),
         )
+
+
+def fused_bytes(ops: tuple[Op, ...]) -> np.ndarray:
+    """Bytes each op does not move because it is fused with its producer.
+
+    Chains of memory-bound ops run as one kernel on GPUs (Megatron-LM's fused scale-mask-softmax
+    and bias-GeLU kernels, torch.compile's fusion): when a memory-bound op is the only reader of
+    a memory-bound producer's output, it reads that tensor from registers, and the producer does
+    not write it unless autograd keeps it for backward."""
+    index = {op.index: i for i, op in enumerate(ops)}
+
+    def producer(ref):
+        if ref.kind in ("local", "op") and ref.index in index:
+            return index[ref.index]
+        return None
+
+    readers = np.zeros(len(ops), dtype=int)
+    for op in ops:
+        for ref in op.sources:
+            if (j := producer(ref)) is not None:
+                readers[j] += 1
+    saved = np.zeros(len(ops))
+    for i, op in enumerate(ops):
+        for meta, ref in zip(op.inputs, op.sources):
+            j = producer(ref)
+            if j is None or readers[j] != 1 or ops[j].kind in PRODUCT_KINDS or op.kind in PRODUCT_KINDS:
+                continue
+            saved[i] += meta.nbytes                            # not read back by the consumer
+            if ops[j].saved_bytes == 0:
+                saved[j] += ops[j].outputs[ref.slot].nbytes    # nor written by the producer
+    return saved
 
 
 def efficiency(flops: np.ndarray, profile: DeviceProfile) -> np.ndarray:

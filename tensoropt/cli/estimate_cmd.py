@@ -1,0 +1,95 @@
+"""``tensoropt estimate``: the what-if of one plan."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..cost.model import estimate as estimate_plan
+from ..errors import TensorOptError
+from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan
+from .common import load, model_options
+from .format import binary_bytes
+from .inspect_cmd import MODEL_HELP
+
+
+def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
+               global_batch: int, recompute: str, sequence_parallel: bool, dtype: str) -> Plan:
+    """The plan the flags describe, or one line naming every operand that does not fit."""
+    problems = []
+    if gpus % (tp * pp):
+        problems.append(f"--tp {tp} x --pp {pp} must divide --gpus {gpus}")
+    dp = max(1, gpus // (tp * pp))
+    if tp > per_node or per_node % tp:
+        problems.append(f"--tp {tp} must divide --gpus-per-node {per_node} (tensor parallelism stays in a node)")
+    elif not model_cost.tp_allowed(tp):
+        limits = ", ".join(f"{b.name} {b.max_tp}" for s in model_cost.spaces for b in s.branches) or "no TP branch"
+        problems.append(f"--tp {tp} must divide every tensor-parallel branch's heads/features ({limits})")
+    if model_cost.max_pp % pp:
+        problems.append(f"--pp {pp} must divide the {model_cost.max_pp} repeated layers")
+    if global_batch % (dp * micro_batch):
+        problems.append(f"--global-batch {global_batch} must be a multiple of dp {dp} x --micro-batch {micro_batch}")
+    if pp > 1 and zero > 1:
+        problems.append(f"--zero {zero} does not combine with --pp {pp} (DeepSpeed allows ZeRO 0-1 with pipelines)")
+    copies = model_cost.max_pp // pp if model_cost.max_pp % pp == 0 else 1
+    if virtual > 1 and (pp == 1 or copies % virtual or (global_batch // max(1, dp * micro_batch)) % pp):
+        problems.append(f"--virtual-stages {virtual} needs --pp > 1, must divide the {copies} layers per stage, "
+                        "and the micro-batches must be a multiple of --pp")
+    if recompute == "selective" and not any(s.attention_core for s in model_cost.spaces):
+        problems.append("--recompute selective needs explicit attention scores to drop; this model keeps none "
+                        "(use none or full)")
+    if problems:
+        raise TensorOptError("; ".join(problems))
+    strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
+    blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
+    return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, False, model_cost.branch_names if tp > 1
+                else (), "float16" if dtype == "fp16" else "bfloat16", blocks)
+
+
+@click.command()
+@click.option("--model", required=True, help=MODEL_HELP)
+@click.option("--gpus", type=int, required=True)
+@model_options
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="tensor-parallel degree")
+@click.option("--pp", type=click.IntRange(min=1), required=True, help="pipeline stages")
+@click.option("--virtual-stages", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--global-batch", type=click.IntRange(min=1), required=True)
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True)
+@click.option("--sequence-parallel", is_flag=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
+             recompute, sequence_parallel, dtype, as_json):
+    """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
+    if gpus < 1:
+        raise TensorOptError(f"--gpus must be positive, got {gpus}")
+    loaded = load(model, device, seq_len)
+    cost = loaded.model_cost(gpus, gpus_per_node)
+    plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
+                      global_batch, recompute, sequence_parallel, dtype)
+    result = estimate_plan(cost, plan)
+    report = {"iteration_time_s": result.iteration_time_s, "peak_memory_bytes": int(result.peak_memory_bytes),
+              "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},
+              "time_breakdown": result.time_breakdown, "plan": plan.to_json(), "model": loaded.graph.name,
+              "device_profile": loaded.profile.name,
+              "fits": result.peak_memory_bytes <= loaded.profile.memory_bytes}
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    table = Table(title=f"{loaded.graph.name}: {plan.summary()} on {gpus} x {loaded.profile.name}",
+                  show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("iteration time", f"{result.iteration_time_s:.3f} s")
+    for key, value in result.time_breakdown.items():
+        table.add_row(f"  {key.removesuffix('_s').replace('_', ' ')}", f"{value:.3f} s")
+    table.add_row("peak memory per device", binary_bytes(result.peak_memory_bytes)
+                  + ("" if report["fits"] else f"  (> {binary_bytes(loaded.profile.memory_bytes)} on the device)"))
+    for key, value in result.memory_breakdown.items():
+        table.add_row(f"  {key.removesuffix('_bytes')}", binary_bytes(value))
+    Console().print(table)

@@ -1,0 +1,107 @@
+"""``tensoropt frontier``: the Pareto frontier of plans, and queries on it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import TensorOptError
+from ..frontier import Frontier, load_frontier, plot_frontier
+from ..graph.cache import write_json_atomic
+from ..search.ft import SearchSpace, search
+from ..search.pareto import nondominated
+from .common import load, model_options, parse_bytes, parse_gpus
+from .format import binary_bytes
+from .inspect_cmd import MODEL_HELP
+
+DEFAULT_GLOBAL_BATCH = 512
+
+
+def run_search(model: str, gpus: list[int], per_node: int, device: str, global_batch: int, seq_len: int | None,
+               no_fold: bool) -> Frontier:
+    loaded = load(model, device, seq_len)
+    start = time.perf_counter()
+    points = []
+    for n in gpus:
+        cost = loaded.model_cost(n, per_node)
+        points += search(cost, n, SearchSpace(global_batch=global_batch), doubling=not no_fold).points
+    if not points:
+        raise TensorOptError(f"no plan runs {model} on {gpus} devices with --global-batch {global_batch}: "
+                             "make the global batch a multiple of the data-parallel degrees you allow")
+    values = np.array([[p.iteration_time_s, p.peak_memory_bytes, p.plan.devices] for p in points])
+    keep = sorted(nondominated(values), key=lambda i: (values[i, 0], values[i, 1]))
+    seconds = time.perf_counter() - start
+    graph = loaded.graph
+    batch = int(graph.meta("batch_size") or 1)
+    return Frontier(graph.name, tuple(gpus), per_node, loaded.profile.name, global_batch,
+                    int(graph.meta("seq_len") or 0) or None, graph.flops_per_iteration / batch,
+                    loaded.profile.peak("bfloat16"), tuple(points[i] for i in keep), seconds,
+                    loaded.capture_seconds, loaded.folding)
+
+
+def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
+    table = Table(title=f"{frontier.model}: {len(frontier.points)} frontier points on {frontier.device_profile} "
+                        f"(global batch {frontier.global_batch}), fastest first", title_justify="left")
+    for col in ("", "time/iter", "memory/device", "tokens/s", "MFU", "devices", "plan"):
+        table.add_column(col, justify="left" if col in ("plan", "") else "right")
+    shown = list(frontier.points)
+    if len(shown) > limit:
+        step = len(shown) / limit
+        shown = sorted({shown[int(i * step)] for i in range(limit)} | {shown[-1]} | ({chosen} if chosen else set()),
+                       key=lambda p: p.iteration_time_s)
+    for p in shown:
+        tokens = frontier.tokens_per_s(p)
+        table.add_row("*" if p is chosen else "", f"{p.iteration_time_s:.3f} s", binary_bytes(p.peak_memory_bytes),
+                      f"{tokens:,.0f}" if tokens else "-", f"{frontier.mfu(p):.1%}", str(p.plan.devices),
+                      p.plan.summary())
+    console = Console(width=160)
+    console.print(table)
+    if len(frontier.points) > len(shown):
+        console.print(f"({len(frontier.points) - len(shown)} more points in between; --json or --out lists all)")
+
+
+@click.command()
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--gpus", default=None, help="device count, list (64,128,256) or range (64-1024)")
+@model_options
+@click.option("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, show_default=True, help="samples per iteration")
+@click.option("--mem", default=None, help="memory per device, e.g. 40GiB: print the fastest plan that fits")
+@click.option("--no-fold", is_flag=True, help="search copy by copy instead of composing folded blocks")
+@click.option("--plot", "plot_path", default=None, help="write a frontier plot (PNG)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--out", "out_path", default=None, help="save the frontier (JSON) for later queries")
+@click.option("--load", "load_path", default=None, help="answer from a saved frontier instead of searching")
+def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_fold, plot_path, as_json, out_path,
+             load_path):
+    """Search the Pareto frontier of plans (iteration time vs peak memory per device)."""
+    limit = parse_bytes(mem) if mem is not None else None
+    if load_path:
+        result = load_frontier(load_path)
+    else:
+        if not model or not gpus:
+            raise TensorOptError("give --model and --gpus, or --load FILE.json")
+        if global_batch < 1 or gpus_per_node < 1:
+            raise TensorOptError("--global-batch and --gpus-per-node must be positive integers")
+        result = run_search(model, parse_gpus(gpus), gpus_per_node, device, global_batch, seq_len, no_fold)
+    chosen = result.fastest_within(limit) if limit is not None else None
+    if out_path:
+        write_json_atomic(Path(out_path), result.to_json(chosen))
+    if plot_path:
+        plot_frontier(result, plot_path, chosen)
+    if as_json:
+        click.echo(json.dumps(result.to_json(chosen)))
+    else:
+        print_frontier(result, chosen)
+        if chosen is not None:
+            click.echo(f"fastest plan within {binary_bytes(limit)}: {chosen.plan.summary()} "
+                       f"({chosen.iteration_time_s:.3f} s/iteration, {binary_bytes(chosen.peak_memory_bytes)})")
+    if limit is not None and chosen is None:
+        raise TensorOptError(f"no plan fits in {binary_bytes(limit)} per device; the least memory any plan needs "
+                             f"is {binary_bytes(result.least_memory_bytes)}")
+
