@@ -61,8 +61,7 @@ class Loaded:
 
     @property
     def folding(self) -> dict:
-        return {"unique_blocks": [{"name": b.name, "ops": len(b.ops), "repeats": b.repeats} for b in self.folded.blocks],
-                "ops_after_folding": self.folded.ops_after_folding}
+        return self.folded.summary()
 
 
 def load(model: str, device: str, seq_len: int | None) -> Loaded:

@@ -40,12 +40,7 @@ def inspect_report(model: str, batch_size: int | None, seq_len: int | None, use_
         "seq_len": int(graph.meta("seq_len") or 0) or None,
         "parameter_bytes": graph.parameter_bytes,
         "saved_activation_bytes": graph.saved_activation_bytes,
-        "folding": {
-            "unique_blocks": [{"name": b.name, "ops": len(b.ops), "repeats": b.repeats,
-                               "positions": list(b.positions)} for b in folded.blocks],
-            "ops_after_folding": folded.ops_after_folding,
-            "fold_seconds": round(fold_seconds, 4),
-        },
+        "folding": folded.summary(positions=True) | {"fold_seconds": round(fold_seconds, 4)},
     }
 
 

@@ -75,6 +75,12 @@ class FoldedGraph:
         """Ops a search visits: each unique block once, plus the ops between blocks."""
         return sum(len(b.ops) for b in self.blocks) + len(self.loose_ops)
 
+    def summary(self, positions: bool = False) -> dict:
+        """The ``folding`` object of the CLI's JSON output."""
+        blocks = [{"name": b.name, "ops": len(b.ops), "repeats": b.repeats}
+                  | ({"positions": list(b.positions)} if positions else {}) for b in self.blocks]
+        return {"unique_blocks": blocks, "ops_after_folding": self.ops_after_folding}
+
     def unfold(self) -> tuple[Op, ...]:
         """Rebuild the original ops exactly (indices, sources, names) from the folded form."""
         ops: dict[int, Op] = {op.index: op for op in self.loose_ops}
