@@ -26,7 +26,7 @@ def _front(result):
 @pytest.mark.parametrize("devices, per_node", [(1, 1), (4, 2), (4, 4)])
 def test_ft_equals_exhaustive_enumeration(write_json, devices, per_node):
     model = _model(write_json, TINY_GPT, devices, per_node)
-    space = SearchSpace(global_batch=8, micro_batches=(1, 2), max_virtual_stages=2)
+    space = SearchSpace(global_batch=8, micro_batches=(1, 2), max_virtual_stages=2, eps=0.0)
     ft, brute = search(model, devices, space), exhaustive_search(model, devices, space)
     assert brute.candidates > ft.candidates / 10                       # the brute force really enumerated
     np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
@@ -35,7 +35,7 @@ def test_ft_equals_exhaustive_enumeration(write_json, devices, per_node):
 def test_folded_search_equals_unfolded_search(write_json):
     cfg = {**TINY_GPT, "num_layers": 12}
     model = _model(write_json, cfg, 8, 4)
-    space = SearchSpace(global_batch=16)
+    space = SearchSpace(global_batch=16, eps=0.0)
     folded, unfolded = search(model, 8, space), search(model, 8, space, doubling=False)
     np.testing.assert_allclose(_front(folded), _front(unfolded), rtol=1e-12)
     assert [p.plan for p in folded.points] == [p.plan for p in unfolded.points]
@@ -60,3 +60,19 @@ def test_mixed_recomputation_fills_the_memory_gaps(write_json):
     result = search(model, 1, SearchSpace(global_batch=4, micro_batches=(4,), zero_stages=(0,), offload=False))
     mixes = [{s.recompute for s, _ in p.plan.blocks[0].strategies} for p in result.points]
     assert any(len(m) > 1 for m in mixes)
+
+
+def test_epsilon_dominance_error_is_bounded(write_json):
+    """With eps > 0 every point of the exact frontier is within (1 + eps)^d of a returned point in
+    both objectives, d being the nesting depth of prunes (2 log2(copies) + 4), and returned points
+    still price exactly."""
+    model = _model(write_json, {**TINY_GPT, "num_layers": 16}, 8, 4)
+    exact = _front(search(model, 8, SearchSpace(global_batch=32, eps=0.0)))
+    for eps in (0.002, 0.02):
+        result = search(model, 8, SearchSpace(global_batch=32, eps=eps))
+        approx = _front(result)
+        cover = max(min(max(a[0] / e[0], a[1] / e[1]) for a in approx) for e in exact)
+        assert cover <= (1 + eps) ** (2 * np.log2(16) + 4)
+        assert len(approx) <= len(exact)
+        point = result.points[len(result.points) // 2]
+        assert estimate(model, point.plan).iteration_time_s == pytest.approx(point.iteration_time_s, rel=1e-12)

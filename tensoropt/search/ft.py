@@ -40,7 +40,8 @@ class SearchSpace:
     sequence_parallel: bool = True
     offload: bool = True
     max_virtual_stages: int = 4
-    eps: float = 0.0                   # epsilon-dominance while composing (0 = exact)
+    pipeline_stages: tuple[int, ...] | None = None   # restrict pp (None: every even split)
+    eps: float = 0.002                 # epsilon-dominance while composing (0 = exact); see search/pareto.py
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
-        if not model.tp_allowed(tp):
+        if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages):
             continue
         branch_sets = [()] if tp == 1 else [c for r in range(len(model.branch_names), 0, -1)
                                             for c in itertools.combinations(model.branch_names, r)]

@@ -1,0 +1,121 @@
+"""frontier / estimate / show: the JSON contracts, queries on saved frontiers, one-line errors."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tensoropt.cli import cli
+
+GPT = {"family": "gpt", "hidden_size": 128, "num_layers": 6, "num_attention_heads": 8,
+       "ffn_hidden_size": 512, "seq_length": 128, "vocab_size": 512}
+
+
+@pytest.fixture
+def model(write_json):
+    return write_json("gpt6.json", GPT)
+
+
+def run(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def frontier_json(model, *extra):
+    code, out = run("frontier", "--model", model, "--gpus", 8, "--gpus-per-node", 4, "--global-batch", 32, "--json",
+                    *extra)
+    return code, out
+
+
+def test_frontier_json_contract_and_order(model):
+    code, out = frontier_json(model)
+    assert code == 0, out
+    report = json.loads(out)
+    assert {"model", "devices", "search_seconds", "capture_seconds", "folding", "points", "chosen"} <= set(report)
+    assert report["chosen"] is None and report["devices"] == [8]
+    points = report["points"]
+    assert len(points) > 3
+    times = [p["iteration_time_s"] for p in points]
+    mems = [p["peak_memory_bytes"] for p in points]
+    assert times == sorted(times) and mems == sorted(mems, reverse=True)      # non-dominated, fastest first
+    plan = points[0]["plan"]
+    assert plan["dp"] * plan["tp"] * plan["pp"] == 8 and {"zero", "micro_batch", "blocks"} <= set(plan)
+
+
+def test_mem_picks_the_fastest_plan_that_fits_and_a_saved_frontier_answers_alone(model, tmp_path):
+    code, out = frontier_json(model, "--out", tmp_path / "f.json")
+    points = json.loads(out)["points"]
+    budget = points[len(points) // 2]["peak_memory_bytes"]
+    code, out = run("frontier", "--load", tmp_path / "f.json", "--mem", f"{budget}B", "--json")
+    assert code == 0
+    chosen = json.loads(out)["chosen"]
+    assert chosen["peak_memory_bytes"] <= budget
+    assert chosen["iteration_time_s"] == min(p["iteration_time_s"] for p in points if p["peak_memory_bytes"] <= budget)
+    code, out = run("frontier", "--load", tmp_path / "f.json", "--mem", "1KiB")
+    least = min(p["peak_memory_bytes"] for p in points)
+    assert code == 1 and "no plan fits in 1 KiB" in out and "least memory any plan needs" in out
+    assert out.strip().splitlines()[-1].startswith("error:")
+    code, out = run("show", tmp_path / "f.json", "--plot", tmp_path / "f.png")
+    assert code == 0 and "frontier points" in out and (tmp_path / "f.png").stat().st_size > 1000
+    assert least > 0
+
+
+def test_gpus_list_spans_device_counts(model, tmp_path):
+    code, out = run("frontier", "--model", model, "--gpus", "2,4,8", "--gpus-per-node", 4, "--global-batch", 32,
+                    "--json", "--plot", tmp_path / "p.png")
+    assert code == 0
+    report = json.loads(out)
+    assert report["devices"] == [2, 4, 8]
+    assert {p["devices"] for p in report["points"]} >= {8} and all("devices" in p for p in report["points"])
+    assert (tmp_path / "p.png").exists()
+
+
+def test_estimate_json_contract(model):
+    code, out = run("estimate", "--model", model, "--gpus", 8, "--gpus-per-node", 4, "--tp", 2, "--pp", 2,
+                    "--global-batch", 32, "--micro-batch", 2, "--recompute", "selective", "--sequence-parallel",
+                    "--zero", 1, "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["iteration_time_s"] > 0 and report["peak_memory_bytes"] > 0
+    assert set(report["memory_breakdown"]) == {"parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                                               "activations_bytes", "other_bytes"}
+    assert sum(report["memory_breakdown"].values()) == pytest.approx(report["peak_memory_bytes"], abs=8)
+    assert report["plan"]["dp"] == 2 and isinstance(report["time_breakdown"], dict)
+
+
+def test_recomputation_trades_time_for_memory_in_estimates(model):
+    def est(recompute):
+        code, out = run("estimate", "--model", model, "--gpus", 1, "--tp", 1, "--pp", 1, "--global-batch", 4,
+                        "--micro-batch", 4, "--recompute", recompute, "--json")
+        assert code == 0, out
+        return json.loads(out)
+    none, full = est("none"), est("full")
+    assert full["iteration_time_s"] > none["iteration_time_s"]
+    assert full["memory_breakdown"]["activations_bytes"] < none["memory_breakdown"]["activations_bytes"] / 3
+
+
+BAD = {
+    "tp does not divide": (["--tp", 3, "--pp", 1], "--tp 3 x --pp 1 must divide --gpus 8"),
+    "pp does not divide layers": (["--tp", 1, "--pp", 4], "--pp 4 must divide the 6 repeated layers"),
+    "zero 3 with pipeline": (["--tp", 1, "--pp", 2, "--zero", 3], "does not combine with --pp 2"),
+    "unknown profile": (["--tp", 1, "--pp", 1, "--device", "tpu-v9"], "unknown device profile 'tpu-v9'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_estimate_bad_operands_are_one_line(model, case):
+    extra, expected = BAD[case]
+    args = ["estimate", "--model", model, "--gpus", 8, "--gpus-per-node", 4, "--global-batch", 32, *extra]
+    code, out = run(*args)
+    assert code == 1 and expected in out and out.count("\n") == 1, out
+
+
+def test_frontier_bad_input(model, tmp_path):
+    (tmp_path / "broken.json").write_text("{\"kind\": \"tensoropt.frontier\"")
+    cases = [(["--model", model, "--gpus", 8, "--mem", "40"], "give a size with a unit"),
+             (["--model", model, "--gpus", "8-2"], "--gpus '8-2'"),
+             (["--load", tmp_path / "broken.json"], "not a readable frontier file"),
+             (["--gpus", 8], "give --model and --gpus, or --load")]
+    for args, expected in cases:
+        code, out = run("frontier", *args)
+        assert code == 1 and expected in out and out.count("\n") == 1, out
