@@ -76,3 +76,12 @@ def test_epsilon_dominance_error_is_bounded(write_json):
         assert len(approx) <= len(exact)
         point = result.points[len(result.points) // 2]
         assert estimate(model, point.plan).iteration_time_s == pytest.approx(point.iteration_time_s, rel=1e-12)
+
+
+def test_grouped_copies_equal_exhaustive_enumeration(write_json):
+    """With at most 2 groups per stage, 8 copies run as 2 groups of 4: FT and brute force agree."""
+    model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 4, 2)
+    space = SearchSpace(global_batch=8, micro_batches=(1, 2), max_virtual_stages=1, eps=0.0, max_layer_groups=2)
+    ft, brute = search(model, 4, space), exhaustive_search(model, 4, space)
+    np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
+    assert all(n % 2 == 0 or p.plan.pp == 8 for p in ft.points for _, n in p.plan.blocks[0].strategies)

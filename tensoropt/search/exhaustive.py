@@ -1,7 +1,7 @@
 """Exhaustive enumeration: the reference FT is judged against on small cases.
 
-The same global choices as ``ft.search``, but every *ordered* sequence of layer strategies over a
-stage's copies is priced on its own through ``chain_sums`` (the code ``estimate`` uses), with no
+The same global choices as ``ft.search``, but every *ordered* sequence of strategies over a stage's
+groups of copies is priced on its own through ``chain_sums`` (the code ``estimate`` uses), with no
 Pareto pruning before the end. Exponential in the number of copies: small models only.
 """
 
@@ -24,11 +24,11 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
         per_block = []
         for block, cost in model.blocks:
             options = layer_options(cost, tp, space)
-            k = block.repeats // pp
-            if len(options) ** k > max_sequences:
-                raise ValueError(f"{len(options)}^{k} sequences: too many for exhaustive search")
-            per_block.append([(seq, chain_sums(cost, [(o, 1) for o in seq], tp, branches, mb))
-                              for seq in itertools.product(options, repeat=k)])
+            groups, size = space.groups(block.repeats // pp)
+            if len(options) ** groups > max_sequences:
+                raise ValueError(f"{len(options)}^{groups} sequences: too many for exhaustive search")
+            per_block.append([([(o, size) for o in seq], chain_sums(cost, [(o, size) for o in seq], tp, branches, mb))
+                              for seq in itertools.product(options, repeat=groups)])
         for combo in itertools.product(*per_block):
             sums = np.array([c[1] for c in combo])
             t, b, a, p = sums[:, 0].sum(), sums[:, 1].sum(), sums[:, 2].sum(), sums[:, 4].sum()
@@ -44,7 +44,7 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
     points = []
     for k in keep:
         ctx, seqs = plans[k]
-        blocks = tuple(BlockPlan(block.name, tuple((o, 1) for o in seq)) for (block, _), seq in zip(model.blocks, seqs))
+        blocks = tuple(BlockPlan(block.name, tuple(seq)) for (block, _), seq in zip(model.blocks, seqs))
         plan = Plan(devices, ctx.dp, ctx.tp, ctx.pp, ctx.micro_batch, ctx.global_batch, ctx.virtual_stages,
                     ctx.zero, ctx.offload, ctx.tp_branches, blocks=blocks)
         points.append(FrontierPoint(plan, float(values[k, 0]), float(values[k, 1])))

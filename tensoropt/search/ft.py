@@ -9,6 +9,10 @@ over layouts; two chains compose by a (union, Minkowski-sum) matrix product, so 
 searched once compose in O(log k) products by repeated doubling, and the result equals the
 copy-by-copy DP (tests check both against exhaustive enumeration).
 
+A stage's copies of a block are split into at most ``max_layer_groups`` equal groups, each running
+one strategy (``recompute-num-layers`` in Megatron-LM is such a split): the chain's steps are groups,
+so its cost depends on the number of groups, not on the depth.
+
 Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
 which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload.
 Every candidate is priced by the same ``evaluate`` as ``tensoropt estimate``, and the non-dominated
@@ -41,6 +45,13 @@ class SearchSpace:
     offload: bool = True
     max_virtual_stages: int = 4
     pipeline_stages: tuple[int, ...] | None = None   # restrict pp (None: every even split)
+    max_layer_groups: int = 16         # a stage's copies of a block form at most this many equal groups,
+    #                                    each with one strategy: bounds the work per chain whatever the depth
+
+    def groups(self, copies: int) -> tuple[int, int]:
+        """(groups, copies per group) for ``copies`` copies on a stage: the most groups <= the cap."""
+        count = max(g for g in divisors(copies) if g <= self.max_layer_groups)
+        return count, copies // count
     eps: float = 0.002                 # epsilon-dominance while composing (0 = exact); see search/pareto.py
 
 
@@ -66,7 +77,8 @@ def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStr
 
 
 def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
-                  micro_batch: int) -> Matrix:
+                  micro_batch: int, group: int = 1) -> Matrix:
+    """One step of the chain: a group of ``group`` consecutive copies running one strategy."""
     change = cost.layout_change_s(tp, micro_batch)
     layouts = sorted({o.sequence_parallel for o in options})
     matrix: Matrix = {}
@@ -74,9 +86,9 @@ def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, branch
         for b in layouts:
             rows = [i for i, o in enumerate(options) if o.sequence_parallel == b]
             costs = [cost.layer(options[i], tp, branches, micro_batch) for i in rows]
-            values = np.array([[c.time_s + (change if a != b else 0.0), c.activation_bytes, c.transient_bytes]
-                               for c in costs])
-            counts = np.eye(len(options), dtype=np.int64)[rows]
+            values = np.array([[group * c.time_s + (change if a != b else 0.0), group * c.activation_bytes,
+                                c.transient_bytes] for c in costs])
+            counts = group * np.eye(len(options), dtype=np.int64)[rows]
             matrix[(a, b)] = ParetoSet.single(values, counts)
     return matrix
 
@@ -99,10 +111,10 @@ class Chain:
     depth (k = copies / pp) costs only the products its binary digits need."""
 
     def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
-                 micro_batch: int, eps: float = 0.0) -> None:
+                 micro_batch: int, eps: float = 0.0, group: int = 1) -> None:
         self.eps = eps
         self.change = cost.layout_change_s(tp, micro_batch)
-        self.powers = [_layer_matrix(cost, options, tp, branches, micro_batch)]
+        self.powers = [_layer_matrix(cost, options, tp, branches, micro_batch, group)]
 
     def _power(self, i: int) -> Matrix:
         while len(self.powers) <= i:
@@ -125,7 +137,7 @@ class Chain:
 
 def chain(cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...], micro_batch: int,
           copies: int, eps: float = 0.0, doubling: bool = True) -> ParetoSet:
-    """Pareto set of ``copies`` consecutive copies entered and left with a replicated stream."""
+    """Pareto set of ``copies`` consecutive copies (one strategy each) entered and left replicated."""
     return Chain(cost, options, tp, branches, micro_batch, eps).copies(copies, doubling)
 
 
@@ -177,9 +189,10 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
             parts, option_lists = [], []
             for b, (block, cost) in enumerate(model.blocks):
                 options = layer_options(cost, tp, space)
-                builder = builders.setdefault((b, tp, branches, mb),
-                                              Chain(cost, options, tp, branches, mb, space.eps))
-                parts.append(builder.copies(block.repeats // pp, doubling))
+                groups, size = space.groups(block.repeats // pp)
+                builder = builders.setdefault((b, tp, branches, mb, size),
+                                              Chain(cost, options, tp, branches, mb, space.eps, size))
+                parts.append(builder.copies(groups, doubling))
                 option_lists.append(options)
             chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
                 (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
