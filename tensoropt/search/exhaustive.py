@@ -24,7 +24,7 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
         per_block = []
         for block, cost in model.blocks:
             options = layer_options(cost, tp, space)
-            groups, size = space.groups(block.repeats // pp)
+            groups, size = space.groups(block.repeats // pp, block.repeats)
             if len(options) ** groups > max_sequences:
                 raise ValueError(f"{len(options)}^{groups} sequences: too many for exhaustive search")
             per_block.append([([(o, size) for o in seq], chain_sums(cost, [(o, size) for o in seq], tp, branches, mb))

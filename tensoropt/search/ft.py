@@ -22,6 +22,7 @@ Every candidate is priced by the same ``evaluate`` as ``tensoropt estimate``, an
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ import numpy as np
 from ..cost.layer import BlockCost
 from ..cost.model import Context, ModelCost, evaluate
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, divisors, meshes
-from .pareto import ParetoSet, combine, nondominated, union
+from .pareto import ParetoSet, combine, combine_all, nondominated, union
 
 Matrix = dict[tuple[bool, bool], ParetoSet]
 
@@ -48,10 +49,15 @@ class SearchSpace:
     max_layer_groups: int = 16         # a stage's copies of a block form at most this many equal groups,
     #                                    each with one strategy: bounds the work per chain whatever the depth
 
-    def groups(self, copies: int) -> tuple[int, int]:
-        """(groups, copies per group) for ``copies`` copies on a stage: the most groups <= the cap."""
-        count = max(g for g in divisors(copies) if g <= self.max_layer_groups)
-        return count, copies // count
+    def groups(self, copies: int, repeats: int) -> tuple[int, int]:
+        """(groups, copies per group) for ``copies`` copies of a block on one stage.
+
+        The group size is fixed per block, the smallest that splits all its ``repeats`` into at
+        most ``max_layer_groups`` groups, reduced to divide the stage's copies: every pipeline depth
+        then shares one chain and its doubling powers."""
+        base = min(d for d in divisors(repeats) if repeats // d <= self.max_layer_groups)
+        size = math.gcd(base, copies)
+        return copies // size, size
     eps: float = 0.002                 # epsilon-dominance while composing (0 = exact); see search/pareto.py
 
 
@@ -98,10 +104,9 @@ def _multiply(p: Matrix, q: Matrix, eps: float) -> Matrix:
     out: Matrix = {}
     for a in layouts:
         for c in layouts:
-            parts = [combine(p[(a, b)], q[(b, c)], eps) for b in layouts if (a, b) in p and (b, c) in q]
-            parts = [s for s in parts if len(s)]
-            if parts:
-                out[(a, c)] = union(parts, eps)
+            pairs = [(p[(a, b)], q[(b, c)]) for b in layouts if (a, b) in p and (b, c) in q]
+            if any(len(x) and len(y) for x, y in pairs):
+                out[(a, c)] = combine_all(pairs, eps)
     return out
 
 
@@ -189,7 +194,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
             parts, option_lists = [], []
             for b, (block, cost) in enumerate(model.blocks):
                 options = layer_options(cost, tp, space)
-                groups, size = space.groups(block.repeats // pp)
+                groups, size = space.groups(block.repeats // pp, block.repeats)
                 builder = builders.setdefault((b, tp, branches, mb, size),
                                               Chain(cost, options, tp, branches, mb, space.eps, size))
                 parts.append(builder.copies(groups, doubling))

@@ -71,15 +71,31 @@ def prune(values: np.ndarray, counts: np.ndarray, eps: float = 0.0) -> ParetoSet
 
 
 def combine(a: ParetoSet, b: ParetoSet, eps: float = 0.0) -> ParetoSet:
-    """Minkowski sum of two sets (one part after the other), pruned; provenance is summed only
-    for the pairs that survive."""
-    if not len(a) or not len(b):
-        return ParetoSet(np.zeros((0, 3)), np.zeros((0, a.counts.shape[1]), dtype=np.int64))
-    va, vb = a.values[:, None, :], b.values[None, :, :]
-    values = np.concatenate([va[..., :2] + vb[..., :2], np.maximum(va[..., 2:], vb[..., 2:])], axis=2).reshape(-1, 3)
+    """Minkowski sum of two sets (one part after the other), pruned."""
+    return combine_all([(a, b)], eps)
+
+
+def combine_all(pairs: list[tuple[ParetoSet, ParetoSet]], eps: float = 0.0) -> ParetoSet:
+    """Union of the Minkowski sums of several pairs, pruned once; provenance is summed only for
+    the sums that survive."""
+    pairs = [(a, b) for a, b in pairs if len(a) and len(b)]
+    if not pairs:
+        raise ValueError("no pair to combine")
+    blocks, owners = [], []
+    for k, (a, b) in enumerate(pairs):
+        va, vb = a.values[:, None, :], b.values[None, :, :]
+        blocks.append(np.concatenate([va[..., :2] + vb[..., :2], np.maximum(va[..., 2:], vb[..., 2:])],
+                                     axis=2).reshape(-1, 3))
+        owners.append(np.full(len(a) * len(b), k))
+    values = np.concatenate(blocks)
     keep = _keep(values, eps)
-    i, j = np.divmod(keep, len(b))
-    return ParetoSet(values[keep], a.counts[i] + b.counts[j])
+    offsets = np.cumsum([0] + [len(v) for v in blocks])
+    counts = []
+    for k in keep:
+        a, b = pairs[owners_k := int(np.searchsorted(offsets, k, side="right") - 1)]
+        i, j = divmod(int(k - offsets[owners_k]), len(b))
+        counts.append(a.counts[i] + b.counts[j])
+    return ParetoSet(values[keep], np.array(counts))
 
 
 def union(sets: list[ParetoSet], eps: float = 0.0) -> ParetoSet:
