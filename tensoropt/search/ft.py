@@ -202,6 +202,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
             chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
                 (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
         stage, option_lists = chains[key]
+        globals_ = _undominated(globals_, dp, pp)
         backward = _backward_sums(model, stage, option_lists, tp, branches, mb)
         params = _param_sums(model, stage, option_lists, tp, branches, mb)
         for v, z, off in globals_:
@@ -223,6 +224,20 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         points.append(FrontierPoint(plan, float(values[row[k], 0]), float(values[row[k], 1])))
     return SearchResult(points, time.perf_counter() - start, n_candidates,
                         {"chains": len(chains), "contexts": len(candidates)})
+
+
+def _undominated(globals_: list[tuple[int, int, bool]], dp: int, pp: int) -> list[tuple[int, int, bool]]:
+    """Drop ZeRO stages the cost model says are dominated, before pricing them.
+
+    With dp > 1, ZeRO 0, 1 and 2 move the same gradient bytes (all-reduce = reduce-scatter +
+    all-gather) while each higher stage keeps less state and steps the optimizer on fewer
+    parameters, so the highest allowed of them (2 without pipelines, 1 with) is never worse; with
+    dp = 1 every stage prices the same. The exhaustive reference does not prune: the tests that
+    compare it with FT check this is sound."""
+    if dp == 1:
+        return [g for g in globals_ if g[1] == (1 if g[2] else 0)]
+    best = 1 if pp > 1 else 2
+    return [g for g in globals_ if g[1] >= best or g[1] == 3]
 
 
 def _front_2d(values: np.ndarray) -> np.ndarray:
