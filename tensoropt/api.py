@@ -68,7 +68,7 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
     src = identity["source"]
     graph = replace(graph, fingerprint=key, metadata=tuple(sorted({
         "source": label, "torch": torch.__version__, "trace_seconds": f"{seconds:.6f}",
-        "batch_size": str(src.get("batch_size", "")), "seq_len": str(src.get("seq_len", "")),
+        "batch_size": str(src.get("batch_size") or ""), "seq_len": str(src.get("seq_len") or ""),
     }.items())))
     if store is not None:
         store.store(key, graph)

@@ -119,3 +119,12 @@ def test_frontier_bad_input(model, tmp_path):
     for args, expected in cases:
         code, out = run("frontier", *args)
         assert code == 1 and expected in out and out.count("\n") == 1, out
+
+
+def test_no_plan_for_the_global_batch_is_one_line():
+    # Wide-ResNet has no tensor-parallel branch and several blocks (no pipeline): only dp = 8 runs
+    code, out = run("frontier", "--model", "wide-resnet50-2", "--gpus", 8, "--global-batch", 3)
+    assert code == 1 and "no plan runs wide-resnet50-2 on [8] devices with --global-batch 3" in out
+    code, out = run("frontier", "--model", "wide-resnet50-2", "--gpus", 8, "--global-batch", 64, "--json")
+    points = json.loads(out)["points"]
+    assert code == 0 and all(p["tokens_per_s"] is None and p["plan"]["tp"] == 1 for p in points)

@@ -81,15 +81,24 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
     if as_json:
         click.echo(json.dumps(report))
         return
-    table = Table(title=f"{loaded.graph.name}: {plan.summary()} on {gpus} x {loaded.profile.name}",
-                  show_header=False, title_justify="left")
+    title = f"{loaded.graph.name}: {plan.summary()} on {gpus} x {loaded.profile.name}"
+    table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("iteration time", f"{result.iteration_time_s:.3f} s")
+    parts = ("forward_backward_s", "recompute_s", "tensor_parallel_comm_s")
     for key, value in result.time_breakdown.items():
+        if key in parts:
+            continue
         table.add_row(f"  {key.removesuffix('_s').replace('_', ' ')}", f"{value:.3f} s")
+        if key == "compute_s":
+            for part in parts:
+                table.add_row(f"    {part.removesuffix('_s').replace('_', ' ')}",
+                              f"{result.time_breakdown[part]:.3f} s")
     table.add_row("peak memory per device", binary_bytes(result.peak_memory_bytes)
                   + ("" if report["fits"] else f"  (> {binary_bytes(loaded.profile.memory_bytes)} on the device)"))
     for key, value in result.memory_breakdown.items():
         table.add_row(f"  {key.removesuffix('_bytes')}", binary_bytes(value))
-    Console().print(table)
+    console = Console(width=120)
+    console.print(title)
+    console.print(table)

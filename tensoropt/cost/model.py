@@ -219,8 +219,22 @@ def estimate(model: ModelCost, plan: Plan) -> Estimate:
     mem_keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "other_bytes")
     time_keys = ("compute_s", "pipeline_bubble_s", "pipeline_p2p_s", "data_parallel_comm_s",
                  "data_parallel_exposed_s", "optimizer_s")
+    breakdown = {k: float(r[k][0]) for k in time_keys}
+    breakdown.update(_layer_parts(model, plan, by_block, ctx.micro_batches))
     return Estimate(float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0]),
-                    {k: float(r[k][0]) for k in mem_keys}, {k: float(r[k][0]) for k in time_keys})
+                    {k: float(r[k][0]) for k in mem_keys}, breakdown)
+
+
+def _layer_parts(model: ModelCost, plan: Plan, by_block: dict, micro_batches: int) -> dict[str, float]:
+    """What ``compute_s`` (every micro-batch on the slowest stage) is made of in the layers."""
+    parts = {"forward_backward_s": 0.0, "recompute_s": 0.0, "tensor_parallel_comm_s": 0.0}
+    for block, cost in model.blocks:
+        for strategy, n in by_block.get(block.name, [(LayerStrategy(), block.repeats // plan.pp)]):
+            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch)
+            parts["forward_backward_s"] += micro_batches * n * (c.forward_s + c.backward_s)
+            parts["recompute_s"] += micro_batches * n * c.recompute_s
+            parts["tensor_parallel_comm_s"] += micro_batches * n * c.tp_comm_s
+    return parts
 
 
 __all__ = ["Context", "Estimate", "ModelCost", "chain_sums", "estimate", "evaluate", "in_flight"]

@@ -75,7 +75,7 @@ class BuiltinSource(ModelSource):
     def identity(self, batch_size, seq_len):
         seq = self._seq_len(seq_len)
         return {"kind": "builtin", "family": self.family, "config": self._config_for(seq).to_dict(),
-                "batch_size": batch_size or 1, "seq_len": seq}
+                "batch_size": batch_size or 1, "seq_len": None if self.family == "resnet" else seq}
 
     def build(self, batch_size, seq_len):
         b, seq = batch_size or 1, self._seq_len(seq_len)

@@ -212,6 +212,8 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
             keep = _front_2d(values)
             n_candidates += len(values)
             candidates.append((values[keep], ctx, stage.counts[keep], option_lists))
+    if not candidates:
+        return SearchResult([], time.perf_counter() - start, 0, {"chains": len(chains), "contexts": 0})
     all_values = np.concatenate([c[0] for c in candidates])
     owner = np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(candidates)])
     row = np.concatenate([np.arange(len(c[0])) for c in candidates])
