@@ -36,8 +36,9 @@ def _register() -> None:
     from .estimate_cmd import estimate
     from .frontier_cmd import frontier
     from .inspect_cmd import inspect
+    from .profile_cmd import profile
     from .show_cmd import show
-    for command in (inspect, frontier, estimate, show):
+    for command in (inspect, frontier, estimate, show, profile):
         cli.add_command(command)
 
 

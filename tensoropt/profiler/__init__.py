@@ -1,0 +1,1 @@
+"""The profiler: measure the devices and links of this machine and write a device profile."""

@@ -1,0 +1,124 @@
+"""Collective communication measured in real worker processes through ``torch.distributed``
+(gloo on CPU, nccl on CUDA): all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point
+over message sizes, for every group size from 2 to the number of workers.
+
+Workers are spawned on a free local port; rank 0 reports each timing (the maximum over ranks of
+the median over repeats, since a collective ends when its slowest rank does).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_op(op: str, x: torch.Tensor, group, group_size: int, rank: int) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(x, group=group)
+    elif op == "all_gather":
+        _all_gather(torch.empty(x.numel() * group_size, dtype=x.dtype, device=x.device), x,
+                                    group=group)
+    elif op == "reduce_scatter":
+        _reduce_scatter(torch.empty(x.numel() // group_size, dtype=x.dtype, device=x.device), x,
+                                   group=group)
+    elif op == "all_to_all":
+        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    elif rank == 0:
+        dist.send(x, 1)
+        dist.recv(x, 1)
+    elif rank == 1:
+        dist.recv(x, 0)
+        dist.send(x, 0)
+
+
+def _worker(rank: int, world: int, port: int, device: str, sizes: list[int], repeats: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    results = []
+    for group_size in range(2, world + 1):
+        group = dist.new_group(list(range(group_size)))
+        member = rank < group_size
+        for op in OPS:
+            if op == "p2p" and group_size != 2:
+                continue
+            for nbytes in sizes:
+                numel = max(group_size, nbytes // 4 // group_size * group_size)
+                x = torch.ones(numel, device=device)
+                samples = []
+                for i in range(repeats + 1):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    if member:
+                        _run_op(op, x, group, group_size, rank)
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                    elapsed = torch.tensor([time.perf_counter() - start])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if i:                                 # the first run warms the group up
+                        samples.append(float(elapsed))
+                # p2p runs a round trip: report one direction
+                seconds = statistics.median(samples) / (2 if op == "p2p" else 1)
+                results.append({"op": op, "group_size": group_size, "bytes": numel * 4, "seconds": seconds})
+                if rank == 0:
+                    queue.put(("step", op, group_size, numel * 4))
+    if rank == 0:
+        queue.put(("done", results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(nproc: int, device: str, sizes: list[int], repeats: int, on_step=None) -> list[dict]:
+    """Spawn ``nproc`` workers and return every measurement; ``on_step`` is called per timing."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = free_port()
+    procs = [context.Process(target=_worker, args=(r, nproc, port, device, sizes, repeats, queue), daemon=True)
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results = None
+    try:
+        while results is None:
+            if queue.empty():
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("a collective-benchmark worker failed")
+                time.sleep(0.01)
+                continue
+            kind, *payload = queue.get()
+            if kind == "step" and on_step:
+                on_step(*payload)
+            elif kind == "done":
+                results = payload[0]
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    return results
+
+
+def steps(nproc: int, sizes: list[int]) -> int:
+    """How many timings ``measure`` reports (for a progress bar)."""
+    return sum(len(sizes) * (len(OPS) if g == 2 else len(OPS) - 1) for g in range(2, nproc + 1))

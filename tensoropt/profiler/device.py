@@ -1,0 +1,72 @@
+"""Device micro-benchmarks: matrix products over shapes and dtypes (the efficiency curve), memory
+bandwidth, the fixed cost of launching one op, and the optimizer step rate.
+
+Every figure is the median of several timed repeats after a warm-up; on CUDA the device is
+synchronised around each timing. Nothing here is used by the planner directly: ``run.py`` turns
+the measurements into a profile.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def matmul(n: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
+    """An n x n x n product: seconds and achieved FLOP/s (2 n^3 FLOPs)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    seconds = timed(lambda: a @ b, device, repeats)
+    flops = 2.0 * n**3
+    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "seconds": seconds, "flops": flops,
+            "flops_per_s": flops / seconds}
+
+
+def memory_bandwidth(numel: int, device: str, repeats: int) -> dict:
+    """Copy of ``numel`` float32 elements: read + write bytes per second."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeats)
+    moved = 2.0 * numel * 4
+    return {"bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds}
+
+
+def op_overhead(device: str, repeats: int) -> float:
+    """Seconds to run one trivial op: the framework's fixed per-op cost."""
+    x = torch.ones(1, device=device)
+
+    def hundred_adds():
+        for _ in range(100):
+            torch.add(x, x)
+    return timed(hundred_adds, device, repeats) / 100
+
+
+def adam_rate(params: int, device: str, repeats: int) -> float:
+    """Parameters per second one AdamW step updates (the offload path's CPU optimizer rate when
+    measured on the CPU)."""
+    weight = torch.nn.Parameter(torch.randn(params, device=device))
+    weight.grad = torch.randn_like(weight)
+    optimizer = torch.optim.AdamW([weight], lr=1e-4)
+    return params / timed(optimizer.step, device, repeats)

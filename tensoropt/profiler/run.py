@@ -1,0 +1,143 @@
+"""Run the benchmarks and turn them into a device profile (the schema ``cost/profile.py`` reads).
+
+Fits:
+- ``peak_flops`` per dtype: the best matrix-product rate measured; ``matmul_efficiency``: each
+  product's rate over that peak, against its FLOPs (the cost model interpolates in log FLOPs and
+  holds the end points constant beyond the measured range);
+- ``memory_bandwidth_bytes_per_s``: the best copy rate (``memory_efficiency`` 1: it is achieved);
+- links: the ring all-reduce model t = 2(n-1)/n * M/B + 2(n-1)*alpha fitted to every all-reduce by
+  least squares, giving B (bytes/s per rank) and alpha (latency), for the workers' node. A
+  single-host run cannot see an inter-node link: it is recorded equal to the intra-node one and
+  the metadata says so.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+from . import collectives
+from . import device as bench
+
+QUICK = {"matmul": [128, 512, 1024], "memory": [1 << 22], "messages": [1 << 12, 1 << 18, 1 << 21],
+         "repeats": 3, "adam": 1 << 20}
+FULL = {"matmul": [64, 128, 256, 512, 1024, 2048, 4096], "memory": [1 << 22, 1 << 25],
+        "messages": [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26],
+        "repeats": 7, "adam": 1 << 24}
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str
+    nproc: int
+    quick: bool
+
+    @property
+    def plan(self) -> dict:
+        return QUICK if self.quick else FULL
+
+    @property
+    def dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16] if self.device == "cuda" else [torch.float32,
+                                                                                            torch.bfloat16]
+
+
+def total_steps(s: Settings) -> int:
+    return (len(s.plan["matmul"]) * len(s.dtypes) + len(s.plan["memory"]) + 2
+            + collectives.steps(s.nproc, s.plan["messages"]))
+
+
+def fit_ring(points: list[dict]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the ring all-reduce model, least squares, both > 0."""
+    rows = np.array([[2 * (p["group_size"] - 1) / p["group_size"] * p["bytes"], 2 * (p["group_size"] - 1)]
+                     for p in points])
+    times = np.array([p["seconds"] for p in points])
+    (inv_bandwidth, latency), *_ = np.linalg.lstsq(rows, times, rcond=None)
+    if inv_bandwidth <= 0:                     # all-latency: take the largest message's rate
+        big = max(points, key=lambda p: p["bytes"])
+        inv_bandwidth = big["seconds"] / (2 * (big["group_size"] - 1) / big["group_size"] * big["bytes"])
+    return 1.0 / inv_bandwidth, max(float(latency), 1e-7)
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    for line in open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "cpu"
+
+
+def memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read the host's memory size")
+
+
+def run(name: str, settings: Settings, advance) -> dict:
+    """Measure everything; ``advance(description)`` is called after each step."""
+    plan, dev = settings.plan, settings.device
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.nproc)) if dev == "cpu" else None
+    products = []
+    for dtype in settings.dtypes:
+        for n in plan["matmul"]:
+            products.append(bench.matmul(n, dtype, dev, plan["repeats"]))
+            advance(f"matmul {n}^3 {products[-1]['dtype']}")
+    memory = []
+    for numel in plan["memory"]:
+        memory.append(bench.memory_bandwidth(numel, dev, plan["repeats"]))
+        advance("memory bandwidth")
+    overhead = bench.op_overhead(dev, plan["repeats"])
+    advance("op overhead")
+    adam = bench.adam_rate(plan["adam"], "cpu", plan["repeats"])
+    advance("optimizer step")
+    comm = collectives.measure(settings.nproc, dev, plan["messages"], plan["repeats"],
+                               on_step=lambda op, g, b: advance(f"{op} x{g} {b} B"))
+    return build_profile(name, settings, products, memory, overhead, adam, comm)
+
+
+def build_profile(name: str, settings: Settings, products: list[dict], memory: list[dict], overhead: float,
+                  adam: float, comm: list[dict]) -> dict:
+    peaks = {}
+    for p in products:
+        peaks[p["dtype"]] = max(peaks.get(p["dtype"], 0.0), p["flops_per_s"])
+    reference = "bfloat16" if "bfloat16" in peaks else "float32"
+    curve = sorted((p["flops"], min(1.0, p["flops_per_s"] / peaks[reference]))
+                   for p in products if p["dtype"] == reference)
+    bandwidth, latency = fit_ring([c for c in comm if c["op"] == "all_reduce"])
+    mem_rate = max(m["bytes_per_s"] for m in memory)
+    link = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency, "efficiency": 1.0}
+    return {
+        "schema_version": 1, "kind": "tensoropt.device_profile", "name": name,
+        "device": device_name(settings.device), "measured": True,
+        "peak_flops": peaks, "matmul_efficiency": [list(p) for p in curve],
+        "memory_bytes": memory_bytes(settings.device), "memory_bandwidth_bytes_per_s": mem_rate,
+        "memory_efficiency": 1.0, "kernel_overhead_s": overhead, "runtime_overhead_bytes": 512 * 2**20,
+        "intra_node": link, "inter_node": dict(link),
+        "host": {"pcie_bandwidth_bytes_per_s": mem_rate, "cpu_adam_params_per_s": adam},
+        "extrapolation": "efficiency is interpolated in log10(FLOPs) between measured products and held "
+                         "constant beyond them; links follow the fitted ring model at every size",
+        "sources": [f"measured by `tensoropt profile --device {settings.device} --nproc {settings.nproc}"
+                    f"{' --quick' if settings.quick else ''}`"],
+        "metadata": {
+            "device_name": device_name(settings.device), "device_count": settings.nproc,
+            "device_kind": settings.device, "host": socket.gethostname(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "quick": settings.quick, "threads_per_worker": torch.get_num_threads(),
+            "method": "medians of timed repeats after a warm-up; collectives in spawned worker processes "
+                      f"({'nccl' if settings.device == 'cuda' else 'gloo'}); inter-node link not measured "
+                      "(single host): recorded equal to the intra-node link",
+        },
+        "measurements": {"matmul": products, "memory": memory, "op_overhead_s": overhead,
+                         "adam_params_per_s": adam, "collectives": comm},
+    }

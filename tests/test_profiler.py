@@ -1,0 +1,90 @@
+"""The profiler on CPU with 2 real worker processes (gloo): schema, sanity bounds, use by the
+cost model, and no half-written file when interrupted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tensoropt.cost.profile import load_profile
+
+pytestmark = pytest.mark.slow
+
+
+def _profile(out, *extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "tensoropt", "profile", "--device", "cpu", "--nproc", "2",
+                           "--quick", "--out", str(out), *extra], capture_output=True, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profiles") / "cpu-quick.json"
+    result = _profile(out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrote" in result.stdout
+    return out
+
+
+def test_profile_matches_the_schema_the_cost_model_reads(quick_profile):
+    profile = load_profile(str(quick_profile))
+    data = json.loads(quick_profile.read_text())
+    assert profile.measured and data["schema_version"] == 1
+    assert {"device_name", "device_count", "torch", "date", "method", "quick"} <= set(data["metadata"])
+    assert data["metadata"]["device_count"] == 2 and data["metadata"]["quick"] is True
+    assert profile.peak("float32") > 1e9 and profile.peak("bfloat16") > 1e9
+    assert profile.memory_bandwidth_bytes_per_s > 1e8 and profile.intra_node.bandwidth_bytes_per_s > 1e6
+    assert 0 < profile.intra_node.latency_s < 0.1 and 0 < profile.kernel_overhead_s < 1e-3
+    assert all(0 < e <= 1 for _, e in profile.matmul_efficiency)
+
+
+def test_measurements_grow_with_size(quick_profile):
+    m = json.loads(quick_profile.read_text())["measurements"]
+    for dtype in ("float32", "bfloat16"):
+        times = [p["seconds"] for p in sorted(m["matmul"], key=lambda p: p["n"]) if p["dtype"] == dtype]
+        assert times == sorted(times) and times[-1] > 10 * times[0]
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        runs = sorted((c for c in m["collectives"] if c["op"] == op), key=lambda c: c["bytes"])
+        assert len(runs) == 3 and runs[-1]["seconds"] > runs[0]["seconds"] > 0, op
+
+
+def test_the_planner_uses_a_measured_profile(quick_profile, write_json):
+    from click.testing import CliRunner
+
+    from tensoropt.cli import cli
+    model = write_json("m.json", {"family": "gpt", "hidden_size": 1024, "num_layers": 2, "num_attention_heads": 8,
+                                  "ffn_hidden_size": 4096, "seq_length": 1024, "vocab_size": 1024})
+    runs = {}
+    for device in (str(quick_profile), "h100-80gb"):
+        result = CliRunner().invoke(cli, ["estimate", "--model", model, "--gpus", 2, "--gpus-per-node", 2, "--tp", 1,
+                                          "--pp", 1, "--global-batch", 4, "--device", device, "--json"])
+        assert result.exit_code == 0, result.output
+        runs[device] = json.loads(result.output)
+    assert runs[str(quick_profile)]["device_profile"] == "cpu-quick"
+    # compute-bound: a 2-core CPU is hundreds of times slower than an H100
+    assert runs[str(quick_profile)]["iteration_time_s"] > 50 * runs["h100-80gb"]["iteration_time_s"]
+
+
+def test_an_interrupted_run_writes_nothing(tmp_path):
+    out = tmp_path / "cut.json"
+    proc = subprocess.Popen([sys.executable, "-m", "tensoropt", "profile", "--device", "cpu", "--nproc", "2",
+                             "--quick", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert "Traceback" not in err
+
+
+def test_bad_profile_arguments_are_one_line(tmp_path):
+    for extra, expected in ((["--out", str(tmp_path / "missing" / "x.json")], "does not exist"),
+                            (["--out", str(tmp_path / "x.json"), "--model", "gpt2-small"], "not implemented yet")):
+        result = subprocess.run([sys.executable, "-m", "tensoropt", "profile", "--quick", *extra],
+                                capture_output=True, text=True)
+        assert result.returncode == 1 and expected in result.stderr and "Traceback" not in result.stderr
