@@ -14,14 +14,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def machine() -> dict:
     import torch
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+
+    from tensoropt.profiler.run import device_name
+    cpu = device_name("cpu")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()

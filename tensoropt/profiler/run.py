@@ -18,6 +18,7 @@ import platform
 import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -68,7 +69,8 @@ def fit_ring(points: list[dict]) -> tuple[float, float]:
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)
-    for line in open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else []:
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "cpu"
@@ -87,7 +89,8 @@ def memory_bytes(device: str) -> int:
 def run(name: str, settings: Settings, advance) -> dict:
     """Measure everything; ``advance(description)`` is called after each step."""
     plan, dev = settings.plan, settings.device
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.nproc)) if dev == "cpu" else None
+    if dev == "cpu":      # the collective workers later share the cores the same way
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.nproc))
     products = []
     for dtype in settings.dtypes:
         for n in plan["matmul"]:
