@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tensoropt.cost.profile import load_profile
@@ -84,7 +85,29 @@ def test_an_interrupted_run_writes_nothing(tmp_path):
 
 def test_bad_profile_arguments_are_one_line(tmp_path):
     for extra, expected in ((["--out", str(tmp_path / "missing" / "x.json")], "does not exist"),
-                            (["--out", str(tmp_path / "x.json"), "--model", "gpt2-small"], "not implemented yet")):
+                            (["--out", str(tmp_path / "x.json"), "--model", "gpt5"], "unknown model 'gpt5'")):
         result = subprocess.run([sys.executable, "-m", "tensoropt", "profile", "--quick", *extra],
                                 capture_output=True, text=True)
         assert result.returncode == 1 and expected in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_calibration_times_the_unique_ops_and_the_planner_uses_them(tmp_path, write_json):
+    cfg = {"family": "gpt", "hidden_size": 128, "num_layers": 4, "num_attention_heads": 4,
+           "ffn_hidden_size": 512, "seq_length": 128, "vocab_size": 256}
+    model = write_json("calib.json", cfg)
+    out = tmp_path / "calibrated.json"
+    result = _profile(out, "--model", model)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    import tensoropt
+    from tensoropt.cost.ops import OpArrays
+    graph = tensoropt.capture(model).graph
+    folded = tensoropt.fold(graph)
+    unique = {op.key() for op in folded.blocks[0].ops} | {op.key() for op in folded.loose_ops}
+    assert set(data["op_times"]) <= unique
+    assert len(data["op_times"]) == data["metadata"]["op_times_measured"] >= len(unique) - 2
+    assert len(unique) < len(graph.ops) / 2                                  # folded: never every layer
+    profile = load_profile(str(out))
+    arrays = OpArrays.of(folded.blocks[0].ops, profile)
+    timed = ~np.isnan(arrays.measured_forward_s)
+    assert timed.sum() >= len(folded.blocks[0].ops) - 1 and np.all(arrays.measured_forward_s[timed] > 0)

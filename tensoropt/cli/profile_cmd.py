@@ -17,17 +17,17 @@ from .format import binary_bytes, si
 
 @click.command()
 @click.option("--device", "device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--model", default=None, help="also time the model's unique ops (per-op calibration)")
+@click.option("--model", default=None, help="also time this model's unique ops forward and backward "
+              "(per-op calibration, at batch 1 and the captured shapes)")
 @click.option("--nproc", type=click.IntRange(min=2), default=2, show_default=True,
               help="worker processes for the collective benchmarks")
 @click.option("--quick", is_flag=True, help="fewer sizes (under a minute on a 2-core CPU)")
 @click.option("--out", "out_path", required=True, help="where to write the profile, e.g. profiles/NAME.json")
 def profile(device: str, model: str | None, nproc: int, quick: bool, out_path: str) -> None:
     """Measure matrix products, memory bandwidth, op overhead and collectives; write a profile."""
-    from ..profiler.run import Settings, run, total_steps
+    from ..profiler.run import Settings, calibrate_ops, run, total_steps
 
-    if model is not None:
-        raise TensorOptError("--model (per-op calibration) is not implemented yet; profile without it")
+    ops = _unique_model_ops(model) if model is not None else []
     if device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -40,11 +40,25 @@ def profile(device: str, model: str | None, nproc: int, quick: bool, out_path: s
     settings = Settings(device, nproc, quick)
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   transient=True) as progress:
-        task = progress.add_task("profiling", total=total_steps(settings))
-        data = run(out.stem, settings, lambda what: progress.update(task, advance=1, description=what))
+        task = progress.add_task("profiling", total=total_steps(settings) + len(ops))
+        advance = lambda what: progress.update(task, advance=1, description=what)   # noqa: E731
+        data = run(out.stem, settings, advance)
+        if ops:
+            data["op_times"], skipped = calibrate_ops(ops, settings, advance)
+            data["metadata"].update(op_times_model=model, op_times_measured=len(data["op_times"]),
+                                    op_times_skipped=skipped)
     DeviceProfile.from_json(data)                    # the cost model can read what we write
     write_json_atomic(out, data)                     # all or nothing: an interrupted run writes nothing
     _summary(data, out)
+
+
+def _unique_model_ops(model: str):
+    """The folded model's unique ops: each block's template once, plus the ops between blocks."""
+    from ..api import capture
+    from ..graph.fold import fold
+    from ..profiler.ops import unique_ops
+    folded = fold(capture(model).graph)
+    return unique_ops([op for b in folded.blocks for op in b.ops] + list(folded.loose_ops))
 
 
 def _summary(data: dict, out: Path) -> None:
@@ -60,5 +74,9 @@ def _summary(data: dict, out: Path) -> None:
     table.add_row("link latency", f"{link['latency_s'] * 1e6:.1f} us")
     table.add_row("optimizer step", si(data["host"]["cpu_adam_params_per_s"], "params/s"))
     table.add_row("memory", binary_bytes(data["memory_bytes"]))
+    if "op_times" in data:
+        meta = data["metadata"]
+        table.add_row(f"ops of {meta['op_times_model']} timed", f"{meta['op_times_measured']} "
+                      f"(+{meta['op_times_skipped']} kept on the roofline)")
     Console().print(table)
     Console().print(f"wrote {out}")

@@ -6,6 +6,8 @@ attention run at the profile's efficiency for their size; other ops are memory-b
 moves about twice the forward's bytes (it reads the output gradient and the saved inputs and
 writes input and weight gradients). Work divides by ``shard`` (the tensor-parallel degree for a
 sharded op); activation work scales with the micro-batch size, parameter reads do not.
+Where the device profile holds a measured time for the op (``tensoropt profile --model``), that
+time replaces the roofline, scaled by micro-batch / shard (measured at batch 1, unsharded).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class OpArrays:
     product: np.ndarray              # bool: runs at matrix-unit efficiency
     needs_backward: np.ndarray       # bool
     peak_flops: np.ndarray
+    measured_forward_s: np.ndarray   # profiler's time at the captured shapes, nan where not measured
+    measured_backward_s: np.ndarray
 
     @staticmethod
     def of(ops: tuple[Op, ...], profile: DeviceProfile) -> OpArrays:
@@ -47,6 +51,8 @@ class OpArrays:
             product=np.array([op.kind in PRODUCT_KINDS for op in ops], dtype=bool),
             needs_backward=np.array([op.requires_grad or op.backward_flops > 0 for op in ops], dtype=bool),
             peak_flops=np.array([profile.peak(op.outputs[0].dtype if op.outputs else "bfloat16") for op in ops]),
+            measured_forward_s=np.array([(profile.op_time(op.key()) or (np.nan,))[0] for op in ops], dtype=float),
+            measured_backward_s=np.array([(profile.op_time(op.key()) or (0, np.nan))[1] for op in ops], dtype=float),
         )
 
 
@@ -100,4 +106,9 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     overhead = profile.kernel_overhead_s
     fwd = np.maximum(fwd_flops / fwd_rate, mem_s) + overhead
     bwd = np.where(arrays.needs_backward, np.maximum(bwd_flops / bwd_rate, 2 * mem_s) + overhead, 0.0)
+    # measured ops: the profiler's time at the captured shapes, scaled by the work this device does
+    scale = micro_batch / shard
+    measured = ~np.isnan(arrays.measured_forward_s)
+    fwd = np.where(measured, arrays.measured_forward_s * scale, fwd)
+    bwd = np.where(measured & arrays.needs_backward, arrays.measured_backward_s * scale, bwd)
     return fwd, bwd

@@ -6,6 +6,7 @@ import bisect
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import TensorOptError
@@ -46,6 +47,15 @@ class DeviceProfile:
     runtime_overhead_bytes: int
     measured: bool = False
     sources: tuple[str, ...] = ()
+    op_times: tuple[tuple[str, float, float], ...] = ()    # (Op.key(), forward_s, backward_s) at batch 1
+
+    @cached_property
+    def _op_table(self) -> dict[str, tuple[float, float]]:
+        return {key: (fwd, bwd) for key, fwd, bwd in self.op_times}
+
+    def op_time(self, key: str) -> tuple[float, float] | None:
+        """Measured (forward_s, backward_s) of an op, if the profiler timed it."""
+        return self._op_table.get(key)
 
     def peak(self, dtype: str) -> float:
         table = dict(self.peak_flops)
@@ -90,6 +100,7 @@ class DeviceProfile:
             kernel_overhead_s=float(data["kernel_overhead_s"]),
             runtime_overhead_bytes=int(data["runtime_overhead_bytes"]),
             measured=bool(data.get("measured", False)), sources=tuple(data.get("sources", ())),
+            op_times=tuple((k, float(v[0]), float(v[1])) for k, v in sorted(data.get("op_times", {}).items())),
         )
 
 

@@ -121,6 +121,13 @@ class Op:
         return (self.target, self.kind, self.inputs, self.outputs, self.attrs, param_metas,
                 tuple(r.kind for r in self.sources), self.requires_grad)
 
+    def key(self) -> str:
+        """A stable text key of what the op computes (overload, input shapes/dtypes, attributes):
+        measured op times in device profiles are stored under it."""
+        inputs = ",".join(f"{m.dtype}{list(m.shape)}" for m in self.inputs)
+        attrs = ",".join(f"{k}={v}" for k, v in self.attrs)
+        return f"{self.target}({inputs}|{attrs})"
+
     def to_json(self) -> dict:
         return {
             "index": self.index, "target": self.target, "kind": self.kind,

@@ -86,6 +86,20 @@ def memory_bytes(device: str) -> int:
     raise RuntimeError("cannot read the host's memory size")
 
 
+def calibrate_ops(ops, settings: Settings, advance) -> tuple[dict, int]:
+    """Forward/backward times of unique ops, keyed by ``Op.key()``; and how many were skipped."""
+    from .ops import time_op
+    times, skipped = {}, 0
+    for op in ops:
+        t = time_op(op, settings.device, settings.plan["repeats"], max_bytes=1 << 30)
+        if t is None:
+            skipped += 1
+        else:
+            times[op.key()] = [t[0], t[1]]
+        advance(op.target.removeprefix("aten.")[:26])
+    return times, skipped
+
+
 def run(name: str, settings: Settings, advance) -> dict:
     """Measure everything; ``advance(description)`` is called after each step."""
     plan, dev = settings.plan, settings.device

@@ -1,0 +1,110 @@
+"""Per-op calibration: time the model's *unique* ops (after folding, never every layer) forward
+and backward on this device, keyed by ``Op.key()``.
+
+An op is replayed from the graph alone: its ATen overload, random tensors of its recorded shapes
+and dtypes (integer inputs are zeros, masks all true, so indices stay valid), and its non-tensor
+arguments parsed back from the recorded attributes in schema order. Ops that cannot be replayed,
+or whose inputs exceed ``max_bytes``, are skipped and keep the roofline estimate.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+
+import torch
+
+from ..graph.ir import Op
+from .device import timed
+
+_SPECIAL = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _parse(text: str):
+    if text in _SPECIAL:
+        return _SPECIAL[text]
+    if hasattr(torch, text) and isinstance(getattr(torch, text), torch.dtype):
+        return getattr(torch, text)
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _tensor(shape: tuple[int, ...], dtype_name: str, device: str) -> torch.Tensor:
+    dtype = getattr(torch, dtype_name)
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def replay_args(op: Op, device: str):
+    """(overload, args, kwargs) that run ``op`` on fresh tensors."""
+    namespace, name, overload = op.target.split(".")
+    func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    attrs = dict(op.attrs)
+    tensors = [_tensor(m.shape, m.dtype, device) for m in op.inputs]
+    schema = func._schema.arguments
+
+    def required_after(k: int) -> int:
+        return sum(1 for a in schema[k + 1:] if a.name not in attrs and str(a.type).startswith("Tensor")
+                   and "?" not in str(a.type) and not str(a.type).endswith("[]"))
+
+    args, kwargs, i = [], {}, 0
+    for k, arg in enumerate(schema):
+        kind = str(arg.type)
+        if arg.name in attrs:                                   # a scalar where a tensor may go, too
+            value = _parse(attrs[arg.name])
+        elif kind.endswith("[]") and "Tensor" in kind:
+            n = len(tensors) - i - required_after(k)
+            value, i = tensors[i:i + n], i + n
+        elif kind.startswith("Tensor?"):
+            value = tensors[i] if len(tensors) - i > required_after(k) else None
+            i += value is not None
+        elif kind.startswith("Tensor"):
+            value, i = tensors[i], i + 1
+        elif arg.has_default_value():
+            continue
+        else:
+            value = None
+        if arg.kwarg_only:
+            kwargs[arg.name] = value
+        else:
+            args.append(value)
+    return func, args, kwargs
+
+
+def time_op(op: Op, device: str, repeats: int, max_bytes: int) -> tuple[float, float] | None:
+    """(forward_s, backward_s) of one op at its recorded shapes, or None if it cannot be replayed."""
+    if op.bytes_read + op.bytes_written > max_bytes:
+        return None
+    try:
+        func, args, kwargs = replay_args(op, device)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        fwd = timed(lambda: func(*args, **kwargs), device, repeats)
+        if not op.requires_grad or not leaves:
+            return fwd, 0.0
+        for leaf in leaves:
+            leaf.requires_grad_(True)
+
+        def forward_backward():
+            out = func(*args, **kwargs)
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        both = timed(forward_backward, device, repeats)
+        return fwd, max(both - fwd, 0.0)
+    except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
+        return None
+
+
+def unique_ops(ops) -> list[Op]:
+    seen, out = set(), []
+    for op in ops:
+        if op.key() not in seen:
+            seen.add(op.key())
+            out.append(op)
+    return out
