@@ -104,8 +104,14 @@ def test_model_calibration_times_the_unique_ops_and_the_planner_uses_them(tmp_pa
     graph = tensoropt.capture(model).graph
     folded = tensoropt.fold(graph)
     unique = {op.key() for op in folded.blocks[0].ops} | {op.key() for op in folded.loose_ops}
-    assert set(data["op_times"]) <= unique
-    assert len(data["op_times"]) == data["metadata"]["op_times_measured"] >= len(unique) - 2
+    plain = {k for k in data["op_times"] if "@tp" not in k}
+    sharded = {k for k in data["op_times"] if "@tp" in k}
+    assert plain <= unique and len(plain) >= len(unique) - 2
+    assert len(data["op_times"]) == data["metadata"]["op_times_measured"]
+    # ops at the shapes one of 2 tensor-parallel ranks computes (at tp 4 a rank holds a single head,
+    # which changes the op sequence, so those shapes are not aligned and fall back to scaling)
+    assert "tp2" in {k.rsplit("@", 1)[1] for k in sharded}
+    assert all(k.rsplit("@", 1)[0] in unique for k in sharded)
     assert len(unique) < len(graph.ops) / 2                                  # folded: never every layer
     profile = load_profile(str(out))
     arrays = OpArrays.of(folded.blocks[0].ops, profile)

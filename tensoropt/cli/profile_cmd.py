@@ -52,13 +52,33 @@ def profile(device: str, model: str | None, nproc: int, quick: bool, out_path: s
     _summary(data, out)
 
 
-def _unique_model_ops(model: str):
-    """The folded model's unique ops: each block's template once, plus the ops between blocks."""
+def _unique_model_ops(model: str) -> list[tuple[object, str]]:
+    """(op to time, key to store it under) for the folded model's unique ops (each block's template
+    once plus the ops between blocks) and, for built-in transformers, the same ops at the shapes one
+    of tp = 2, 4, 8 tensor-parallel ranks computes (stored as ``key@tpN`` where the shapes differ)."""
     from ..api import capture
+    from ..graph.capture import trace_module
     from ..graph.fold import fold
-    from ..profiler.ops import unique_ops
-    folded = fold(capture(model).graph)
-    return unique_ops([op for b in folded.blocks for op in b.ops] + list(folded.loose_ops))
+    from ..models import resolve_model
+    from ..models.sources import tensor_parallel_local
+
+    def template_ops(folded):
+        return [op for b in folded.blocks for op in b.ops] + list(folded.loose_ops)
+
+    full = template_ops(fold(capture(model).graph))
+    pairs = {op.key(): (op, op.key()) for op in full}
+    source = resolve_model(model)
+    for tp in (2, 4, 8):
+        local_source = tensor_parallel_local(source, tp)
+        if local_source is None:
+            continue
+        local = template_ops(fold(trace_module(*local_source.build(None, None), local_source.name)))
+        if [op.target for op in local] != [op.target for op in full]:
+            continue                                   # shapes changed the structure: nothing to align
+        for whole, part in zip(full, local):
+            if part.key() != whole.key():
+                pairs.setdefault(f"{whole.key()}@tp{tp}", (part, f"{whole.key()}@tp{tp}"))
+    return list(pairs.values())
 
 
 def _summary(data: dict, out: Path) -> None:

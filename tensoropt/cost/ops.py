@@ -7,7 +7,8 @@ moves about twice the forward's bytes (it reads the output gradient and the save
 writes input and weight gradients). Work divides by ``shard`` (the tensor-parallel degree for a
 sharded op); activation work scales with the micro-batch size, parameter reads do not.
 Where the device profile holds a measured time for the op (``tensoropt profile --model``), that
-time replaces the roofline, scaled by micro-batch / shard (measured at batch 1, unsharded).
+time replaces the roofline: the time at one tensor-parallel rank's shapes (``key@tpN``) if it was
+measured, else the unsharded time scaled by micro-batch / shard (all measured at batch 1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class OpArrays:
     peak_flops: np.ndarray
     measured_forward_s: np.ndarray   # profiler's time at the captured shapes, nan where not measured
     measured_backward_s: np.ndarray
+    measured_sharded: tuple = ()     # (tp, forward_s array, backward_s array) at one rank's shapes
 
     @staticmethod
     def of(ops: tuple[Op, ...], profile: DeviceProfile) -> OpArrays:
@@ -51,9 +53,15 @@ class OpArrays:
             product=np.array([op.kind in PRODUCT_KINDS for op in ops], dtype=bool),
             needs_backward=np.array([op.requires_grad or op.backward_flops > 0 for op in ops], dtype=bool),
             peak_flops=np.array([profile.peak(op.outputs[0].dtype if op.outputs else "bfloat16") for op in ops]),
-            measured_forward_s=np.array([(profile.op_time(op.key()) or (np.nan,))[0] for op in ops], dtype=float),
-            measured_backward_s=np.array([(profile.op_time(op.key()) or (0, np.nan))[1] for op in ops], dtype=float),
+            measured_forward_s=_measured(ops, profile, "", 0),
+            measured_backward_s=_measured(ops, profile, "", 1),
+            measured_sharded=tuple((tp, _measured(ops, profile, f"@tp{tp}", 0), _measured(ops, profile, f"@tp{tp}", 1))
+                                   for tp in profile.sharded_degrees),
         )
+
+
+def _measured(ops: tuple[Op, ...], profile: DeviceProfile, suffix: str, which: int) -> np.ndarray:
+    return np.array([(profile.op_time(op.key() + suffix) or (np.nan, np.nan))[which] for op in ops], dtype=float)
 
 
 def fused_bytes(ops: tuple[Op, ...]) -> np.ndarray:
@@ -106,9 +114,14 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     overhead = profile.kernel_overhead_s
     fwd = np.maximum(fwd_flops / fwd_rate, mem_s) + overhead
     bwd = np.where(arrays.needs_backward, np.maximum(bwd_flops / bwd_rate, 2 * mem_s) + overhead, 0.0)
-    # measured ops: the profiler's time at the captured shapes, scaled by the work this device does
+    # measured ops: the profiler's time at the captured shapes, scaled by the work this device does;
+    # better, where it exists, its time at one tensor-parallel rank's own shapes
     scale = micro_batch / shard
     measured = ~np.isnan(arrays.measured_forward_s)
     fwd = np.where(measured, arrays.measured_forward_s * scale, fwd)
     bwd = np.where(measured & arrays.needs_backward, arrays.measured_backward_s * scale, bwd)
+    for tp, local_fwd, local_bwd in arrays.measured_sharded:
+        local = (shard == tp) & ~np.isnan(local_fwd)
+        fwd = np.where(local, local_fwd * micro_batch, fwd)
+        bwd = np.where(local & arrays.needs_backward, local_bwd * micro_batch, bwd)
     return fwd, bwd

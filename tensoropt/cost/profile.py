@@ -53,6 +53,11 @@ class DeviceProfile:
     def _op_table(self) -> dict[str, tuple[float, float]]:
         return {key: (fwd, bwd) for key, fwd, bwd in self.op_times}
 
+    @cached_property
+    def sharded_degrees(self) -> tuple[int, ...]:
+        """Tensor-parallel degrees some op was measured at (keys ``...@tpN``)."""
+        return tuple(sorted({int(k.rsplit("@tp", 1)[1]) for k, _, _ in self.op_times if "@tp" in k}))
+
     def op_time(self, key: str) -> tuple[float, float] | None:
         """Measured (forward_s, backward_s) of an op, if the profiler timed it."""
         return self._op_table.get(key)

@@ -96,6 +96,15 @@ class BuiltinSource(ModelSource):
         return model.to(MODEL_DTYPE), inputs
 
 
+def tensor_parallel_local(source: ModelSource, tp: int) -> ModelSource | None:
+    """A source for what one of ``tp`` tensor-parallel ranks computes, where the family's config
+    allows it (built-in transformers); None otherwise."""
+    if not isinstance(source, BuiltinSource) or not isinstance(source.config, TransformerConfig):
+        return None
+    local = source.config.tensor_parallel_local(tp)
+    return None if local is None else BuiltinSource(f"{source.name}@tp{tp}", source.family, local)
+
+
 class HuggingFaceSource(ModelSource):
     """A Hugging Face ``config.json``, built with ``AutoModelForCausalLM.from_config``."""
 

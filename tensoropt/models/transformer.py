@@ -9,7 +9,7 @@ gather, so the captured graph is the same whatever the router decides.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ class TransformerConfig:
     capacity_factor: float = 1.0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    attention_head_dim: int | None = None    # default hidden_size / num_attention_heads
 
     def __post_init__(self) -> None:
         problems = []
@@ -46,7 +47,7 @@ class TransformerConfig:
                      "seq_length", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be a positive integer (got {getattr(self, name)!r})")
-        if not problems and self.hidden_size % self.num_attention_heads:
+        if not problems and self.attention_head_dim is None and self.hidden_size % self.num_attention_heads:
             problems.append(f"hidden_size {self.hidden_size} must be divisible by "
                             f"num_attention_heads {self.num_attention_heads}")
         kv = self.kv_heads if not problems else 1
@@ -68,7 +69,19 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
+
+    def tensor_parallel_local(self, tp: int) -> TransformerConfig | None:
+        """The shapes one of ``tp`` tensor-parallel ranks computes (Megatron layout): heads, key/value
+        heads and MLP features divided by tp, the vocabulary padded and divided, head size kept;
+        None if tp does not divide the heads or features."""
+        if tp == 1:
+            return self
+        if self.num_attention_heads % tp or self.kv_heads % tp or self.ffn_hidden_size % tp:
+            return None
+        return replace(self, num_attention_heads=self.num_attention_heads // tp,
+                       num_key_value_heads=self.kv_heads // tp, ffn_hidden_size=self.ffn_hidden_size // tp,
+                       vocab_size=-(-self.vocab_size // tp), attention_head_dim=self.head_dim)
 
     def is_moe_layer(self, index: int) -> bool:
         """MoE replaces the MLP of every ``moe_every``-th layer, the last of each group

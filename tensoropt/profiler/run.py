@@ -87,15 +87,15 @@ def memory_bytes(device: str) -> int:
 
 
 def calibrate_ops(ops, settings: Settings, advance) -> tuple[dict, int]:
-    """Forward/backward times of unique ops, keyed by ``Op.key()``; and how many were skipped."""
+    """Forward/backward times of (op, key) pairs, by key; and how many ops were skipped."""
     from .ops import time_op
     times, skipped = {}, 0
-    for op in ops:
+    for op, key in ops:
         t = time_op(op, settings.device, settings.plan["repeats"], max_bytes=1 << 30)
         if t is None:
             skipped += 1
         else:
-            times[op.key()] = [t[0], t[1]]
+            times[key] = [t[0], t[1]]
         advance(op.target.removeprefix("aten.")[:26])
     return times, skipped
 
