@@ -25,9 +25,10 @@ from .format import binary_bytes, si
 @click.option("--out", "out_path", required=True, help="where to write the profile, e.g. profiles/NAME.json")
 def profile(device: str, model: str | None, nproc: int, quick: bool, out_path: str) -> None:
     """Measure matrix products, memory bandwidth, op overhead and collectives; write a profile."""
+    from ..profiler.ops import calibration_ops
     from ..profiler.run import Settings, calibrate_ops, run, total_steps
 
-    ops = _unique_model_ops(model) if model is not None else []
+    ops = calibration_ops(model) if model is not None else []
     if device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -50,35 +51,6 @@ def profile(device: str, model: str | None, nproc: int, quick: bool, out_path: s
     DeviceProfile.from_json(data)                    # the cost model can read what we write
     write_json_atomic(out, data)                     # all or nothing: an interrupted run writes nothing
     _summary(data, out)
-
-
-def _unique_model_ops(model: str) -> list[tuple[object, str]]:
-    """(op to time, key to store it under) for the folded model's unique ops (each block's template
-    once plus the ops between blocks) and, for built-in transformers, the same ops at the shapes one
-    of tp = 2, 4, 8 tensor-parallel ranks computes (stored as ``key@tpN`` where the shapes differ)."""
-    from ..api import capture
-    from ..graph.capture import trace_module
-    from ..graph.fold import fold
-    from ..models import resolve_model
-    from ..models.sources import tensor_parallel_local
-
-    def template_ops(folded):
-        return [op for b in folded.blocks for op in b.ops] + list(folded.loose_ops)
-
-    full = template_ops(fold(capture(model).graph))
-    pairs = {op.key(): (op, op.key()) for op in full}
-    source = resolve_model(model)
-    for tp in (2, 4, 8):
-        local_source = tensor_parallel_local(source, tp)
-        if local_source is None:
-            continue
-        local = template_ops(fold(trace_module(*local_source.build(None, None), local_source.name)))
-        if [op.target for op in local] != [op.target for op in full]:
-            continue                                   # shapes changed the structure: nothing to align
-        for whole, part in zip(full, local):
-            if part.key() != whole.key():
-                pairs.setdefault(f"{whole.key()}@tp{tp}", (part, f"{whole.key()}@tp{tp}"))
-    return list(pairs.values())
 
 
 def _summary(data: dict, out: Path) -> None:

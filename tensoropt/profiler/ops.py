@@ -101,10 +101,30 @@ def time_op(op: Op, device: str, repeats: int, max_bytes: int) -> tuple[float, f
         return None
 
 
-def unique_ops(ops) -> list[Op]:
-    seen, out = set(), []
-    for op in ops:
-        if op.key() not in seen:
-            seen.add(op.key())
-            out.append(op)
-    return out
+def calibration_ops(model: str) -> list[tuple[Op, str]]:
+    """(op to time, key to store it under) for the folded model's unique ops (each block's template
+    once plus the ops between blocks) and, for built-in transformers, the same ops at the shapes one
+    of tp = 2, 4, 8 tensor-parallel ranks computes (stored as ``key@tpN`` where the shapes differ)."""
+    from ..api import capture
+    from ..graph.capture import trace_module
+    from ..graph.fold import fold
+    from ..models import resolve_model
+    from ..models.sources import tensor_parallel_local
+
+    def template_ops(folded):
+        return [op for b in folded.blocks for op in b.ops] + list(folded.loose_ops)
+
+    full = template_ops(fold(capture(model).graph))
+    pairs = {op.key(): (op, op.key()) for op in full}
+    source = resolve_model(model)
+    for tp in (2, 4, 8):
+        local_source = tensor_parallel_local(source, tp)
+        if local_source is None:
+            continue
+        local = template_ops(fold(trace_module(*local_source.build(None, None), local_source.name)))
+        if [op.target for op in local] != [op.target for op in full]:
+            continue                                   # shapes changed the structure: nothing to align
+        for whole, part in zip(full, local):
+            if part.key() != whole.key():
+                pairs.setdefault(f"{whole.key()}@tp{tp}", (part, f"{whole.key()}@tp{tp}"))
+    return list(pairs.values())
