@@ -60,8 +60,10 @@ def _keep(values: np.ndarray, eps: float) -> np.ndarray:
     but the kept points keep their exact values (so they still price exactly as ``estimate``)."""
     if eps > 0 and len(values):
         grid = np.log1p(eps)
-        snapped = np.exp(np.ceil(np.log(np.maximum(values, 1e-300)) / grid) * grid)
-        return nondominated(np.where(values > 0, snapped, values))
+        snapped = np.where(values > 0, np.exp(np.ceil(np.log(np.maximum(values, 1e-300)) / grid) * grid), values)
+        # among points equal on the grid, the stable pass keeps the first: make it the exactly best
+        order = np.lexsort((values[:, 2], values[:, 1], values[:, 0]))
+        return order[nondominated(snapped[order])]
     return nondominated(values)
 
 
