@@ -128,3 +128,20 @@ def test_no_plan_for_the_global_batch_is_one_line():
     code, out = run("frontier", "--model", "wide-resnet50-2", "--gpus", 8, "--global-batch", 64, "--json")
     points = json.loads(out)["points"]
     assert code == 0 and all(p["tokens_per_s"] is None and p["plan"]["tp"] == 1 for p in points)
+
+
+def test_frontier_lists_only_plans_the_device_can_hold(model, tmp_path):
+    from tensoropt.cost.profile import PROFILES_DIR
+    data = json.loads((PROFILES_DIR / "h100-80gb.json").read_text())
+    code, out = frontier_json(model)
+    largest = max(p["peak_memory_bytes"] for p in json.loads(out)["points"])
+    smallest = min(p["peak_memory_bytes"] for p in json.loads(out)["points"])
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({**data, "name": "small", "memory_bytes": int((largest + smallest) / 2)}))
+    code, out = frontier_json(model, "--device", small)
+    kept = json.loads(out)["points"]
+    assert code == 0 and kept and all(p["peak_memory_bytes"] <= (largest + smallest) / 2 for p in kept)
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({**data, "name": "tiny", "memory_bytes": 1024}))
+    code, out = frontier_json(model, "--device", tiny)
+    assert code == 1 and "fits the device's 1 KiB; the least memory any plan needs is" in out

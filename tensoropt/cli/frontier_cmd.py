@@ -34,6 +34,14 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
     if not points:
         raise TensorOptError(f"no plan runs {model} on {gpus} devices with --global-batch {global_batch}: "
                              "make the global batch a multiple of the data-parallel degrees you allow")
+    capacity = loaded.profile.memory_bytes
+    fitting = [p for p in points if p.peak_memory_bytes <= capacity]
+    if not fitting:
+        least = min(p.peak_memory_bytes for p in points)
+        raise TensorOptError(f"no plan for {model} on {gpus} x {loaded.profile.name} fits the device's "
+                             f"{binary_bytes(capacity)}; the least memory any plan needs is {binary_bytes(least)} "
+                             "(add devices or pick a larger device profile)")
+    points = fitting                      # a plan the devices cannot hold is not a plan
     values = np.array([[p.iteration_time_s, p.peak_memory_bytes, p.plan.devices] for p in points])
     keep = sorted(nondominated(values), key=lambda i: (values[i, 0], values[i, 1]))
     seconds = time.perf_counter() - start
