@@ -6,4 +6,13 @@ from .api import Captured, capture  # noqa: E402
 from .graph.fold import FoldedGraph, fold  # noqa: E402
 from .graph.ir import Op, OpGraph  # noqa: E402
 
-__all__ = ["Captured", "FoldedGraph", "Op", "OpGraph", "capture", "fold", "__version__"]
+__all__ = ["Captured", "FoldedGraph", "Op", "OpGraph", "capture", "fold", "parallelize", "__version__"]
+
+
+def __getattr__(name: str):
+    """``tensoropt.parallelize`` lives in the runtime, imported only when a training script asks:
+    planning never imports the runtime."""
+    if name == "parallelize":
+        from .runtime import parallelize
+        return parallelize
+    raise AttributeError(f"module 'tensoropt' has no attribute {name!r}")

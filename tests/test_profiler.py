@@ -13,7 +13,7 @@ import pytest
 
 from tensoropt.cost.profile import load_profile
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 
 
 def _profile(out, *extra):
@@ -50,6 +50,7 @@ def test_measurements_grow_with_size(quick_profile):
         assert times == sorted(times) and times[-1] > 10 * times[0]
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         runs = sorted((c for c in m["collectives"] if c["op"] == op), key=lambda c: c["bytes"])
+        # 4 KiB against 16 MiB: 4096x the data, far beyond the noise of a busy 2-core machine
         assert len(runs) == 3 and runs[-1]["seconds"] > runs[0]["seconds"] > 0, op
 
 

@@ -40,6 +40,9 @@ def _register() -> None:
     from .show_cmd import show
     for command in (inspect, frontier, estimate, show, profile):
         cli.add_command(command)
+    # the launcher sits on top of the library; the CLI is the one place that joins them
+    from launcher.cli import launch
+    cli.add_command(launch)
 
 
 _register()

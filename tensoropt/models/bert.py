@@ -56,6 +56,6 @@ class BertForPreTraining(nn.Module):
         pooled = torch.tanh(self.pooler(x[:, 0]))
         h = self.mlm_norm(F.gelu(self.mlm_transform(x)))
         logits = F.linear(h, self.word_embed.weight, self.mlm_bias)
-        mlm = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+        mlm = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
         nsp = F.cross_entropy(self.nsp_head(pooled).float(), next_sentence_label)
         return mlm + nsp

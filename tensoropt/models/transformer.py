@@ -219,6 +219,14 @@ def rope_tables(cfg: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases (free on the meta device)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class DecoderLM(nn.Module):
     """Token embedding, ``num_layers`` blocks, final norm, LM head and cross-entropy loss."""
 
@@ -233,6 +241,7 @@ class DecoderLM(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.apply(_init_weights)
         mask = torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool).triu(1)
         self.register_buffer("causal_mask", mask, persistent=False)
         if cfg.position == "rope":
@@ -253,4 +262,4 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             x = layer(x, mask, rope)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))

@@ -26,7 +26,7 @@ import torch
 from . import collectives
 from . import device as bench
 
-QUICK = {"matmul": [128, 512, 1024], "memory": [1 << 22], "messages": [1 << 12, 1 << 18, 1 << 21],
+QUICK = {"matmul": [128, 512, 1024], "memory": [1 << 22], "messages": [1 << 12, 1 << 18, 1 << 24],
          "repeats": 3, "adam": 1 << 20}
 FULL = {"matmul": [64, 128, 256, 512, 1024, 2048, 4096], "memory": [1 << 22, 1 << 25],
         "messages": [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26],

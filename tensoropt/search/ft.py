@@ -46,6 +46,7 @@ class SearchSpace:
     offload: bool = True
     max_virtual_stages: int = 4
     pipeline_stages: tuple[int, ...] | None = None   # restrict pp (None: every even split)
+    tensor_parallel: tuple[int, ...] | None = None   # restrict tp (None: every degree inside a node)
     max_layer_groups: int = 16         # a stage's copies of a block form at most this many equal groups,
     #                                    each with one strategy: bounds the work per chain whatever the depth
 
@@ -164,7 +165,8 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
-        if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages):
+        if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
+                or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
             continue
         branch_sets = [()] if tp == 1 else [c for r in range(len(model.branch_names), 0, -1)
                                             for c in itertools.combinations(model.branch_names, r)]

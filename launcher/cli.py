@@ -1,0 +1,81 @@
+"""The ``tensoropt launch`` command (registered into the ``tensoropt`` CLI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from tensoropt.cli.common import parse_bytes
+from tensoropt.errors import TensorOptError
+from tensoropt.search.ft import FrontierPoint
+from tensoropt.space.plan import Plan
+
+from . import launch as L
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("script")
+@click.option("--gpus", type=click.IntRange(min=1), default=None, help="devices to use (default: all found)")
+@click.option("--device", type=click.Choice(["cpu"]), default=None, help="cpu: run --gpus CPU workers over gloo")
+@click.option("--mem-per-gpu", default=None, help="memory per device to plan for (default: what is free)")
+@click.option("--objective", type=click.Choice(L.OBJECTIVES), default="fastest", show_default=True)
+@click.option("--plan", "plan_path", default=None, help="run this plan (a previous launch's plan.json)")
+@click.option("--engine", type=click.Choice(["deepspeed", "torch"]), default=None)
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--master-addr", default=None)
+@click.option("--master-port", type=int, default=None)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="for planning (default: --gpus)")
+@click.option("--dry-run", is_flag=True, help="print the chosen plan and configuration, start nothing")
+@click.option("--run-dir", default="tensoropt-run", show_default=True, help="where plan.json is written")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnodes, node_rank, master_addr,
+           master_port, gpus_per_node, dry_run, run_dir, script_args):
+    """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
+    if not Path(script).is_file():
+        raise TensorOptError(f"{script}: no such script")
+    if engine == "deepspeed":
+        raise TensorOptError("--engine deepspeed is not implemented yet; use --engine torch (the default)")
+    devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None)
+    graph = L.capture_script(script, list(script_args))
+    world = devices.count * nnodes
+    if plan_path:
+        point = _load_plan(plan_path, graph, world)
+        why = f"given with --plan {plan_path}"
+    else:
+        devices = L.Devices(devices.kind, world, devices.memory_bytes, devices.profile)
+        point, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective)
+        why += f" (objective {objective}, {n} frontier points)"
+    argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port)
+    plan_file = L.write_plan(Path(run_dir), point, why, argv)
+    click.echo(f"chosen: {point.plan.summary()}")
+    click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
+               f"per device; {why}")
+    click.echo(f"plan: {plan_file}")
+    click.echo("command: " + " ".join(argv))
+    if dry_run:
+        return
+    status = L.run_workers(argv, L.main_env(devices, plan_file.resolve()))
+    if status:
+        raise TensorOptError(f"workers exited with status {status}")
+
+
+def _load_plan(path: str, graph, devices: int) -> FrontierPoint:
+    try:
+        data = json.loads(Path(path).read_text())
+        plan = Plan.from_json(data)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TensorOptError(f"{path}: not a readable plan file ({exc})") from exc
+    from tensoropt.graph.fold import fold
+    blocks = {b.name: b.repeats for b in fold(graph).blocks}
+    planned = {b.block: b.copies * plan.pp for b in plan.blocks}
+    if planned != blocks:
+        raise TensorOptError(f"{path} is a plan for another model (blocks {planned}, this script's model has "
+                             f"{blocks})")
+    if plan.devices != devices:
+        raise TensorOptError(f"{path} is a plan for {plan.devices} devices, this launch has {devices}")
+    predicted = data.get("predicted", {})
+    return FrontierPoint(plan, float(predicted.get("iteration_time_s", 0.0)),
+                         float(predicted.get("peak_memory_bytes", 0.0)))

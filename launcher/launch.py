@@ -1,0 +1,143 @@
+"""``tensoropt launch``: learn the model from the script, choose a frontier point for the devices
+found, write the plan, start the workers through torchrun and exit with their status."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensoropt.cost.model import ModelCost
+from tensoropt.cost.profile import Cluster, DeviceProfile, load_profile
+from tensoropt.errors import TensorOptError
+from tensoropt.graph.cache import write_json_atomic
+from tensoropt.graph.fold import fold
+from tensoropt.graph.ir import OpGraph
+from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV
+from tensoropt.search.ft import FrontierPoint, SearchSpace, search
+
+from .argv import capture_argv, torchrun_argv
+
+OBJECTIVES = ("fastest", "min-memory", "balanced")
+# what the torch runtime applies today: data parallelism (DDP / FSDP2), full recomputation
+RUNTIME_SPACE = dict(zero_stages=(0, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=False,
+                     max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,))
+
+
+@dataclass(frozen=True)
+class Devices:
+    kind: str
+    count: int
+    memory_bytes: int
+    profile: DeviceProfile
+
+
+def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None) -> Devices:
+    """The devices this run can use: CUDA GPUs and their free memory, or N CPU workers."""
+    import torch
+    if device == "cpu":
+        if not gpus:
+            raise TensorOptError("--device cpu needs --gpus N: the number of CPU worker processes")
+        profile = load_profile("cpu-2core")
+        total = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
+        memory = int(mem_per_gpu or total // gpus)
+        return Devices("cpu", gpus, memory, dataclasses.replace(profile, memory_bytes=memory))
+    if not torch.cuda.is_available():
+        raise TensorOptError("no GPU found on this machine; pass --device cpu --gpus N to run CPU workers over gloo")
+    count = gpus or torch.cuda.device_count()
+    free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(count, torch.cuda.device_count())))
+    name = torch.cuda.get_device_name(0).lower()
+    known = "h200-141gb" if "h200" in name else "h100-80gb" if "h100" in name else "a100-80gb" if "a100" in name \
+        else None
+    if known is None:
+        raise TensorOptError(f"no device profile for {name!r}: run `tensoropt profile --device cuda --out "
+                             "profiles/NAME.json` first")
+    memory = int(mem_per_gpu or free)
+    return Devices("cuda", count, memory, dataclasses.replace(load_profile(known), memory_bytes=memory))
+
+
+def capture_script(script: str, args: list[str], timeout_s: float = 600) -> OpGraph:
+    """Run the script once in capture mode and read back the graph it wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "graph.json"
+        env = {**os.environ, CAPTURE_ENV: str(out)}
+        env.pop(PLAN_ENV, None)
+        result = subprocess.run(capture_argv(script, args), env=env, capture_output=True, text=True,
+                                timeout=timeout_s)
+        if result.returncode != 0 or not out.exists():
+            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            if result.returncode == 0:
+                last = "it never called tensoropt.parallelize(model, ..., example_inputs=..., global_batch=...)"
+            raise TensorOptError(f"{script} failed while TensorOpt captured its model: {last}")
+        return OpGraph.from_json(json.loads(out.read_text()))
+
+
+def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> tuple[FrontierPoint, str]:
+    fits = [p for p in points if p.peak_memory_bytes <= memory_bytes]
+    if not fits:
+        least = min(p.peak_memory_bytes for p in points) / 2**30
+        raise TensorOptError(f"no plan fits in {memory_bytes / 2**30:.1f} GiB per device; the least memory any "
+                             f"plan needs is {least:.2f} GiB (add devices or memory)")
+    if objective == "fastest":
+        best = min(fits, key=lambda p: p.iteration_time_s)
+        why = f"fastest of {len(fits)} frontier points that fit {memory_bytes / 2**30:.1f} GiB"
+    elif objective == "min-memory":
+        best = min(fits, key=lambda p: p.peak_memory_bytes)
+        why = "least memory on the frontier"
+    else:
+        t0, m0 = min(p.iteration_time_s for p in fits), min(p.peak_memory_bytes for p in fits)
+        best = min(fits, key=lambda p: (p.iteration_time_s / t0) * (p.peak_memory_bytes / m0))
+        why = "smallest product of time and memory, each relative to its best (the frontier's knee)"
+    return best, why
+
+
+def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str) -> tuple[FrontierPoint, str, int]:
+    global_batch = int(graph.meta("global_batch") or 0)
+    model = ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
+    result = search(model, devices.count, SearchSpace(global_batch=global_batch, **RUNTIME_SPACE))
+    if not result.points:
+        raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
+                             f"{devices.count} devices: make it a multiple of {devices.count}")
+    best, why = choose(result.points, devices.memory_bytes, objective)
+    return best, why, len(result.points)
+
+
+def run_workers(argv: list[str], env: dict) -> int:
+    """Start torchrun, forward SIGINT/SIGTERM to it, return its exit status."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def main_env(devices: Devices, plan_path: Path) -> dict:
+    env = {**os.environ, PLAN_ENV: str(plan_path)}
+    if devices.kind == "cpu":
+        env["OMP_NUM_THREADS"] = "1"            # two threads per worker on two cores was 100x slower
+    return env
+
+
+def write_plan(run_dir: Path, point: FrontierPoint, why: str, argv: list[str]) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "plan.json"
+    write_json_atomic(path, point.plan.to_json() | {"predicted": {
+        "iteration_time_s": point.iteration_time_s, "peak_memory_bytes": int(point.peak_memory_bytes),
+        "why": why}, "command": argv})
+    return path
+
+
+__all__ = ["OBJECTIVES", "capture_script", "choose", "detect", "main_env", "plan_for", "run_workers",
+           "torchrun_argv", "write_plan"]

@@ -1,0 +1,88 @@
+"""tensoropt launch on CPU: real torchrun workers over gloo, compared with the same script run alone."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import EXAMPLES
+
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+SCRIPT = str(EXAMPLES / "train_gpt.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def tensoropt(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "tensoropt", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=ENV, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The script run by hand: one process, no plan."""
+    out = tmp_path_factory.mktemp("ref") / "losses.json"
+    subprocess.run([sys.executable, SCRIPT, "--steps", "3", "--out", out], check=True, env=ENV, capture_output=True)
+    return json.loads(out.read_text())["losses"]
+
+
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory):
+    """A dry run: the plan the launcher chooses for 2 CPU workers, nothing started."""
+    run_dir = tmp_path_factory.mktemp("dry")
+    result = tensoropt("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", run_dir, "--dry-run", "--",
+                       "--steps", 3, "--out", run_dir / "never.json", cwd=run_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "chosen: dp2 tp1 pp1" in result.stdout and "torch.distributed.run --nproc-per-node 2" in result.stdout
+    assert not (run_dir / "never.json").exists()                     # nothing trained
+    return Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
+
+
+def _run_plan(plan: Plan, tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--run-dir", tmp_path / "run",
+                       "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "losses.json").read_text())
+    assert data["plan"] == plan.summary()
+    return data["losses"]
+
+
+def _with(plan: Plan, zero: int, micro_batch: int, full_recompute: int) -> Plan:
+    strategies = tuple((LayerStrategy(r), n) for r, n in (("full", full_recompute), ("none", 4 - full_recompute)) if n)
+    return dataclasses.replace(plan, zero=zero, micro_batch=micro_batch, blocks=(BlockPlan("layers.*", strategies),))
+
+
+@pytest.mark.parametrize("zero, micro_batch, full_recompute", [
+    (0, 4, 0),        # DDP
+    (2, 2, 2),        # FSDP2 without resharding (ZeRO 2), 2 accumulation steps, 2 of 4 layers recomputed
+    (3, 1, 4),        # FSDP2 (ZeRO 3), 4 accumulation steps, every layer recomputed
+])
+def test_two_workers_match_one_process(reference, chosen, tmp_path, zero, micro_batch, full_recompute):
+    losses = _run_plan(_with(chosen, zero, micro_batch, full_recompute), tmp_path)
+    np.testing.assert_allclose(losses, reference, rtol=2e-5)
+
+
+def test_bad_input_is_one_line(chosen, tmp_path):
+    (tmp_path / "crash.py").write_text("raise SystemExit('out of data')\n")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(chosen.to_json()))
+    cases = [
+        (["launch", tmp_path / "missing.py", "--device", "cpu", "--gpus", 2], "no such script"),
+        (["launch", tmp_path / "crash.py", "--device", "cpu", "--gpus", 2], "failed while TensorOpt captured"),
+        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--mem-per-gpu", "1KiB", "--dry-run"],
+         "the least memory any plan needs"),
+        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", plan, "--dry-run", "--", "--layers", 2],
+         "is a plan for another model"),
+        (["launch", SCRIPT, "--gpus", 2], "no GPU found on this machine"),
+        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--engine", "deepspeed"], "not implemented yet"),
+    ]
+    for args, expected in cases:
+        result = tensoropt(*args, cwd=tmp_path)
+        assert result.returncode == 1, (args, result.stderr[-500:])
+        assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-500:]
