@@ -53,8 +53,7 @@ def main() -> None:
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "plan": run.plan and run.plan["summary"]}, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run.close()
 
 
 if __name__ == "__main__":

@@ -86,3 +86,38 @@ def test_bad_input_is_one_line(chosen, tmp_path):
         result = tensoropt(*args, cwd=tmp_path)
         assert result.returncode == 1, (args, result.stderr[-500:])
         assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-500:]
+
+
+def _losses_alone(script, out, *args):
+    subprocess.run([sys.executable, script, "--steps", "3", "--out", out, *args], check=True, env=ENV,
+                   capture_output=True, timeout=300)
+    return json.loads(out.read_text())["losses"]
+
+
+def test_hugging_face_llama_script_launches_on_two_workers(tmp_path):
+    script = str(EXAMPLES / "train_llama_hf.py")
+    alone = _losses_alone(script, tmp_path / "alone.json")
+    result = tensoropt("launch", script, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / "run", "--",
+                       "--steps", 3, "--out", tmp_path / "launched.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launched = json.loads((tmp_path / "launched.json").read_text())
+    assert launched["plan"].startswith("dp2 ")
+    np.testing.assert_allclose(launched["losses"], alone, rtol=2e-5)
+
+
+def test_two_nodes_on_localhost_train_as_one_job(reference, tmp_path):
+    from tensoropt.profiler.collectives import free_port
+    port = free_port()
+    common = ["launch", SCRIPT, "--device", "cpu", "--gpus", 1, "--nnodes", 2, "--master-addr", "127.0.0.1",
+              "--master-port", port]
+    node1 = subprocess.Popen([sys.executable, "-m", "tensoropt", *map(str, common), "--node-rank", "1", "--run-dir",
+                              str(tmp_path / "node1"), "--", "--steps", "3"], cwd=tmp_path, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0 = tensoropt(*common, "--node-rank", 0, "--run-dir", tmp_path / "node0", "--", "--steps", 3, "--out",
+                      tmp_path / "losses.json", cwd=tmp_path)
+    _, err1 = node1.communicate(timeout=300)
+    assert node0.returncode == 0, node0.stderr[-3000:]
+    assert node1.returncode == 0, err1[-3000:]
+    data = json.loads((tmp_path / "losses.json").read_text())
+    assert data["plan"].startswith("dp2 ")                    # one job of 2 workers over the two "nodes"
+    np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)

@@ -49,6 +49,14 @@ class RunInfo:
     global_batch: int = 0
     plan: dict | None = None
 
+    def close(self) -> None:
+        """End the run: wait for every rank, then leave the process group. Tearing gloo down while a
+        peer still talks aborts the process ("terminate called without an active exception")."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
     def local_batches(self, batch: torch.Tensor | tuple | Mapping):
         """Split a global batch into this rank's micro-batches (rank-major, in order)."""
         def take(x, i):
