@@ -9,6 +9,7 @@ import click
 
 from tensoropt.cli.common import parse_bytes
 from tensoropt.errors import TensorOptError
+from tensoropt.runtime import unsupported
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.space.plan import Plan
 
@@ -76,6 +77,8 @@ def _load_plan(path: str, graph, devices: int) -> FrontierPoint:
                              f"{blocks})")
     if plan.devices != devices:
         raise TensorOptError(f"{path} is a plan for {plan.devices} devices, this launch has {devices}")
+    if missing := unsupported(plan.to_json()):
+        raise TensorOptError(f"{path} needs {', '.join(missing)}, which the torch runtime does not apply yet")
     predicted = data.get("predicted", {})
     return FrontierPoint(plan, float(predicted.get("iteration_time_s", 0.0)),
                          float(predicted.get("peak_memory_bytes", 0.0)))

@@ -72,6 +72,8 @@ def test_bad_input_is_one_line(chosen, tmp_path):
     (tmp_path / "crash.py").write_text("raise SystemExit('out of data')\n")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(chosen.to_json()))
+    zero1 = tmp_path / "zero1.json"
+    zero1.write_text(json.dumps(dataclasses.replace(chosen, zero=1, offload=True).to_json()))
     cases = [
         (["launch", tmp_path / "missing.py", "--device", "cpu", "--gpus", 2], "no such script"),
         (["launch", tmp_path / "crash.py", "--device", "cpu", "--gpus", 2], "failed while TensorOpt captured"),
@@ -80,6 +82,8 @@ def test_bad_input_is_one_line(chosen, tmp_path):
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", plan, "--dry-run", "--", "--layers", 2],
          "is a plan for another model"),
         (["launch", SCRIPT, "--gpus", 2], "no GPU found on this machine"),
+        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", zero1, "--dry-run"],
+         "needs ZeRO 1, optimizer offload, which the torch runtime does not apply yet"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--engine", "deepspeed"], "not implemented yet"),
     ]
     for args, expected in cases:

@@ -107,11 +107,22 @@ def _capture_and_exit(model, example_inputs, global_batch) -> None:
     raise _Captured(0)
 
 
+def unsupported(plan: dict) -> list[str]:
+    """What a plan (its JSON) needs that this runtime does not apply yet; empty when it can run."""
+    strategies = [s for b in plan["blocks"] for s in b["strategies"]]
+    return [what for what, needed in (
+        ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),
+        ("ZeRO 1", plan["zero"] == 1), ("optimizer offload", plan["offload"]),
+        ("selective recomputation", any(s["recompute"] == "selective" for s in strategies)),
+        ("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
+    ) if needed]
+
+
 def _apply(model: nn.Module, optimizer_fn, plan: dict):
     import torch.distributed as dist
-    if plan["tp"] != 1 or plan["pp"] != 1:
-        raise TensorOptError(f"plan {plan['summary']} needs tensor or pipeline parallelism, which the torch "
-                             "runtime does not apply yet")
+    if missing := unsupported(plan):     # never run a plan as something else than what was planned
+        raise TensorOptError(f"plan {plan['summary']} needs {', '.join(missing)}, which the torch runtime does "
+                             "not apply yet")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -143,9 +154,8 @@ def _block_modules(model: nn.Module, plan: dict) -> list[str]:
 
 
 def _apply_recompute(model: nn.Module, plan: dict) -> None:
-    """Wrap the first copies of each block in checkpointing as the plan's strategy counts say
-    (full recomputation; selective is treated as none here: the fused attention of the CPU path keeps
-    no scores)."""
+    """Wrap the first copies of each block in checkpointing as the plan's strategy counts say (full
+    recomputation; ``_apply`` refuses selective before this runs)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     for block in plan["blocks"]:
         copies = [n for n in _block_modules(model, {"blocks": [block]})]
