@@ -19,6 +19,7 @@ from tensoropt.errors import TensorOptError
 from tensoropt.graph.cache import write_json_atomic
 from tensoropt.graph.fold import fold
 from tensoropt.graph.ir import OpGraph
+from tensoropt.profiler.run import memory_bytes
 from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV
 from tensoropt.search.ft import FrontierPoint, SearchSpace, search
 
@@ -45,8 +46,7 @@ def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None) -> D
         if not gpus:
             raise TensorOptError("--device cpu needs --gpus N: the number of CPU worker processes")
         profile = load_profile("cpu-2core")
-        total = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
-        memory = int(mem_per_gpu or total // gpus)
+        memory = int(mem_per_gpu or memory_bytes("cpu") // gpus)
         return Devices("cpu", gpus, memory, dataclasses.replace(profile, memory_bytes=memory))
     if not torch.cuda.is_available():
         raise TensorOptError("no GPU found on this machine; pass --device cpu --gpus N to run CPU workers over gloo")

@@ -21,7 +21,7 @@ import numpy as np
 from ..graph.fold import Block, FoldedGraph
 from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
-from ..space.plan import LayerStrategy, Plan
+from ..space.plan import BlockPlan, LayerStrategy, Plan
 from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from .layer import BlockCost, LooseCost, loose_cost
 from .profile import Cluster
@@ -101,6 +101,11 @@ class Context:
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
                        plan.zero, plan.offload, plan.tp_branches)
+
+    def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
+        """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
+        return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
+                    self.zero, self.offload, self.tp_branches, blocks=blocks)
 
 
 def in_flight(ctx: Context) -> float:
@@ -208,10 +213,9 @@ class Estimate:
 def estimate(model: ModelCost, plan: Plan) -> Estimate:
     """The what-if of one plan."""
     ctx = Context.of(plan)
-    by_block = {bp.block: list(bp.strategies) for bp in plan.blocks}
+    stage = _stage_counts(model, plan)
     time = back = acts = transient = params = 0.0
-    for block, cost in model.blocks:
-        counts = by_block.get(block.name, [(LayerStrategy(), block.repeats // plan.pp)])
+    for cost, counts in stage:
         t, b, a, x, p = chain_sums(cost, counts, plan.tp, plan.tp_branches, plan.micro_batch)
         time, back, acts, params = time + t, back + b, acts + a, params + p
         transient = max(transient, x)
@@ -220,16 +224,24 @@ def estimate(model: ModelCost, plan: Plan) -> Estimate:
     time_keys = ("compute_s", "pipeline_bubble_s", "pipeline_p2p_s", "data_parallel_comm_s",
                  "data_parallel_exposed_s", "optimizer_s")
     breakdown = {k: float(r[k][0]) for k in time_keys}
-    breakdown.update(_layer_parts(model, plan, by_block, ctx.micro_batches))
+    breakdown.update(_layer_parts(stage, plan, ctx.micro_batches))
     return Estimate(float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0]),
                     {k: float(r[k][0]) for k in mem_keys}, breakdown)
 
 
-def _layer_parts(model: ModelCost, plan: Plan, by_block: dict, micro_batches: int) -> dict[str, float]:
+def _stage_counts(model: ModelCost, plan: Plan) -> list[tuple[BlockCost, list[tuple[LayerStrategy, int]]]]:
+    """Each block's cost model and the plan's (strategy, copies) chain for one stage (a block the
+    plan does not name runs its copies with no recomputation)."""
+    by_block = {bp.block: list(bp.strategies) for bp in plan.blocks}
+    return [(cost, by_block.get(block.name, [(LayerStrategy(), block.repeats // plan.pp)]))
+            for block, cost in model.blocks]
+
+
+def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     """What ``compute_s`` (every micro-batch on the slowest stage) is made of in the layers."""
     parts = {"forward_backward_s": 0.0, "recompute_s": 0.0, "tensor_parallel_comm_s": 0.0}
-    for block, cost in model.blocks:
-        for strategy, n in by_block.get(block.name, [(LayerStrategy(), block.repeats // plan.pp)]):
+    for cost, counts in stage:
+        for strategy, n in counts:
             c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch)
             parts["forward_backward_s"] += micro_batches * n * (c.forward_s + c.backward_s)
             parts["recompute_s"] += micro_batches * n * c.recompute_s

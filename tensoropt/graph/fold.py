@@ -239,7 +239,7 @@ def _best_run(ops, labels, lo, hi) -> tuple[int, int, int] | None:
             k, carried = _verified_repeats(ops, start + phase, period, (span - phase) // period)
             if k < 2 or (k - 1) * period < MIN_OPS_SAVED:
                 continue
-            depth = len(_scope(ops[start + phase:start + phase + period]).split("."))
+            depth = len(common_scope(ops[start + phase:start + phase + period]).split("."))
             key = (-k * period, period, carried, -depth, start + phase)
             if best_key is None or key < best_key:
                 best, best_key = (start + phase, period, k), key
@@ -260,7 +260,7 @@ def _find_runs(ops, labels, lo, hi, out: list) -> None:
 
 # -- assembly ----------------------------------------------------------------------------------
 
-def _scope(ops: tuple[Op, ...]) -> str:
+def common_scope(ops) -> str:
     """Longest common dotted prefix of the ops' module paths."""
     parts = [op.module_path.split(".") if op.module_path else [] for op in ops]
     common = []
@@ -327,7 +327,7 @@ def _occurrences(ops, template, start, period, repeats) -> list[Occurrence] | No
             for j, op in enumerate(template) for t, r in enumerate(op.sources) if r.kind == "prev")
         saved = tuple((j, c.saved_bytes) for j, (t, c) in enumerate(zip(template, copy))
                       if c.saved_bytes != t.saved_bytes)
-        occs.append(Occurrence(s, _scope(copy), k == 0, renames, entry, saved))
+        occs.append(Occurrence(s, common_scope(copy), k == 0, renames, entry, saved))
     return occs
 
 

@@ -14,34 +14,29 @@ import time
 
 import numpy as np
 
-from ..cost.model import ModelCost, estimate
-from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan
-from .ft import FrontierPoint, SearchResult, SearchSpace, _front_2d, contexts, layer_options
+from ..cost.model import Context, ModelCost, estimate
+from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order
+from .ft import FrontierPoint, SearchResult, SearchSpace, contexts, front_by_time, layer_options
 
 
-def _plan(model: ModelCost, devices: int, global_batch: int, dp, tp, pp, branches, mb, v, z, off,
-          shares: dict[LayerStrategy, float]) -> Plan:
+def _plan(model: ModelCost, devices: int, ctx: Context, shares: dict[LayerStrategy, float]) -> Plan:
     blocks = []
     for block, cost in model.blocks:
-        options = layer_options(cost, tp, SearchSpace(global_batch))
-        k = block.repeats // pp
+        options = layer_options(cost, ctx.tp, SearchSpace(ctx.global_batch))
+        k = block.repeats // ctx.pp
         weights = np.array([shares.get(o, 0.0) for o in options]) + 1e-12
         raw = k * weights / weights.sum()
         counts = np.floor(raw).astype(int)
         for i in np.argsort(raw - counts)[::-1][: k - counts.sum()]:     # largest remainders
             counts[i] += 1
-        used = sorted(((o, int(n)) for o, n in zip(options, counts) if n),
-                      key=lambda item: (item[0].sequence_parallel, RECOMPUTE.index(item[0].recompute)))
-        blocks.append(BlockPlan(block.name, tuple(used)))
-    return Plan(devices, dp, tp, pp, mb, global_batch, v, z, off, branches, blocks=tuple(blocks))
+        blocks.append(BlockPlan(block.name, chain_order(zip(options, counts))))
+    return ctx.plan(devices, tuple(blocks))
 
 
 def _result(model: ModelCost, plans: list[Plan], start: float) -> SearchResult:
     estimates = [estimate(model, p) for p in plans]
     values = np.array([[e.iteration_time_s, e.peak_memory_bytes] for e in estimates])
-    keep = _front_2d(values)
-    keep = keep[np.argsort(values[keep, 0], kind="stable")]
-    points = [FrontierPoint(plans[i], float(values[i, 0]), float(values[i, 1])) for i in keep]
+    points = [FrontierPoint(plans[i], float(values[i, 0]), float(values[i, 1])) for i in front_by_time(values)]
     return SearchResult(points, time.perf_counter() - start, len(plans))
 
 
@@ -63,7 +58,7 @@ def expert_grid(model: ModelCost, devices: int, global_batch: int) -> SearchResu
                 continue
             for v, z, off in globals_:
                 if v == 1 and z <= 1 and not off:
-                    plans.append(_plan(model, devices, global_batch, dp, tp, pp, branches, mb, v, z, off,
+                    plans.append(_plan(model, devices, Context(dp, tp, pp, v, mb, global_batch, z, off, branches),
                                        {strategy: 1.0}))
     return _result(model, plans, start)
 
@@ -78,8 +73,8 @@ def nsga2(model: ModelCost, devices: int, global_batch: int, seconds: float, see
 
     start = time.perf_counter()
     space = SearchSpace(global_batch)
-    ctxs = [(dp, tp, pp, br, mb, v, z, off) for dp, tp, pp, br, mb, globals_ in contexts(model, devices, space)
-            for v, z, off in globals_]
+    ctxs = [Context(dp, tp, pp, v, mb, global_batch, z, off, br)
+            for dp, tp, pp, br, mb, globals_ in contexts(model, devices, space) for v, z, off in globals_]
     strategies = [LayerStrategy(r, sp) for r in RECOMPUTE for sp in (False, True)]
     evaluated: list[Plan] = []
 
@@ -88,9 +83,9 @@ def nsga2(model: ModelCost, devices: int, global_batch: int, seconds: float, see
             super().__init__(n_var=1 + len(strategies), n_obj=2, xl=0.0, xu=1.0)
 
         def _evaluate(self, x, out, *args, **kwargs):
-            dp, tp, pp, br, mb, v, z, off = ctxs[min(int(x[0] * len(ctxs)), len(ctxs) - 1)]
-            shares = {s: float(w) for s, w in zip(strategies, x[1:]) if tp > 1 or not s.sequence_parallel}
-            plan = _plan(model, devices, global_batch, dp, tp, pp, br, mb, v, z, off, shares)
+            ctx = ctxs[min(int(x[0] * len(ctxs)), len(ctxs) - 1)]
+            shares = {s: float(w) for s, w in zip(strategies, x[1:]) if ctx.tp > 1 or not s.sequence_parallel}
+            plan = _plan(model, devices, ctx, shares)
             e = estimate(model, plan)
             evaluated.append(plan)
             out["F"] = [e.iteration_time_s, e.peak_memory_bytes]

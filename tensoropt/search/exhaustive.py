@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from ..cost.model import Context, ModelCost, chain_sums, evaluate
-from ..space.plan import BlockPlan, Plan
-from .ft import FrontierPoint, SearchResult, SearchSpace, _front_2d, contexts, layer_options
+from ..space.plan import BlockPlan
+from .ft import FrontierPoint, SearchResult, SearchSpace, contexts, front_by_time, layer_options
 
 
 def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_sequences: int = 200_000) -> SearchResult:
@@ -39,13 +39,10 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
                 values.append((float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0])))
                 plans.append((ctx, [seq for seq, _ in combo]))
     values = np.array(values)
-    keep = _front_2d(values)
-    keep = keep[np.argsort(values[keep, 0], kind="stable")]
     points = []
-    for k in keep:
+    for k in front_by_time(values):
         ctx, seqs = plans[k]
         blocks = tuple(BlockPlan(block.name, tuple(seq)) for (block, _), seq in zip(model.blocks, seqs))
-        plan = Plan(devices, ctx.dp, ctx.tp, ctx.pp, ctx.micro_batch, ctx.global_batch, ctx.virtual_stages,
-                    ctx.zero, ctx.offload, ctx.tp_branches, blocks=blocks)
+        plan = ctx.plan(devices, blocks)
         points.append(FrontierPoint(plan, float(values[k, 0]), float(values[k, 1])))
     return SearchResult(points, time.perf_counter() - start, len(values))

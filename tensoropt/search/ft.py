@@ -30,7 +30,7 @@ import numpy as np
 
 from ..cost.layer import BlockCost
 from ..cost.model import Context, ModelCost, evaluate
-from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, divisors, meshes
+from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .pareto import ParetoSet, combine, combine_all, nondominated, union
 
 Matrix = dict[tuple[bool, bool], ParetoSet]
@@ -141,12 +141,6 @@ class Chain:
         return union(exits, self.eps)
 
 
-def chain(cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...], micro_batch: int,
-          copies: int, eps: float = 0.0, doubling: bool = True) -> ParetoSet:
-    """Pareto set of ``copies`` consecutive copies (one strategy each) entered and left replicated."""
-    return Chain(cost, options, tp, branches, micro_batch, eps).copies(copies, doubling)
-
-
 def _combine_blocks(parts: list[ParetoSet], eps: float) -> ParetoSet:
     """Blocks run one after another: Minkowski sum, counts side by side."""
     total = None
@@ -205,8 +199,8 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
                 (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
         stage, option_lists = chains[key]
         globals_ = _undominated(globals_, dp, pp)
-        backward = _backward_sums(model, stage, option_lists, tp, branches, mb)
-        params = _param_sums(model, stage, option_lists, tp, branches, mb)
+        backward = _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
+        params = _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
         for v, z, off in globals_:
             ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches)
             r = evaluate(model, ctx, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params)
@@ -219,10 +213,8 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     all_values = np.concatenate([c[0] for c in candidates])
     owner = np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(candidates)])
     row = np.concatenate([np.arange(len(c[0])) for c in candidates])
-    keep = _front_2d(all_values)
-    keep = keep[np.argsort(all_values[keep, 0], kind="stable")]
     points = []
-    for k in keep:
+    for k in front_by_time(all_values):
         values, ctx, counts, option_lists = candidates[owner[k]]
         plan = _plan(model, devices, ctx, counts[row[k]], option_lists)
         points.append(FrontierPoint(plan, float(values[row[k], 0]), float(values[row[k], 1])))
@@ -248,6 +240,12 @@ def _front_2d(values: np.ndarray) -> np.ndarray:
     return nondominated(np.concatenate([values, np.zeros((len(values), 1))], axis=1))
 
 
+def front_by_time(values: np.ndarray) -> np.ndarray:
+    """Indices of the non-dominated (time, memory) rows, fastest first."""
+    keep = _front_2d(values)
+    return keep[np.argsort(values[keep, 0], kind="stable")]
+
+
 def _split(counts: np.ndarray, option_lists: list[list[LayerStrategy]]):
     start = 0
     for options in option_lists:
@@ -263,20 +261,6 @@ def _per_option_sum(model, stage, option_lists, tp, branches, mb, attr) -> np.nd
     return total
 
 
-def _backward_sums(model, stage, option_lists, tp, branches, mb) -> np.ndarray:
-    return _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
-
-
-def _param_sums(model, stage, option_lists, tp, branches, mb) -> np.ndarray:
-    return _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
-
-
 def _plan(model: ModelCost, devices: int, ctx: Context, counts: np.ndarray, option_lists) -> Plan:
-    blocks = []
-    for (block, _), (options, c) in zip(model.blocks, _split(counts, option_lists)):
-        used = sorted(((o, int(n)) for o, n in zip(options, c) if n > 0),
-                      key=lambda item: (item[0].sequence_parallel, RECOMPUTE.index(item[0].recompute)))
-        blocks.append(BlockPlan(block.name, tuple(used)))
-    return Plan(devices=devices, dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, micro_batch=ctx.micro_batch,
-                global_batch=ctx.global_batch, virtual_stages=ctx.virtual_stages, zero=ctx.zero,
-                offload=ctx.offload, tp_branches=ctx.tp_branches, blocks=tuple(blocks))
+    return ctx.plan(devices, tuple(BlockPlan(block.name, chain_order(zip(options, c)))
+                                   for (block, _), (options, c) in zip(model.blocks, _split(counts, option_lists))))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..graph.fold import common_scope
 from ..graph.ir import Op
 
 
@@ -158,13 +159,9 @@ def _downstream(forward: dict[int, set[int]], start: int) -> set[int]:
 
 
 def _branch_name(ops: tuple[Op, ...], linears: tuple[int, ...]) -> str:
-    paths = [ops[i].module_path.split(".") for i in linears]
-    common = []
-    for names in zip(*paths):
-        if len(set(names)) != 1:
-            break
-        common.append(names[0])
-    return common[-1] if common else f"branch{linears[0]}"
+    """The innermost module holding all of a branch's linears (``attn``, ``mlp``)."""
+    scope = common_scope([ops[i] for i in linears])
+    return scope.rsplit(".", 1)[-1] if scope else f"branch{linears[0]}"
 
 
 def _max_tp(ops, cols, rows, inner, seq_len: int | None) -> int:

@@ -97,6 +97,13 @@ class Plan:
         )
 
 
+def chain_order(pairs) -> tuple[tuple[LayerStrategy, int], ...]:
+    """(strategy, copies) pairs in the order the copies run: replicated-stream copies first, then
+    sequence-parallel ones (two layout changes at most), each by recomputation; empty ones dropped."""
+    used = [(s, int(n)) for s, n in pairs if n > 0]
+    return tuple(sorted(used, key=lambda item: (item[0].sequence_parallel, RECOMPUTE.index(item[0].recompute))))
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
