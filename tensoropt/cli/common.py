@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
 
 import click
@@ -54,7 +53,6 @@ class Loaded:
     folded: FoldedGraph
     profile: DeviceProfile
     capture_seconds: float
-    fold_seconds: float
 
     def model_cost(self, devices: int, per_node: int) -> ModelCost:
         return ModelCost(self.graph, self.folded, Cluster(devices, min(per_node, devices), self.profile))
@@ -67,9 +65,7 @@ class Loaded:
 def load(model: str, device: str, seq_len: int | None) -> Loaded:
     profile = load_profile(device)
     captured = capture(model, seq_len=seq_len)
-    start = time.perf_counter()
-    folded = fold(captured.graph)
-    return Loaded(captured.graph, folded, profile, captured.capture_seconds, time.perf_counter() - start)
+    return Loaded(captured.graph, fold(captured.graph), profile, captured.capture_seconds)
 
 
 def model_options(func):

@@ -125,10 +125,9 @@ class BlockCost:
 class LooseCost:
     """The ops before the first block (first stage) or after the last one (last stage)."""
 
-    time_s: float
+    time_s: float                    # forward + backward, vocabulary-parallel all-reduces included
     activation_bytes: float
     parameters: float
-    tp_comm_s: float
 
 
 def loose_cost(ops: tuple[Op, ...], tp: int, micro_batch: int, cluster: Cluster, vocab: int | None) -> LooseCost:
@@ -137,7 +136,7 @@ def loose_cost(ops: tuple[Op, ...], tp: int, micro_batch: int, cluster: Cluster,
     or produce vocabulary-sized tensors divide by tp, at the cost of one all-reduce of the hidden
     state in the forward (embedding output) and one in the backward (head input gradient)."""
     if not ops:
-        return LooseCost(0.0, 0.0, 0.0, 0.0)
+        return LooseCost(0.0, 0.0, 0.0)
     shard = np.ones(len(ops))
     hidden_bytes = 0.0
     if tp > 1 and vocab:
@@ -153,4 +152,4 @@ def loose_cost(ops: tuple[Op, ...], tp: int, micro_batch: int, cluster: Cluster,
     params = _param_elements(ops, range(len(ops))) / shard
     comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, cluster) if hidden_bytes else 0.0
     return LooseCost(float((fwd + bwd).sum()) + comm, float((arrays.saved_bytes * micro_batch / shard).sum()),
-                     float(params.sum()), comm)
+                     float(params.sum()))
