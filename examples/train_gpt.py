@@ -1,16 +1,15 @@
 """A GPT-style training script on synthetic data: runs alone (one process) or under
 ``tensoropt launch examples/train_gpt.py --device cpu --gpus 2 -- --steps 5``.
 
-The only TensorOpt line is ``tensoropt.parallelize``: it hands the launcher the model to plan, and in
-the workers applies the chosen plan. The data is deterministic, so a launched run's losses can be
-compared with this script run by hand.
+The TensorOpt lines are ``tensoropt.parallelize`` (it hands the launcher the model to plan, and in the
+workers applies the chosen plan) and ``run.train_step`` (one step, driven the way the plan's engine
+needs). The data is deterministic, so a launched run's losses can be compared with this script run by hand.
 """
 
 import argparse
 import json
 
 import torch
-import torch.distributed as dist
 
 import tensoropt
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
@@ -37,22 +36,12 @@ def main() -> None:
                                                   example_inputs=example, global_batch=args.global_batch)
     losses = []
     for step in range(args.steps):
-        optimizer.zero_grad()
-        total = torch.zeros(())
-        for ids, labels in run.local_batches((inputs[step], targets[step])):
-            loss = model(ids, labels) / run.grad_accumulation
-            loss.backward()
-            total += loss.detach()
-        optimizer.step()
-        if run.dp_size > 1:
-            dist.all_reduce(total)
-            total /= run.dp_size
-        losses.append(float(total))
+        losses.append(run.train_step((inputs[step], targets[step])))   # the model returns the loss
         if run.rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"]}, f)
+            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}, f)
     run.close()
 
 

@@ -6,7 +6,6 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402
@@ -34,22 +33,12 @@ def main() -> None:
                                                   example_inputs=example, global_batch=args.global_batch)
     losses = []
     for step in range(args.steps):
-        optimizer.zero_grad()
-        total = torch.zeros(())
-        for batch in run.local_batches({"input_ids": tokens[step], "labels": tokens[step]}):
-            loss = model(**batch).loss / run.grad_accumulation
-            loss.backward()
-            total += loss.detach()
-        optimizer.step()
-        if run.dp_size > 1:
-            dist.all_reduce(total)
-            total /= run.dp_size
-        losses.append(float(total))
+        losses.append(run.train_step({"input_ids": tokens[step], "labels": tokens[step]}))
         if run.rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"]}, f)
+            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}, f)
     run.close()
 
 

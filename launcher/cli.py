@@ -9,7 +9,7 @@ import click
 
 from tensoropt.cli.common import parse_bytes
 from tensoropt.errors import TensorOptError
-from tensoropt.runtime import unsupported
+from tensoropt.runtime import choose_engine
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.space.plan import Plan
 
@@ -23,7 +23,8 @@ from . import launch as L
 @click.option("--mem-per-gpu", default=None, help="memory per device to plan for (default: what is free)")
 @click.option("--objective", type=click.Choice(L.OBJECTIVES), default="fastest", show_default=True)
 @click.option("--plan", "plan_path", default=None, help="run this plan (a previous launch's plan.json)")
-@click.option("--engine", type=click.Choice(["deepspeed", "torch"]), default=None)
+@click.option("--engine", type=click.Choice(["deepspeed", "torch"]), default=None,
+              help="run with this engine (default: the plan decides: torch where it can, else DeepSpeed)")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--master-addr", default=None)
@@ -37,23 +38,22 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
-    if engine == "deepspeed":
-        raise TensorOptError("--engine deepspeed is not implemented yet; use --engine torch (the default)")
     devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None)
     graph = L.capture_script(script, list(script_args))
     world = devices.count * nnodes
     if plan_path:
-        point = _load_plan(plan_path, graph, world)
+        point, engine = _load_plan(plan_path, graph, world, engine)
         why = f"given with --plan {plan_path}"
     else:
         devices = L.Devices(devices.kind, world, devices.memory_bytes, devices.profile)
-        point, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective)
+        point, engine, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective, engine)
         why += f" (objective {objective}, {n} frontier points)"
     argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port)
-    plan_file = L.write_plan(Path(run_dir), point, why, argv)
-    click.echo(f"chosen: {point.plan.summary()}")
+    plan_file = L.write_plan(Path(run_dir), point, engine, why, argv)
+    click.echo(f"chosen: {point.plan.summary()} (engine {engine})")
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")
+    click.echo(L.describe(point.plan.to_json(), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
     if dry_run:
@@ -63,7 +63,7 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
         raise TensorOptError(f"workers exited with status {status}")
 
 
-def _load_plan(path: str, graph, devices: int) -> FrontierPoint:
+def _load_plan(path: str, graph, devices: int, engine: str | None) -> tuple[FrontierPoint, str]:
     try:
         data = json.loads(Path(path).read_text())
         plan = Plan.from_json(data)
@@ -77,8 +77,10 @@ def _load_plan(path: str, graph, devices: int) -> FrontierPoint:
                              f"{blocks})")
     if plan.devices != devices:
         raise TensorOptError(f"{path} is a plan for {plan.devices} devices, this launch has {devices}")
-    if missing := unsupported(plan.to_json()):
-        raise TensorOptError(f"{path} needs {', '.join(missing)}, which the torch runtime does not apply yet")
+    try:
+        engine = choose_engine(plan.to_json(), engine or data.get("engine"))
+    except TensorOptError as exc:
+        raise TensorOptError(f"{path}: {exc}") from exc
     predicted = data.get("predicted", {})
     return FrontierPoint(plan, float(predicted.get("iteration_time_s", 0.0)),
-                         float(predicted.get("peak_memory_bytes", 0.0)))
+                         float(predicted.get("peak_memory_bytes", 0.0))), engine

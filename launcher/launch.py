@@ -20,15 +20,21 @@ from tensoropt.graph.cache import write_json_atomic
 from tensoropt.graph.fold import fold
 from tensoropt.graph.ir import OpGraph
 from tensoropt.profiler.run import memory_bytes
-from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV
+from tensoropt.runtime import CAPTURE_ENV, ENGINES, PLAN_ENV, unsupported
+from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.search.ft import FrontierPoint, SearchSpace, search
 
 from .argv import capture_argv, torchrun_argv
 
 OBJECTIVES = ("fastest", "min-memory", "balanced")
-# what the torch runtime applies today: data parallelism (DDP / FSDP2), full recomputation
-RUNTIME_SPACE = dict(zero_stages=(0, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=False,
-                     max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,))
+# the part of the search space each engine applies; plans in it that an engine still cannot run
+# (see tensoropt.runtime.unsupported) are dropped after the search
+ENGINE_SPACES = {
+    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=False,
+                  max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
+    "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=True,
+                      max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
+}
 
 
 @dataclass(frozen=True)
@@ -97,15 +103,35 @@ def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> 
     return best, why
 
 
-def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str) -> tuple[FrontierPoint, str, int]:
+def runnable_front(graph: OpGraph, devices: Devices, per_node: int,
+                   engine: str | None = None) -> list[tuple[FrontierPoint, str]]:
+    """The frontier of plans an engine can run: one search per engine (``engine`` alone if given),
+    merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins."""
     global_batch = int(graph.meta("global_batch") or 0)
     model = ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
-    result = search(model, devices.count, SearchSpace(global_batch=global_batch, **RUNTIME_SPACE))
-    if not result.points:
+    candidates = []
+    for name in [engine] if engine else ENGINES:
+        result = search(model, devices.count, SearchSpace(global_batch=global_batch, **ENGINE_SPACES[name]))
+        candidates += [(p, name) for p in result.points if not unsupported(p.plan.to_json(), name)]
+    candidates.sort(key=lambda c: (c[0].iteration_time_s, c[0].peak_memory_bytes, ENGINES.index(c[1])))
+    front, least_memory = [], float("inf")
+    for point, name in candidates:
+        if point.peak_memory_bytes < least_memory:
+            front.append((point, name))
+            least_memory = point.peak_memory_bytes
+    return front
+
+
+def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str,
+             engine: str | None = None) -> tuple[FrontierPoint, str, str, int]:
+    """(point, engine, why, frontier size) for the devices found."""
+    front = runnable_front(graph, devices, per_node, engine)
+    if not front:
+        global_batch = int(graph.meta("global_batch") or 0)
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
                              f"{devices.count} devices: make it a multiple of {devices.count}")
-    best, why = choose(result.points, devices.memory_bytes, objective)
-    return best, why, len(result.points)
+    best, why = choose([p for p, _ in front], devices.memory_bytes, objective)
+    return best, dict((id(p), e) for p, e in front)[id(best)], why, len(front)
 
 
 def run_workers(argv: list[str], env: dict) -> int:
@@ -130,14 +156,34 @@ def main_env(devices: Devices, plan_path: Path) -> dict:
     return env
 
 
-def write_plan(run_dir: Path, point: FrontierPoint, why: str, argv: list[str]) -> Path:
+def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv: list[str]) -> Path:
+    """Write plan.json (and for DeepSpeed the exact config it trains with) into the run directory."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    extra = {"engine": engine}
+    if engine == "deepspeed":
+        config_path = run_dir / "deepspeed.json"
+        write_json_atomic(config_path, deepspeed_config(point.plan.to_json()))
+        extra["deepspeed_config"] = str(config_path.resolve())
     path = run_dir / "plan.json"
-    write_json_atomic(path, point.plan.to_json() | {"predicted": {
+    write_json_atomic(path, point.plan.to_json() | extra | {"predicted": {
         "iteration_time_s": point.iteration_time_s, "peak_memory_bytes": int(point.peak_memory_bytes),
         "why": why}, "command": argv})
     return path
 
 
-__all__ = ["OBJECTIVES", "capture_script", "choose", "detect", "main_env", "plan_for", "run_workers",
-           "torchrun_argv", "write_plan"]
+def describe(plan: dict, engine: str) -> str:
+    """The configuration the workers will apply, in words (DeepSpeed's is its config file)."""
+    if engine == "deepspeed":
+        return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True)
+    full = sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == "full")
+    parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
+             f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
+             {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
+              3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
+             f"checkpoint_wrapper on {full} block copies per stage" if full else "",
+             f"{plan['gradient_accumulation']} micro-batches of {plan['micro_batch']} per step"]
+    return "torch: " + ", ".join(p for p in parts if p)
+
+
+__all__ = ["ENGINE_SPACES", "OBJECTIVES", "capture_script", "choose", "describe", "detect", "main_env", "plan_for",
+           "run_workers", "runnable_front", "torchrun_argv", "write_plan"]

@@ -38,34 +38,45 @@ def chosen(tmp_path_factory):
                        "--steps", 3, "--out", run_dir / "never.json", cwd=run_dir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "chosen: dp2 tp1 pp1" in result.stdout and "torch.distributed.run --nproc-per-node 2" in result.stdout
+    assert "predicted: " in result.stdout and ("torch: " in result.stdout or "deepspeed config: " in result.stdout)
     assert not (run_dir / "never.json").exists()                     # nothing trained
     return Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
 
 
-def _run_plan(plan: Plan, tmp_path):
+def _run_plan(plan: Plan, tmp_path, engine: str):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--run-dir", tmp_path / "run",
-                       "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+    result = tensoropt("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
+                       "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
-    assert data["plan"] == plan.summary()
+    assert (data["plan"], data["engine"]) == (plan.summary(), engine)
     return data["losses"]
 
 
-def _with(plan: Plan, zero: int, micro_batch: int, full_recompute: int) -> Plan:
+def _with(plan: Plan, zero: int, micro_batch: int, full_recompute: int, offload: bool = False) -> Plan:
     strategies = tuple((LayerStrategy(r), n) for r, n in (("full", full_recompute), ("none", 4 - full_recompute)) if n)
-    return dataclasses.replace(plan, zero=zero, micro_batch=micro_batch, blocks=(BlockPlan("layers.*", strategies),))
+    return dataclasses.replace(plan, zero=zero, micro_batch=micro_batch, offload=offload,
+                               blocks=(BlockPlan("layers.*", strategies),))
 
 
-@pytest.mark.parametrize("zero, micro_batch, full_recompute", [
-    (0, 4, 0),        # DDP
-    (2, 2, 2),        # FSDP2 without resharding (ZeRO 2), 2 accumulation steps, 2 of 4 layers recomputed
-    (3, 1, 4),        # FSDP2 (ZeRO 3), 4 accumulation steps, every layer recomputed
+@pytest.mark.parametrize("engine, zero, micro_batch, full_recompute, offload", [
+    ("torch", 0, 4, 0, False),      # DDP
+    ("torch", 2, 2, 2, False),      # FSDP2 without resharding (ZeRO 2), 2 accumulation steps, 2 of 4 layers recomputed
+    ("torch", 3, 1, 4, False),      # FSDP2 (ZeRO 3), 4 accumulation steps, every layer recomputed
+    ("deepspeed", 1, 2, 2, False),  # ZeRO 1, 2 accumulation steps, deepspeed.checkpointing on 2 of 4 layers
+    ("deepspeed", 2, 4, 0, True),   # ZeRO 2 with the optimizer offloaded
+    ("deepspeed", 3, 1, 4, False),  # ZeRO 3, 4 accumulation steps, every layer recomputed
 ])
-def test_two_workers_match_one_process(reference, chosen, tmp_path, zero, micro_batch, full_recompute):
-    losses = _run_plan(_with(chosen, zero, micro_batch, full_recompute), tmp_path)
+def test_two_workers_match_one_process(reference, chosen, tmp_path, engine, zero, micro_batch, full_recompute,
+                                       offload):
+    losses = _run_plan(_with(chosen, zero, micro_batch, full_recompute, offload), tmp_path, engine)
     np.testing.assert_allclose(losses, reference, rtol=2e-5)
+    if engine == "deepspeed":                                  # the config it trained with is kept for the user
+        config = json.loads((tmp_path / "run" / "deepspeed.json").read_text())
+        assert config["zero_optimization"]["stage"] == zero
+        assert config["gradient_accumulation_steps"] == 4 // micro_batch
+        assert ("offload_optimizer" in config["zero_optimization"]) == offload
 
 
 def test_bad_input_is_one_line(chosen, tmp_path):
@@ -74,6 +85,8 @@ def test_bad_input_is_one_line(chosen, tmp_path):
     plan.write_text(json.dumps(chosen.to_json()))
     zero1 = tmp_path / "zero1.json"
     zero1.write_text(json.dumps(dataclasses.replace(chosen, zero=1, offload=True).to_json()))
+    tp2 = tmp_path / "tp2.json"
+    tp2.write_text(json.dumps(dataclasses.replace(chosen, dp=1, tp=2, micro_batch=8, tp_branches=("attn",)).to_json()))
     cases = [
         (["launch", tmp_path / "missing.py", "--device", "cpu", "--gpus", 2], "no such script"),
         (["launch", tmp_path / "crash.py", "--device", "cpu", "--gpus", 2], "failed while TensorOpt captured"),
@@ -82,9 +95,10 @@ def test_bad_input_is_one_line(chosen, tmp_path):
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", plan, "--dry-run", "--", "--layers", 2],
          "is a plan for another model"),
         (["launch", SCRIPT, "--gpus", 2], "no GPU found on this machine"),
-        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", zero1, "--dry-run"],
-         "needs ZeRO 1, optimizer offload, which the torch runtime does not apply yet"),
-        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--engine", "deepspeed"], "not implemented yet"),
+        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", zero1, "--engine", "torch", "--dry-run"],
+         "needs ZeRO 1, optimizer offload, which the torch engine does not apply"),
+        (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", tp2, "--engine", "deepspeed", "--dry-run"],
+         "needs tensor parallelism, which the deepspeed engine does not apply"),
     ]
     for args, expected in cases:
         result = tensoropt(*args, cwd=tmp_path)

@@ -1,0 +1,124 @@
+"""``Run``: the handle a training script gets back from ``tensoropt.parallelize``.
+
+One training step is ``run.train_step(batch)`` with the *global* batch, the same on every rank: the
+run takes this rank's data-parallel slice, splits it into the plan's micro-batches and lets the
+engine do forward, backward, gradient accumulation and the optimizer step its own way (DDP and
+FSDP2 hooks, DeepSpeed's ``engine.backward``/``engine.step``, a pipeline schedule). Engines differ in
+how a step is driven, so the script never drives it by hand and runs unchanged under every plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import TensorOptError
+
+Batch = torch.Tensor | tuple | Mapping
+# an engine's step: this rank's micro-batches in, the step's loss (mean over the whole batch) out
+Stepper = Callable[[list[Batch]], float]
+
+
+def call_model(model, batch: Batch):
+    """Call the model on one micro-batch: a mapping as keywords, a tuple as positional arguments."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, tuple):
+        return model(*batch)
+    return model(batch)
+
+
+def loss_of(output) -> torch.Tensor:
+    """The loss a model's forward returned: the tensor itself, ``output.loss`` (Hugging Face) or
+    ``output["loss"]``."""
+    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TensorOptError("run.train_step needs the model's forward to return the loss (a scalar tensor, or an "
+                             "output with .loss): pass the labels in the batch")
+    return loss
+
+
+def split_batch(batch: Batch, part: int, parts: int) -> Batch:
+    """Part ``part`` of ``parts`` equal slices along dim 0 of every tensor in the batch."""
+    def take(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.shape[0] % parts:
+            raise TensorOptError(f"a batch of {x.shape[0]} samples does not split into {parts} equal parts: make the "
+                                 "global batch what the plan was made for")
+        size = x.shape[0] // parts
+        return x[part * size:(part + 1) * size]
+    if isinstance(batch, Mapping):
+        return {k: take(v) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(take(v) for v in batch)
+    return take(batch)
+
+
+def plain_stepper(model, optimizer, no_sync: Callable[[bool], object] | None = None, dp_group=None) -> Stepper:
+    """Forward and backward every micro-batch, then one optimizer step (one process, DDP, FSDP2, TP);
+    the loss is averaged over ``dp_group`` (default: every rank).
+
+    ``no_sync(last)`` (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``) keeps gradient
+    reduction to the last micro-batch, as the cost model assumes."""
+    def step(micro_batches: list[Batch]) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for i, micro in enumerate(micro_batches):
+            if no_sync:
+                no_sync(i == len(micro_batches) - 1)
+            loss = loss_of(call_model(model, micro)) / len(micro_batches)
+            loss.backward()
+            total += loss.detach().float().cpu()
+        optimizer.step()
+        return mean_over_group(total, dp_group)
+    return step
+
+
+def mean_over_group(value: torch.Tensor, group=None) -> float:
+    """Average a loss over a process group (the data-parallel ranks); identity without one."""
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return float(value)
+
+
+@dataclass
+class Run:
+    """Where this process stands in the plan, and how it trains one step."""
+
+    rank: int = 0
+    world_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    micro_batch: int = 0             # samples per forward on this rank (0: the whole global batch)
+    grad_accumulation: int = 1
+    global_batch: int = 0
+    plan: dict | None = None
+    engine: str = "none"             # none (run by hand) | torch | deepspeed
+    stepper: Stepper | None = field(default=None, repr=False)
+
+    def local_batches(self, batch: Batch) -> list[Batch]:
+        """This rank's micro-batches of a global batch (its data-parallel slice, split in order)."""
+        mine = split_batch(batch, self.dp_rank, self.dp_size)
+        return [split_batch(mine, i, self.grad_accumulation) for i in range(self.grad_accumulation)]
+
+    def train_step(self, batch: Batch) -> float:
+        """One optimizer step on the global ``batch``; returns its mean loss (the same on every rank)."""
+        if self.stepper is None:
+            raise TensorOptError("tensoropt.parallelize was called without an optimizer_fn: there is nothing to step")
+        return self.stepper(self.local_batches(batch))
+
+    def close(self) -> None:
+        """End the run: wait for every rank, then leave the process group. Tearing gloo down while a
+        peer still talks aborts the process ("terminate called without an active exception")."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

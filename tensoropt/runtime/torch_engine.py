@@ -1,0 +1,90 @@
+"""The torch-native engine: recomputation through checkpoint wrappers, data parallelism as DDP
+(ZeRO 0) or FSDP2 ``fully_shard`` (ZeRO 2: gradients and optimizer states sharded, parameters kept
+gathered; ZeRO 3: parameters too), tensor parallelism with ``torch.distributed.tensor`` and pipeline
+stages with ``torch.distributed.pipelining``."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from ..errors import TensorOptError
+from .run import Run, plain_stepper
+
+
+def block_modules(model: nn.Module, plan: dict) -> list[str]:
+    """Module names of every copy of the plan's blocks, in model order (``layers.*`` -> layers.0...)."""
+    names = [n for n, _ in model.named_modules()]
+    out = []
+    for block in plan["blocks"]:
+        pattern = block["block"]
+        out += [n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+    return out
+
+
+def recomputed_modules(model: nn.Module, plan: dict) -> list[str]:
+    """The block copies the plan recomputes in full: on each pipeline stage, the stage's first copies
+    of each block, as many as its strategies say (strategies carry copy counts per stage)."""
+    out = []
+    for block in plan["blocks"]:
+        copies = block_modules(model, {"blocks": [block]})
+        per_stage = [s["recompute"] for s in block["strategies"] for _ in range(s["copies"])]
+        strategies = per_stage * plan["pp"]
+        out += [name for name, recompute in zip(copies, strategies) if recompute == "full"]
+    return out
+
+
+def replace_module(model: nn.Module, name: str, wrap) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, wrap(getattr(parent, child)))
+
+
+def apply_recompute(model: nn.Module, plan: dict) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for name in recomputed_modules(model, plan):
+        replace_module(model, name, checkpoint_wrapper)
+
+
+def apply(model: nn.Module, optimizer_fn, plan: dict) -> tuple[nn.Module, object, Run]:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != plan["devices"]:
+        raise TensorOptError(f"plan {plan['summary']} is for {plan['devices']} devices but {world} workers were "
+                             "started")
+    if plan["pp"] > 1:
+        from .pipeline import apply_pipeline
+        return apply_pipeline(model, optimizer_fn, plan)
+    dp, tp = plan["dp"], plan["tp"]
+    mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .tensor_parallel import apply_tensor_parallel
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        apply_tensor_parallel(model, plan, mesh["tp"])
+    apply_recompute(model, plan)
+    no_sync = None
+    if plan["zero"] >= 2:
+        from torch.distributed.fsdp import fully_shard
+        reshard = plan["zero"] == 3                          # ZeRO 2 keeps parameters gathered
+        dp_mesh = mesh["dp"] if mesh is not None else None
+        for name in block_modules(model, plan):
+            fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        no_sync = model.set_requires_gradient_sync
+    elif dp > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+        ddp = model
+
+        def no_sync(last: bool) -> None:
+            ddp.require_backward_grad_sync = last
+    optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
+    dp_rank = rank // tp
+    run = Run(rank, world, dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
+              plan, "torch", plain_stepper(model, optimizer, no_sync) if optimizer else None)
+    return model, optimizer, run

@@ -1,0 +1,94 @@
+"""The runtime's pure parts: which engine runs a plan, the DeepSpeed config it writes, the frontier
+the launcher chooses from, and the one-process path of ``tensoropt.parallelize``."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import SMALL_GPT
+
+import tensoropt
+from launcher.launch import Devices, runnable_front
+from tensoropt.cost.profile import load_profile
+from tensoropt.errors import TensorOptError
+from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.runtime import choose_engine, unsupported
+from tensoropt.runtime.deepspeed_engine import deepspeed_config
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+
+def _plan(**change) -> dict:
+    base = Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=2, global_batch=8, zero=0, offload=False,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 3))),))
+    return dataclasses.replace(base, **change).to_json()
+
+
+def test_the_plan_decides_the_engine():
+    assert choose_engine(_plan()) == "torch"
+    assert choose_engine(_plan(zero=1)) == "deepspeed"                       # ZeRO 1 is DeepSpeed's
+    assert choose_engine(_plan(zero=2, offload=True)) == "deepspeed"         # so is optimizer offload
+    assert choose_engine(_plan(dp=1, tp=2, micro_batch=8)) == "torch"        # TP is torch's
+    assert choose_engine(_plan(), "deepspeed") == "deepspeed"
+    with pytest.raises(TensorOptError, match="needs ZeRO 1, which the torch engine does not apply"):
+        choose_engine(_plan(zero=1), "torch")
+    with pytest.raises(TensorOptError, match="selective recomputation"):
+        choose_engine(_plan(blocks=(BlockPlan("layers.*", ((LayerStrategy("selective"), 4),)),)))
+    assert unsupported(_plan(dp=1, pp=2, micro_batch=2), "deepspeed") == ["pipeline stages"]
+
+
+def test_deepspeed_config_says_what_the_plan_says():
+    config = deepspeed_config(_plan(zero=3, micro_batch=1, offload=True))
+    assert config["train_batch_size"] == 8 and config["train_micro_batch_size_per_gpu"] == 1
+    assert config["gradient_accumulation_steps"] == 4                        # 8 samples / (2 ranks x 1)
+    assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    assert "activation_checkpointing" in config                             # one copy is recomputed
+    assert "optimizer" not in config                                         # the script's optimizer is used
+    plain = deepspeed_config(_plan(blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 4),)),)))
+    assert "activation_checkpointing" not in plain and plain["zero_optimization"] == {"stage": 0}
+
+
+def test_launcher_front_is_pareto_and_every_point_runs_on_its_engine(write_json):
+    from tensoropt.api import capture
+    graph = capture(write_json("gpt.json", SMALL_GPT), batch_size=1, seq_len=32).graph
+    graph = dataclasses.replace(graph, metadata=graph.metadata + (("global_batch", "8"),))
+    devices = Devices("cpu", 2, 2**34, load_profile("cpu-2core"))
+    front = runnable_front(graph, devices, 2)
+    engines = {engine for _, engine in front}
+    assert front and engines <= {"torch", "deepspeed"}
+    for point, engine in front:
+        assert not unsupported(point.plan.to_json(), engine)
+    times = [p.iteration_time_s for p, _ in front]
+    memories = [p.peak_memory_bytes for p, _ in front]
+    assert times == sorted(times) and memories == sorted(memories, reverse=True)
+    assert len(set(memories)) == len(memories)                               # strictly better memory each step
+    only_ds = runnable_front(graph, devices, 2, "deepspeed")
+    assert {engine for _, engine in only_ds} == {"deepspeed"}
+
+
+def test_parallelize_alone_trains_one_process_as_the_plain_loop():
+    torch.manual_seed(0)
+    cfg = TransformerConfig(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
+                            vocab_size=64)
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    plain = DecoderLM(cfg)
+    wrapped = DecoderLM(cfg)
+    wrapped.load_state_dict(plain.state_dict())
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    _, _, run = tensoropt.parallelize(wrapped, lambda p: torch.optim.SGD(p, lr=0.1), example_inputs=batch,
+                                      global_batch=4)
+    for _ in range(2):
+        optimizer.zero_grad()
+        expected = plain(*batch)
+        expected.backward()
+        optimizer.step()
+        assert run.train_step(batch) == pytest.approx(float(expected.detach()), rel=1e-6)
+    assert (run.engine, run.dp_size, run.grad_accumulation) == ("none", 1, 1)
+
+
+def test_a_model_that_returns_no_loss_is_one_line():
+    model = torch.nn.Linear(4, 2)
+    _, _, run = tensoropt.parallelize(model, lambda p: torch.optim.SGD(p, lr=0.1), example_inputs=torch.ones(1, 4),
+                                      global_batch=2)
+    with pytest.raises(TensorOptError, match="forward to return the loss"):
+        run.train_step(torch.ones(2, 4))
