@@ -32,14 +32,15 @@ from . import launch as L
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="for planning (default: --gpus)")
 @click.option("--dry-run", is_flag=True, help="print the chosen plan and configuration, start nothing")
 @click.option("--run-dir", default="tensoropt-run", show_default=True, help="where plan.json is written")
+@click.option("--no-cache", is_flag=True, help="capture the script's model again even if its sources are unchanged")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnodes, node_rank, master_addr,
-           master_port, gpus_per_node, dry_run, run_dir, script_args):
+           master_port, gpus_per_node, dry_run, run_dir, no_cache, script_args):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
     devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None)
-    graph = L.capture_script(script, list(script_args))
+    graph = L.capture_script(script, list(script_args), use_cache=not no_cache)
     world = devices.count * nnodes
     if plan_path:
         point, engine = _load_plan(plan_path, graph, world, engine)

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +19,12 @@ from tensoropt.graph.cache import write_json_atomic
 from tensoropt.graph.fold import fold
 from tensoropt.graph.ir import OpGraph
 from tensoropt.profiler.run import memory_bytes
-from tensoropt.runtime import CAPTURE_ENV, ENGINES, PLAN_ENV, unsupported
+from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.search.ft import FrontierPoint, SearchSpace, search
 
-from .argv import capture_argv, torchrun_argv
+from .argv import torchrun_argv
+from .capture import capture_script
 
 OBJECTIVES = ("fastest", "min-memory", "balanced")
 # the part of the search space each engine applies; plans in it that an engine still cannot run
@@ -66,22 +66,6 @@ def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None) -> D
                              "profiles/NAME.json` first")
     memory = int(mem_per_gpu or free)
     return Devices("cuda", count, memory, dataclasses.replace(load_profile(known), memory_bytes=memory))
-
-
-def capture_script(script: str, args: list[str], timeout_s: float = 600) -> OpGraph:
-    """Run the script once in capture mode and read back the graph it wrote."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "graph.json"
-        env = {**os.environ, CAPTURE_ENV: str(out)}
-        env.pop(PLAN_ENV, None)
-        result = subprocess.run(capture_argv(script, args), env=env, capture_output=True, text=True,
-                                timeout=timeout_s)
-        if result.returncode != 0 or not out.exists():
-            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            if result.returncode == 0:
-                last = "it never called tensoropt.parallelize(model, ..., example_inputs=..., global_batch=...)"
-            raise TensorOptError(f"{script} failed while TensorOpt captured its model: {last}")
-        return OpGraph.from_json(json.loads(out.read_text()))
 
 
 def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> tuple[FrontierPoint, str]:

@@ -47,7 +47,8 @@ def _run_plan(plan: Plan, tmp_path, engine: str):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
-                       "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+                       "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json",
+                       cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (plan.summary(), engine)
@@ -104,6 +105,26 @@ def test_bad_input_is_one_line(chosen, tmp_path):
         result = tensoropt(*args, cwd=tmp_path)
         assert result.returncode == 1, (args, result.stderr[-500:])
         assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-500:]
+
+
+def test_dry_run_reuses_the_capture_until_a_source_changes(tmp_path):
+    script = tmp_path / "train.py"
+    counter = tmp_path / "captures.txt"
+    source = (EXAMPLES / "train_gpt.py").read_text()
+    script.write_text(f"open({str(counter)!r}, 'a').write('x')\n" + source)
+    env = {**ENV, "TENSOROPT_CACHE_DIR": str(tmp_path / "cache")}
+
+    def dry_run(*extra):
+        result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", str(script), "--device", "cpu", "--gpus",
+                                 "2", "--dry-run", "--run-dir", str(tmp_path / "run"), *extra], capture_output=True,
+                                text=True, cwd=tmp_path, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.splitlines()[0], counter.read_text().count("x")
+    first = dry_run()
+    assert dry_run() == (first[0], 1)                            # same plan, the script was not run again
+    assert dry_run("--no-cache")[1] == 2
+    script.write_text(script.read_text() + "# edited\n")
+    assert dry_run()[1] == 3                                     # an edited script is captured again
 
 
 def _losses_alone(script, out, *args):

@@ -69,11 +69,27 @@ def _capture_and_exit(model, example_inputs, global_batch) -> None:
                              "the launcher to capture the model")
     inputs = example_inputs if isinstance(example_inputs, (tuple, Mapping)) else (example_inputs,)
     first = next(v for v in (inputs.values() if isinstance(inputs, Mapping) else inputs) if isinstance(v, torch.Tensor))
-    graph = trace_module(model, inputs, type(model).__name__, {"batch_size": str(first.shape[0]),
-                                                               "seq_len": str(first.shape[1]) if first.dim() > 1
-                                                               else "", "global_batch": str(global_batch)})
+    graph = trace_module(model, inputs, type(model).__name__, {
+        "batch_size": str(first.shape[0]), "seq_len": str(first.shape[1]) if first.dim() > 1 else "",
+        "global_batch": str(global_batch), "sources": json.dumps(_user_sources())})
     write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
     raise _Captured(0)
+
+
+def _user_sources() -> list[list]:
+    """[path, size, mtime_ns] of the script and every module it loaded from outside the Python
+    installation: the launcher reuses a cached capture only while these are unchanged."""
+    import sys
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    files = {os.path.realpath(sys.argv[0])} | {os.path.realpath(m.__file__) for m in list(sys.modules.values())
+                                                if getattr(m, "__file__", None)}
+    out = []
+    for path in sorted(files):
+        if any(path.startswith(prefix + os.sep) for prefix in installed) or not os.path.isfile(path):
+            continue
+        stat = os.stat(path)
+        out.append([path, stat.st_size, stat.st_mtime_ns])
+    return out
 
 
 def unsupported(plan: dict, engine: str) -> list[str]:
