@@ -8,7 +8,9 @@ needs). The data is deterministic, so a launched run's losses can be compared wi
 
 import argparse
 import json
+import time
 
+import numpy as np
 import torch
 
 import tensoropt
@@ -22,6 +24,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default=None, help="write the per-step losses (JSON) here")
+    parser.add_argument("--save-params", default=None, help="write the final parameters here (.npy, flattened)")
+    parser.add_argument("--pause-s", type=float, default=0.0, help="sleep after each step (to watch or interrupt)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -35,10 +39,15 @@ def main() -> None:
     model, optimizer, run = tensoropt.parallelize(model, lambda p: torch.optim.AdamW(p, lr=1e-3),
                                                   example_inputs=example, global_batch=args.global_batch)
     losses = []
-    for step in range(args.steps):
+    for step in range(run.start_step, args.steps):                    # a resumed run starts at its checkpoint
         losses.append(run.train_step((inputs[step], targets[step])))   # the model returns the loss
         if run.rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+        time.sleep(args.pause_s)
+    if args.save_params:
+        params = run.full_state_dict()                                 # gathered on every rank
+        if run.rank == 0:
+            np.save(args.save_params, torch.cat([params[k].detach().flatten() for k in sorted(params)]).numpy())
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}, f)

@@ -33,14 +33,30 @@ from . import launch as L
 @click.option("--dry-run", is_flag=True, help="print the chosen plan and configuration, start nothing")
 @click.option("--run-dir", default="tensoropt-run", show_default=True, help="where plan.json is written")
 @click.option("--no-cache", is_flag=True, help="capture the script's model again even if its sources are unchanged")
+@click.option("--elastic", is_flag=True, help="re-plan and resume when workers fail, memory runs out or devices change")
+@click.option("--checkpoint-dir", default=None, help="checkpoint here and resume from the latest one found")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True, help="steps")
+@click.option("--min-gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="elastic: give up when fewer devices remain")
+@click.option("--resources", "resources_file", default=None,
+              help='elastic: JSON file {"gpus": N} with the devices available now (watched while the job runs)')
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnodes, node_rank, master_addr,
-           master_port, gpus_per_node, dry_run, run_dir, no_cache, script_args):
+           master_port, gpus_per_node, dry_run, run_dir, no_cache, elastic, checkpoint_dir, checkpoint_every, min_gpus,
+           resources_file, script_args):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
+    if elastic:
+        _check_elastic(checkpoint_dir, plan_path, engine, nnodes)
     devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None)
     graph = L.capture_script(script, list(script_args), use_cache=not no_cache)
+    if elastic and not dry_run:
+        from .elastic import ElasticOptions, run_elastic
+        options = ElasticOptions(Path(checkpoint_dir), checkpoint_every, min_gpus,
+                                 Path(resources_file) if resources_file else None, objective)
+        run_elastic(script, list(script_args), graph, devices, options, Path(run_dir), click.echo)
+        return
     world = devices.count * nnodes
     if plan_path:
         point, engine = _load_plan(plan_path, graph, world, engine)
@@ -49,6 +65,9 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
         devices = L.Devices(devices.kind, world, devices.memory_bytes, devices.profile)
         point, engine, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective, engine)
         why += f" (objective {objective}, {n} frontier points)"
+    if checkpoint_dir and engine != "torch":
+        raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
+                             f"on {engine}: add --engine torch")
     argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port)
     plan_file = L.write_plan(Path(run_dir), point, engine, why, argv)
     click.echo(f"chosen: {point.plan.summary()} (engine {engine})")
@@ -59,9 +78,24 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
     click.echo("command: " + " ".join(argv))
     if dry_run:
         return
-    status = L.run_workers(argv, L.main_env(devices, plan_file.resolve()))
+    env = L.main_env(devices, plan_file.resolve())
+    if checkpoint_dir:
+        from .elastic import checkpoint_env
+        env |= checkpoint_env(Path(checkpoint_dir), checkpoint_every)
+    status = L.run_workers(argv, env)
     if status:
         raise TensorOptError(f"workers exited with status {status}")
+
+
+def _check_elastic(checkpoint_dir, plan_path, engine, nnodes) -> None:
+    problems = [problem for problem, bad in (
+        ("--elastic needs --checkpoint-dir DIR (where it resumes from)", not checkpoint_dir),
+        ("--elastic chooses its plans itself: drop --plan", plan_path),
+        ("--elastic runs the torch engine (torch.distributed.checkpoint reshards): drop --engine deepspeed",
+         engine == "deepspeed"),
+        ("--elastic runs on one node for now: drop --nnodes", nnodes > 1)) if bad]
+    if problems:
+        raise TensorOptError("; ".join(problems))
 
 
 def _load_plan(path: str, graph, devices: int, engine: str | None) -> tuple[FrontierPoint, str]:

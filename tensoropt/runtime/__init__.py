@@ -31,6 +31,7 @@ from ..errors import TensorOptError
 from .run import Run, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
+CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV = "TENSOROPT_CHECKPOINT_DIR", "TENSOROPT_CHECKPOINT_EVERY"
 ENGINES = ("torch", "deepspeed")
 
 
@@ -47,7 +48,7 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     plan_path = os.environ.get(PLAN_ENV)
     if not plan_path:
         optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
-        return model, optimizer, Run(global_batch=global_batch or 0,
+        return model, optimizer, Run(global_batch=global_batch or 0, model=model, optimizer=optimizer,
                                      stepper=plain_stepper(model, optimizer) if optimizer else None)
     plan = json.loads(Path(plan_path).read_text())
     engine = plan.get("engine") or choose_engine(plan)
@@ -58,7 +59,24 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
         from .deepspeed_engine import apply
     else:
         from .torch_engine import apply
-    return apply(model, optimizer_fn, plan)
+    model, optimizer, run = apply(model, optimizer_fn, plan)
+    run.model, run.optimizer = model, optimizer
+    return model, optimizer, _resume(run, engine)
+
+
+def _resume(run: Run, engine: str) -> Run:
+    """Checkpoint every ``TENSOROPT_CHECKPOINT_EVERY`` steps into ``TENSOROPT_CHECKPOINT_DIR`` (set by an
+    elastic launch) and start from the latest checkpoint there."""
+    directory = os.environ.get(CHECKPOINT_DIR_ENV)
+    if not directory:
+        return run
+    if engine != "torch":
+        raise TensorOptError("checkpoints for elastic runs are written with torch.distributed.checkpoint, which "
+                             f"the {engine} engine does not use: run elastic jobs with --engine torch")
+    from .checkpoint import load
+    run.checkpoint_dir, run.checkpoint_every = directory, int(os.environ.get(CHECKPOINT_EVERY_ENV, "0"))
+    run.start_step = run.step = load(Path(directory), run.model, run.optimizer)
+    return run
 
 
 def _capture_and_exit(model, example_inputs, global_batch) -> None:
@@ -120,4 +138,5 @@ def choose_engine(plan: dict, requested: str | None = None) -> str:
                          "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
-__all__ = ["CAPTURE_ENV", "ENGINES", "PLAN_ENV", "Run", "choose_engine", "parallelize", "unsupported"]
+__all__ = ["CAPTURE_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_EVERY_ENV", "ENGINES", "PLAN_ENV", "Run", "choose_engine",
+           "parallelize", "unsupported"]

@@ -9,8 +9,10 @@ how a step is driven, so the script never drives it by hand and runs unchanged u
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -89,6 +91,28 @@ def mean_over_group(value: torch.Tensor, group=None) -> float:
     return float(value)
 
 
+OOM_EXIT_CODE = 75                  # a worker ran out of device memory (the launcher re-plans with less)
+RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_MEMORY_BYTES"
+
+
+def _simulate_out_of_memory(plan: dict | None) -> None:
+    """Devices with ``TENSOROPT_SIMULATED_MEMORY_BYTES`` each: a plan predicted to need more fails as a
+    real out-of-memory error would (CPU workers never run out of memory at these sizes; tests need to)."""
+    limit = os.environ.get(SIMULATED_MEMORY_ENV)
+    needed = (plan or {}).get("predicted", {}).get("peak_memory_bytes", 0)
+    if limit and needed > int(limit):
+        import torch
+        raise torch.OutOfMemoryError(f"simulated: the plan needs {needed} bytes per device, the device has {limit}")
+
+
+def _report_failure(kind: str, step: int, rank: int, message: str) -> None:
+    """Leave the launcher a note of why this worker stops (it only sees exit codes otherwise)."""
+    if run_dir := os.environ.get(RUN_DIR_ENV):
+        from ..graph.cache import write_json_atomic
+        write_json_atomic(Path(run_dir) / f"failure-rank{rank}.json",
+                          {"kind": kind, "step": step, "rank": rank, "message": message})
+
+
 @dataclass
 class Run:
     """Where this process stands in the plan, and how it trains one step."""
@@ -103,6 +127,12 @@ class Run:
     plan: dict | None = None
     engine: str = "none"             # none (run by hand) | torch | deepspeed
     stepper: Stepper | None = field(default=None, repr=False)
+    step: int = 0                    # optimizer steps done (resumed runs start at the checkpoint's)
+    start_step: int = 0              # the step this process resumed from: the training loop starts here
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    model: object = field(default=None, repr=False)
+    optimizer: object = field(default=None, repr=False)
 
     def local_batches(self, batch: Batch) -> list[Batch]:
         """This rank's micro-batches of a global batch (its data-parallel slice, split in order)."""
@@ -113,7 +143,24 @@ class Run:
         """One optimizer step on the global ``batch``; returns its mean loss (the same on every rank)."""
         if self.stepper is None:
             raise TensorOptError("tensoropt.parallelize was called without an optimizer_fn: there is nothing to step")
-        return self.stepper(self.local_batches(batch))
+        import torch
+        try:
+            _simulate_out_of_memory(self.plan)
+            loss = self.stepper(self.local_batches(batch))
+        except torch.OutOfMemoryError as exc:
+            _report_failure("oom", self.step, self.rank, str(exc).splitlines()[0])
+            raise SystemExit(OOM_EXIT_CODE) from exc
+        self.step += 1
+        if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            from .checkpoint import save
+            save(Path(self.checkpoint_dir), self.step, self.model, self.optimizer)
+        return loss
+
+    def full_state_dict(self) -> dict:
+        """The whole model's parameters, gathered on every rank (CPU tensors), under the script's own
+        parameter names: for saving a final model or comparing runs."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
     def close(self) -> None:
         """End the run: wait for every rank, then leave the process group. Tearing gloo down while a
