@@ -69,7 +69,7 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
                              f"on {engine}: add --engine torch")
     argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port)
-    plan_file = L.write_plan(Path(run_dir), point, engine, why, argv)
+    plan_file = L.write_plan(Path(run_dir), point, engine, why, argv, graph)
     click.echo(f"chosen: {point.plan.summary()} (engine {engine})")
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")

@@ -95,7 +95,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
              f"{step}")
         previous = point.plan.summary()
         argv = L.torchrun_argv(script, script_args, count)
-        plan_file = L.write_plan(run_dir, point, engine, why, argv)
+        plan_file = L.write_plan(run_dir, point, engine, why, argv, graph)
         for stale in run_dir.glob("failure-rank*.json"):
             stale.unlink()
         env = L.main_env(now, plan_file.resolve()) | checkpoint_env(options.checkpoint_dir, options.checkpoint_every) \

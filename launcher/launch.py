@@ -22,6 +22,7 @@ from tensoropt.profiler.run import memory_bytes
 from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.search.ft import FrontierPoint, SearchSpace, search
+from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
 
 from .argv import torchrun_argv
 from .capture import capture_script
@@ -31,7 +32,7 @@ OBJECTIVES = ("fastest", "min-memory", "balanced")
 # (see tensoropt.runtime.unsupported) are dropped after the search
 ENGINE_SPACES = {
     "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=False,
-                  max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
+                  max_virtual_stages=1, pipeline_stages=(1,)),
     "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=True,
                       max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
@@ -140,10 +141,14 @@ def main_env(devices: Devices, plan_path: Path) -> dict:
     return env
 
 
-def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv: list[str]) -> Path:
-    """Write plan.json (and for DeepSpeed the exact config it trains with) into the run directory."""
+def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv: list[str],
+               graph: OpGraph) -> Path:
+    """Write plan.json (and for DeepSpeed the exact config it trains with) into the run directory;
+    a tensor-parallel plan carries which linears of each block are column- and row-parallel."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    extra = {"engine": engine}
+    extra: dict = {"engine": engine}
+    if point.plan.tp > 1:
+        extra[TP_LAYOUT_KEY] = tp_layout(graph)
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
         write_json_atomic(config_path, deepspeed_config(point.plan.to_json()))
@@ -165,7 +170,7 @@ def describe(plan: dict, engine: str) -> str:
              {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
               3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
-             f"{plan['gradient_accumulation']} micro-batches of {plan['micro_batch']} per step"]
+             f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples"]
     return "torch: " + ", ".join(p for p in parts if p)
 
 

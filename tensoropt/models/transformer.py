@@ -108,7 +108,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Self-attention with a fused QKV projection (Megatron layout) and optional GQA."""
+    """Self-attention with a fused QKV projection and optional GQA.
+
+    The QKV weight's rows are grouped as Megatron-LM lays them out: for each key/value head, its
+    ``heads / kv_heads`` query heads, then its key and its value. A tensor-parallel rank that holds a
+    contiguous slice of the rows (``ColwiseParallel``) then holds whole groups, and ``forward`` takes
+    the number of heads from the tensor, so the same code runs on all heads or on one rank's share.
+    Under GQA the query heads of a group sit between keys and values, so gathering them costs one copy.
+    """
 
     def __init__(self, cfg: TransformerConfig, causal: bool = True) -> None:
         super().__init__()
@@ -121,11 +128,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         cfg, (b, s, _) = self.cfg, x.shape
-        heads, kv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
-        q, k, v = self.qkv(x).split([heads * d, kv * d, kv * d], dim=-1)
-        q = q.view(b, s, heads, d).transpose(1, 2)
-        k = k.view(b, s, kv, d).transpose(1, 2)
-        v = v.view(b, s, kv, d).transpose(1, 2)
+        per_group, d = cfg.num_attention_heads // cfg.kv_heads, cfg.head_dim
+        qkv = self.qkv(x).view(b, s, -1, per_group + 2, d)           # (b, s, kv groups here, ..., d)
+        q = qkv[..., :per_group, :].reshape(b, s, -1, d).transpose(1, 2)
+        k, v = qkv[..., per_group, :].transpose(1, 2), qkv[..., per_group + 1, :].transpose(1, 2)
+        heads, kv = q.shape[1], k.shape[1]
         if rope is not None:
             cos, sin = rope
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -139,7 +146,7 @@ class Attention(nn.Module):
             if mask is not None:
                 scores = scores.masked_fill(mask, float("-inf"))
             y = self.attn_dropout(scores.softmax(dim=-1)) @ v
-        return self.proj(y.transpose(1, 2).reshape(b, s, heads * d))
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,104 @@
+"""Tensor parallelism for the torch engine: Megatron-LM's layout with ``torch.distributed.tensor``.
+
+In every copy of the plan's blocks, each branch the plan shards (``plan["tp_branches"]``, the planner's
+branch names) gets ``ColwiseParallel`` on its first linears (attention QKV or q/k/v projections, MLP
+up/gate: weight split by output features, the input replicated) and ``RowwiseParallel`` on its output
+linears (attention output projection, MLP down: weight split by input features, the partial outputs
+summed by one all-reduce). The ops between them run on the rank's share of heads or features, so a
+model must take head counts from its tensors (``view(b, s, -1, head_dim)``), as Hugging Face models and
+``tensoropt.models.transformer`` do. Everything else (norms, residual stream, embeddings) is replicated.
+
+Which modules those linears are comes from plan.json's ``tp_layout`` (see ``tensoropt.space.tp_layout``),
+which the launcher derives from the captured graph's block analysis: the runtime shards exactly what the
+cost model assumed, and never guesses from module names.
+
+Known differences from the cost model: the vocabulary (embedding and LM head) stays replicated, while
+the cost model assumes a vocabulary-parallel embedding and head; so each rank holds the full embedding
+and computes the full logits. Sequence parallelism is not applied (plans that need it are refused
+before they get here, see ``tensoropt.runtime.unsupported``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import TensorOptError
+from ..space.tp_layout import TP_LAYOUT_KEY
+from .torch_engine import block_modules
+
+
+def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh) -> None:
+    """Shard, in place, the linears of the plan's tensor-parallel branches over ``tp_mesh``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    tp = tp_mesh.size()
+    for block, branches in sharded_branches(plan).items():
+        check_degree(block, branches, tp)
+        plan_of_copy = styles(branches)
+        copies = block_modules(model, {"blocks": [{"block": block}]})
+        if not copies:
+            raise TensorOptError(f"the plan shards block {block!r} over {tp} devices, but no module of this model "
+                                 "matches that name: the plan was made for another model")
+        for name in copies:
+            copy = model.get_submodule(name)
+            check_linears(copy, name, plan_of_copy, tp)
+            parallelize_module(copy, tp_mesh, plan_of_copy)
+
+
+def sharded_branches(plan: dict) -> dict[str, list[dict]]:
+    """{block pattern: its branches that the plan shards}, from plan.json's ``tp_layout``."""
+    layout = plan.get(TP_LAYOUT_KEY)
+    if layout is None:
+        raise TensorOptError(f"plan {plan['summary']} asks for tensor parallelism but its plan.json has no "
+                             f"'{TP_LAYOUT_KEY}' (which linears to shard): start the workers with `tensoropt launch`, "
+                             "which writes it")
+    chosen = set(plan["tp_branches"])
+    out = {}
+    for block in plan["blocks"]:
+        branches = [b for b in layout.get(block["block"], []) if b["branch"] in chosen]
+        if branches:
+            out[block["block"]] = branches
+    if chosen and not out:
+        raise TensorOptError(f"plan {plan['summary']} shards branches {sorted(chosen)}, but its '{TP_LAYOUT_KEY}' has "
+                             "none of them: the plan was made for another model")
+    return out
+
+
+def check_degree(block: str, branches: list[dict], tp: int) -> None:
+    """Refuse a degree that would split a head or a feature group (a hand-edited plan; the planner
+    never proposes one): the ranks' shares would not be whole heads and results would be wrong."""
+    for branch in branches:
+        if branch["max_tp"] % tp:
+            raise TensorOptError(f"tensor parallelism over {tp} devices splits the heads or features of branch "
+                                 f"{branch['branch']!r} in block {block!r}: tp must divide {branch['max_tp']}")
+
+
+def styles(branches: list[dict]) -> dict:
+    """``parallelize_module``'s plan for one block copy: module name -> Colwise/RowwiseParallel."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    out = {}
+    for branch in branches:
+        out |= {name: ColwiseParallel() for name in branch["column"]}
+        out |= {name: RowwiseParallel() for name in branch["row"]}
+    return out
+
+
+def check_linears(copy: nn.Module, copy_name: str, plan_of_copy: dict, tp: int) -> None:
+    """Every module to shard must be an ``nn.Linear`` whose sharded dimension ``tp`` divides:
+    ``parallelize_module`` would otherwise fail deep inside DTensor, or shard unevenly."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    for name, style in plan_of_copy.items():
+        try:
+            module = copy.get_submodule(name)
+        except AttributeError:
+            raise TensorOptError(f"{copy_name} has no module {name!r} to shard: the plan was made for another "
+                                 "model") from None
+        if not isinstance(module, nn.Linear):
+            raise TensorOptError(f"tensor parallelism shards nn.Linear modules, but {copy_name}.{name} is a "
+                                 f"{type(module).__name__}: plan this model without tensor parallelism")
+        features = module.out_features if isinstance(style, ColwiseParallel) else module.in_features
+        if features % tp:
+            raise TensorOptError(f"{copy_name}.{name} has {features} features, which do not split over {tp} "
+                                 "tensor-parallel devices")
+
+
+__all__ = ["apply_tensor_parallel", "sharded_branches"]

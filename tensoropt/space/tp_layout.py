@@ -1,0 +1,51 @@
+"""The tensor-parallel layout the runtime applies, derived from the same block analysis the planner costs.
+
+The planner decides *which* branches are sharded (``Plan.tp_branches``, by branch name); this module
+says *which modules* those branches are, so the workers shard exactly the linears the cost model
+assumed, whatever the model calls them (``attn.qkv``, ``self_attn.q_proj``, ...). It is pure: a
+captured graph in, module names out, written by the launcher into plan.json as ``tp_layout``::
+
+    {"layers.*": [{"branch": "attn", "column": ["attn.qkv"], "row": ["attn.proj"], "max_tp": 4},
+                  {"branch": "mlp", "column": ["mlp.up"], "row": ["mlp.down"], "max_tp": 256}]}
+
+Names are relative to each copy of the block (``layers.0``, ``layers.1``, ...), so the layout does not
+grow with depth; they name the module that owns the linear's weight, which is what
+``parallelize_module`` shards. ``max_tp`` is what every tensor-parallel degree must divide (heads,
+key/value heads, features), so the runtime can refuse a hand-edited plan that would split a head.
+"""
+
+from __future__ import annotations
+
+from ..graph.fold import FoldedGraph, fold
+from ..graph.ir import Op, OpGraph
+from .block import analyse_block
+
+TP_LAYOUT_KEY = "tp_layout"
+
+
+def tp_layout(graph: OpGraph, folded: FoldedGraph | None = None) -> dict[str, list[dict]]:
+    """Every tensor-parallel branch of every unique block of ``graph`` (see the module doc); blocks
+    without a branch are left out. Pass ``folded`` when the caller has already folded the graph."""
+    folded = folded or fold(graph)
+    seq_len = int(graph.meta("seq_len") or 0) or None
+    out: dict[str, list[dict]] = {}
+    for block in folded.blocks:
+        scope = block.occurrences[0].scope          # the template carries the first copy's names
+        branches = [{"branch": b.name, "column": [_owner(block.ops[i], scope) for i in b.column],
+                     "row": [_owner(block.ops[i], scope) for i in b.row], "max_tp": b.max_tp}
+                    for b in analyse_block(block.ops, seq_len).branches]
+        if branches:
+            out[block.name] = branches
+    return out
+
+
+def _owner(op: Op, scope: str) -> str:
+    """The module owning the linear's 2-D weight, relative to the block copy ``scope``: the weight's
+    owner rather than the op's module, since a weight, not a call, is what gets sharded."""
+    weight = next(r.name for m, r in zip(op.inputs, op.sources) if r.kind == "param" and len(m.shape) == 2)
+    owner = weight.rpartition(".")[0]
+    prefix = scope + "." if scope else ""
+    return owner[len(prefix):] if owner.startswith(prefix) else owner
+
+
+__all__ = ["TP_LAYOUT_KEY", "tp_layout"]
