@@ -2,39 +2,30 @@
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 from conftest import EXAMPLES
+from workers import ENV, GPT_SCRIPT, losses_alone, tensoropt_cli
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
-SCRIPT = str(EXAMPLES / "train_gpt.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def tensoropt(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "tensoropt", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=ENV, timeout=600)
+SCRIPT = GPT_SCRIPT
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The script run by hand: one process, no plan."""
-    out = tmp_path_factory.mktemp("ref") / "losses.json"
-    subprocess.run([sys.executable, SCRIPT, "--steps", "3", "--out", out], check=True, env=ENV, capture_output=True)
-    return json.loads(out.read_text())["losses"]
+    return losses_alone(SCRIPT, tmp_path_factory.mktemp("ref") / "losses.json")
 
 
 @pytest.fixture(scope="module")
 def chosen(tmp_path_factory):
     """A dry run: the plan the launcher chooses for 2 CPU workers, nothing started."""
     run_dir = tmp_path_factory.mktemp("dry")
-    result = tensoropt("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", run_dir, "--dry-run", "--",
+    result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", run_dir, "--dry-run", "--",
                        "--steps", 3, "--out", run_dir / "never.json", cwd=run_dir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "chosen: dp2 tp1 pp1" in result.stdout and "torch.distributed.run --nproc-per-node 2" in result.stdout
@@ -46,7 +37,7 @@ def chosen(tmp_path_factory):
 def _run_plan(plan: Plan, tmp_path, engine: str):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
+    result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
                        "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json",
                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -102,7 +93,7 @@ def test_bad_input_is_one_line(chosen, tmp_path):
          "needs tensor parallelism, which the deepspeed engine does not apply"),
     ]
     for args, expected in cases:
-        result = tensoropt(*args, cwd=tmp_path)
+        result = tensoropt_cli(*args, cwd=tmp_path)
         assert result.returncode == 1, (args, result.stderr[-500:])
         assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-500:]
 
@@ -127,16 +118,10 @@ def test_dry_run_reuses_the_capture_until_a_source_changes(tmp_path):
     assert dry_run()[1] == 3                                     # an edited script is captured again
 
 
-def _losses_alone(script, out, *args):
-    subprocess.run([sys.executable, script, "--steps", "3", "--out", out, *args], check=True, env=ENV,
-                   capture_output=True, timeout=300)
-    return json.loads(out.read_text())["losses"]
-
-
 def test_hugging_face_llama_script_launches_on_two_workers(tmp_path):
     script = str(EXAMPLES / "train_llama_hf.py")
-    alone = _losses_alone(script, tmp_path / "alone.json")
-    result = tensoropt("launch", script, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / "run", "--",
+    alone = losses_alone(script, tmp_path / "alone.json")
+    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / "run", "--",
                        "--steps", 3, "--out", tmp_path / "launched.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     launched = json.loads((tmp_path / "launched.json").read_text())
@@ -152,7 +137,7 @@ def test_two_nodes_on_localhost_train_as_one_job(reference, tmp_path):
     node1 = subprocess.Popen([sys.executable, "-m", "tensoropt", *map(str, common), "--node-rank", "1", "--run-dir",
                               str(tmp_path / "node1"), "--", "--steps", "3"], cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    node0 = tensoropt(*common, "--node-rank", 0, "--run-dir", tmp_path / "node0", "--", "--steps", 3, "--out",
+    node0 = tensoropt_cli(*common, "--node-rank", 0, "--run-dir", tmp_path / "node0", "--", "--steps", 3, "--out",
                       tmp_path / "losses.json", cwd=tmp_path)
     _, err1 = node1.communicate(timeout=300)
     assert node0.returncode == 0, node0.stderr[-3000:]

@@ -3,14 +3,12 @@ same script run alone, and the layout the launcher hands the workers (``tp_layou
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 from conftest import EXAMPLES
+from workers import dry_run_plan, losses_alone, tensoropt_cli
 
 import tensoropt
 from tensoropt.errors import TensorOptError
@@ -20,27 +18,6 @@ from tensoropt.space.tp_layout import tp_layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 GPT, LLAMA = str(EXAMPLES / "train_gpt.py"), str(EXAMPLES / "train_llama_hf.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def tensoropt_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "tensoropt", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=ENV, timeout=600)
-
-
-def losses_alone(script, out):
-    """The script run by hand: one process, no plan."""
-    subprocess.run([sys.executable, script, "--steps", "3", "--out", out], check=True, env=ENV, capture_output=True,
-                   timeout=300)
-    return json.loads(out.read_text())["losses"]
-
-
-def dry_run_plan(script, run_dir, devices: int = 2) -> Plan:
-    """The plan the launcher chooses for ``devices`` CPU workers (nothing started), to edit into a tp plan."""
-    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--run-dir", run_dir, "--dry-run",
-                           cwd=run_dir)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
 
 
 def tp2(plan: Plan, branches: tuple[str, ...], micro_batch: int, full_recompute: int = 0) -> Plan:

@@ -57,9 +57,10 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
                              "apply")
     if engine == "deepspeed":
         from .deepspeed_engine import apply
+        model, optimizer, run = apply(model, optimizer_fn, plan)
     else:
         from .torch_engine import apply
-    model, optimizer, run = apply(model, optimizer_fn, plan)
+        model, optimizer, run = apply(model, optimizer_fn, plan, example_inputs)   # a pipeline traces them
     run.model, run.optimizer = model, optimizer
     return model, optimizer, _resume(run, engine)
 
@@ -114,7 +115,8 @@ def unsupported(plan: dict, engine: str) -> list[str]:
     """What a plan (its JSON) needs that ``engine`` does not apply; empty when it can run it."""
     strategies = [s for b in plan["blocks"] for s in b["strategies"]]
     common = [("selective recomputation", any(s["recompute"] == "selective" for s in strategies)),
-              ("sequence parallelism", any(s["sequence_parallel"] for s in strategies))]
+              ("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
+              ("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1)]
     if engine == "deepspeed":
         return [what for what, needed in common + [
             ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),

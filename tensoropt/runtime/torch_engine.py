@@ -48,7 +48,7 @@ def apply_recompute(model: nn.Module, plan: dict) -> None:
         replace_module(model, name, checkpoint_wrapper)
 
 
-def apply(model: nn.Module, optimizer_fn, plan: dict) -> tuple[nn.Module, object, Run]:
+def apply(model: nn.Module, optimizer_fn, plan: dict, example_inputs=None) -> tuple[nn.Module, object, Run]:
     import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -58,7 +58,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict) -> tuple[nn.Module, object
                              "started")
     if plan["pp"] > 1:
         from .pipeline import apply_pipeline
-        return apply_pipeline(model, optimizer_fn, plan)
+        return apply_pipeline(model, optimizer_fn, plan, example_inputs)
     dp, tp = plan["dp"], plan["tp"]
     mesh = None
     if tp > 1:
@@ -68,7 +68,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict) -> tuple[nn.Module, object
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         apply_tensor_parallel(model, plan, mesh["tp"])
     apply_recompute(model, plan)
-    no_sync = None
+    no_sync = None           # FSDP2 reduce-scatters every micro-batch: deferring would hold unsharded gradients
     if plan["zero"] >= 2:
         from torch.distributed.fsdp import fully_shard
         reshard = plan["zero"] == 3                          # ZeRO 2 keeps parameters gathered
@@ -76,9 +76,9 @@ def apply(model: nn.Module, optimizer_fn, plan: dict) -> tuple[nn.Module, object
         for name in block_modules(model, plan):
             fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-        no_sync = model.set_requires_gradient_sync
     elif dp > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+        # gradients live in DDP's buckets, not in a second copy: 1x gradient memory, as planned
+        model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         ddp = model
 
         def no_sync(last: bool) -> None:

@@ -1,0 +1,90 @@
+"""Pipeline stages in the torch engine: real torchrun workers over gloo, one stage each, compared with the
+same script run alone; and the cut itself (which stage reads, relays and sends what) in one process."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from workers import GPT_SCRIPT, dry_run_plan, losses_alone, tensoropt_cli
+
+from tensoropt.errors import TensorOptError
+from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.runtime.pipeline import Relay, split_spec, stage_wiring
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+SCRIPT = GPT_SCRIPT
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return losses_alone(SCRIPT, tmp_path_factory.mktemp("ref") / "losses.json")
+
+
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory):
+    """The plan a dry run chooses for 2 CPU workers: the starting point the pipeline plans are made from."""
+    return dry_run_plan(SCRIPT, tmp_path_factory.mktemp("dry"))
+
+
+def _two_stages(plan: Plan, micro_batch: int, full_recompute: int) -> Plan:
+    """Two stages of 2 layers each; each stage recomputes its first ``full_recompute`` layers."""
+    strategies = tuple((LayerStrategy(r), n) for r, n in (("full", full_recompute), ("none", 2 - full_recompute)) if n)
+    return dataclasses.replace(plan, dp=1, tp=1, pp=2, zero=0, offload=False, micro_batch=micro_batch,
+                               blocks=(BlockPlan("layers.*", strategies),))
+
+
+@pytest.mark.parametrize("micro_batch, full_recompute", [
+    (2, 0),     # 4 micro-batches: 1F1B, no recomputation
+    (8, 2),     # 1 micro-batch (fewer than stages): GPipe, every layer recomputed
+])
+def test_two_stages_match_one_process(reference, chosen, tmp_path, micro_batch, full_recompute):
+    plan = _two_stages(chosen, micro_batch, full_recompute)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--run-dir",
+                           tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "losses.json").read_text())
+    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
+    # the same sums in another order (micro-batch means averaged, gradients scaled after accumulation)
+    np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
+
+
+def _small_gpt() -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(TransformerConfig(hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
+                                       seq_length=16, vocab_size=64))
+
+
+def _plan(pp: int, copies: int) -> dict:
+    return {"pp": pp, "blocks": [{"block": "layers.*", "strategies": [
+        {"recompute": "none", "sequence_parallel": False, "copies": copies}]}]}
+
+
+def test_four_relayed_stages_compute_the_model():
+    """Every stage reads its own model inputs (the last one the labels) and relays what later stages use
+    (the attention mask, made by stage 0): run one after another, the stages give the model's loss."""
+    from torch.distributed.pipelining import pipeline
+    model = _small_gpt()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+    expected = model(**inputs)
+    pipe = pipeline(model, mb_args=(), mb_kwargs=inputs, split_spec=split_spec(model, _plan(4, 1)))
+    wirings = [stage_wiring(pipe.split_gm.graph, s) for s in range(4)]
+    assert wirings[0].model_inputs == ("input_ids",) and wirings[-1].model_inputs == ("labels",)
+    assert wirings[0].receives == () and wirings[-1].sends is None
+    assert all(len(w.sends) == 2 for w in wirings[:-1])            # the stream and the relayed mask
+    values = ()
+    for s, wiring in enumerate(wirings):
+        values = Relay(pipe.get_stage_module(s), wiring)(*values, **{k: inputs[k] for k in wiring.model_inputs})
+    torch.testing.assert_close(values, expected)
+
+
+def test_a_plan_the_model_cannot_be_cut_into_is_refused():
+    model = _small_gpt()
+    with pytest.raises(TensorOptError, match="do not split into 3 equal pipeline stages"):
+        split_spec(model, _plan(3, 1))
+    with pytest.raises(TensorOptError, match="the plan puts"):
+        split_spec(model, _plan(2, 1))              # 2 copies per stage in the model, 1 in the plan

@@ -1,0 +1,34 @@
+"""Helpers for the tests that start real worker processes through ``tensoropt launch``."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import EXAMPLES
+
+from tensoropt.space.plan import Plan
+
+GPT_SCRIPT = str(EXAMPLES / "train_gpt.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}       # two workers, two cores: one thread each
+
+
+def tensoropt_cli(*args, cwd, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensoropt", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env or ENV, timeout=600)
+
+
+def losses_alone(script, out, *args, steps: int = 3) -> list[float]:
+    """The script run by hand: one process, no plan; its per-step losses."""
+    subprocess.run([sys.executable, script, "--steps", str(steps), "--out", out, *map(str, args)], check=True, env=ENV,
+                   capture_output=True, timeout=300)
+    return json.loads(out.read_text())["losses"]
+
+
+def dry_run_plan(script, run_dir, devices: int = 2) -> Plan:
+    """The plan the launcher chooses for ``devices`` CPU workers (nothing started): a starting point
+    that tests edit into the plans they run with ``--plan``."""
+    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--run-dir", run_dir, "--dry-run",
+                           cwd=run_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
