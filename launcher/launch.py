@@ -32,7 +32,7 @@ OBJECTIVES = ("fastest", "min-memory", "balanced")
 # (see tensoropt.runtime.unsupported) are dropped after the search
 ENGINE_SPACES = {
     "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=False,
-                  max_virtual_stages=1, pipeline_stages=(1,)),
+                  max_virtual_stages=1),
     "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=True,
                       max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
@@ -88,15 +88,26 @@ def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> 
     return best, why
 
 
-def runnable_front(graph: OpGraph, devices: Devices, per_node: int,
-                   engine: str | None = None) -> list[tuple[FrontierPoint, str]]:
+def training_dtype(graph: OpGraph) -> str:
+    """The precision the script trains in, as its parameters have it: both engines train in the
+    model's own dtype, so a float32 script is planned with float32 model states (no master copy)."""
+    dtypes = [meta.dtype for _, meta in graph.params]
+    return max(set(dtypes), key=dtypes.count) if dtypes else "bfloat16"
+
+
+def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str | None = None,
+                   pipeline: bool = True) -> list[tuple[FrontierPoint, str]]:
     """The frontier of plans an engine can run: one search per engine (``engine`` alone if given),
-    merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins."""
+    merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins.
+    ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
+    are not resharded yet)."""
     global_batch = int(graph.meta("global_batch") or 0)
     model = ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
     candidates = []
     for name in [engine] if engine else ENGINES:
-        result = search(model, devices.count, SearchSpace(global_batch=global_batch, **ENGINE_SPACES[name]))
+        space = ENGINE_SPACES[name] | ({} if pipeline else {"pipeline_stages": (1,)})
+        result = search(model, devices.count, SearchSpace(global_batch=global_batch, dtype=training_dtype(graph),
+                                                          **space))
         candidates += [(p, name) for p in result.points if not unsupported(p.plan.to_json(), name)]
     candidates.sort(key=lambda c: (c[0].iteration_time_s, c[0].peak_memory_bytes, ENGINES.index(c[1])))
     front, least_memory = [], float("inf")
@@ -107,10 +118,10 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int,
     return front
 
 
-def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str,
-             engine: str | None = None) -> tuple[FrontierPoint, str, str, int]:
+def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, engine: str | None = None,
+             pipeline: bool = True) -> tuple[FrontierPoint, str, str, int]:
     """(point, engine, why, frontier size) for the devices found."""
-    front = runnable_front(graph, devices, per_node, engine)
+    front = runnable_front(graph, devices, per_node, engine, pipeline)
     if not front:
         global_batch = int(graph.meta("global_batch") or 0)
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "

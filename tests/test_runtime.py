@@ -57,6 +57,7 @@ def test_launcher_front_is_pareto_and_every_point_runs_on_its_engine(write_json)
     assert front and engines <= {"torch", "deepspeed"}
     for point, engine in front:
         assert not unsupported(point.plan.to_json(), engine)
+        assert point.plan.dtype == graph.params[0][1].dtype               # planned in the precision it trains in
     times = [p.iteration_time_s for p, _ in front]
     memories = [p.peak_memory_bytes for p, _ in front]
     assert times == sorted(times) and memories == sorted(memories, reverse=True)

@@ -2,14 +2,21 @@
 
 Pipeline (Narayanan et al., SC'21): 1F1B with ``v`` interleaved stages takes (m + (p-1)/v) stage
 times for m micro-batches, the bubble being (p-1)/(v m) of the ideal; stage 0 keeps p micro-batches
-of activations in flight, times (1 + (p-1)/(p v)) when interleaved (Korthikanti et al. 2022,
-sec. 4.2.3). Data parallelism: gradients are all-reduced over dp (ZeRO 0/1), reduce-scattered and
-the updated parameters all-gathered (ZeRO 2, same volume), and ZeRO 3 also all-gathers parameters
-in every micro-batch's forward and backward (Rajbhandari et al., SC'20: 3x the volume of 0/1);
-gradient communication overlaps the last micro-batch's backward. Model states take 2 + 2 + 12 bytes
-per parameter (bf16 weights and gradients, fp32 master weights and Adam moments; ZeRO's K = 12),
-divided over dp by stage: 1 optimizer states, 2 also gradients, 3 also weights; offload moves the
-optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021).
+of activations in flight, times (1 + (p-1)/(p v)) when interleaved (Korthikanti et al. 2022, sec.
+4.2.3). Data parallelism: gradients are all-reduced over dp (ZeRO 0/1), reduce-scattered and the
+updated parameters all-gathered (ZeRO 2, same volume), and ZeRO 3 also all-gathers parameters in
+every micro-batch's forward and backward (Rajbhandari et al., SC'20: 3x the volume of 0/1); gradient
+communication overlaps the last micro-batch's backward where the device computes and communicates at
+once (the profile's ``overlaps_communication``), else adds to the step. Model states take 2 + 2 + 12
+bytes per parameter in mixed precision (bf16/fp16 weights and gradients, fp32 master weights and
+Adam moments; ZeRO's K = 12) and 4 + 4 + 8 in float32 training (the plan's ``dtype``: the weights
+are the master copy, K = 8 for the two Adam moments), divided over dp by stage: 1 optimizer states,
+2 also gradients, 3 also weights; offload moves the optimizer states and step to the CPU
+(ZeRO-Offload, Ren et al. 2021). In float32 under ZeRO 1 and 2 the rank's optimizer updates its own
+float32 partition of the weights, a copy next to the full replicated weights (DeepSpeed's fp32
+partition, FSDP2's sharded parameters under ``reshard_after_forward=False``): 4 more bytes per
+parameter over dp; mixed precision counts that copy in K already, and ZeRO 3 updates the shards in
+place.
 """
 
 from __future__ import annotations
@@ -26,8 +33,34 @@ from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from .layer import BlockCost, LooseCost, loose_cost
 from .profile import Cluster
 
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
-ADAM_BYTES_MOVED = 36          # per parameter and step: read/write fp32 master, m, v; read grad; write bf16
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of the model states, and bytes one fused Adam step moves per parameter."""
+
+    weight: int
+    grad: int
+    optimizer: int
+    adam_moved: int
+    partition_copy: int = 0      # a separate master partition when only the optimizer is sharded (ZeRO 1-2)
+
+    def optimizer_bytes(self, zero: int) -> int:
+        """Optimizer-state bytes per parameter (before dividing over dp) under a ZeRO stage."""
+        return self.optimizer + (self.partition_copy if zero in (1, 2) else 0)
+
+
+# mixed precision (Micikevicius et al. 2018; Rajbhandari et al. 2020: 2 + 2 + K, K = 12); Adam step:
+# read/write fp32 master, m, v; read grad; write bf16
+MIXED_PRECISION = StateBytes(weight=2, grad=2, optimizer=12, adam_moved=36)
+# float32 training: the weights are the master copy; K = 8 (m and v); a fused step reads weight, gradient,
+# m, v and writes weight, m, v: 7 x 4 bytes
+FLOAT32 = StateBytes(weight=4, grad=4, optimizer=8, adam_moved=28, partition_copy=4)
+
+
+def state_bytes(dtype: str) -> StateBytes:
+    """Model-state sizes for a plan's training dtype: 16-bit types train in mixed precision with
+    float32 master weights; float32 trains the weights themselves (see the module docstring)."""
+    return FLOAT32 if dtype == "float32" else MIXED_PRECISION
 
 
 def _carried_bytes(block: Block) -> int:
@@ -92,6 +125,7 @@ class Context:
     zero: int
     offload: bool
     tp_branches: tuple[str, ...]
+    dtype: str = "bfloat16"          # the training precision: sizes the model states (``state_bytes``)
 
     @property
     def micro_batches(self) -> int:
@@ -100,12 +134,12 @@ class Context:
     @staticmethod
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
-                       plan.zero, plan.offload, plan.tp_branches)
+                       plan.zero, plan.offload, plan.tp_branches, plan.dtype)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
-                    self.zero, self.offload, self.tp_branches, blocks=blocks)
+                    self.zero, self.offload, self.tp_branches, self.dtype, blocks)
 
 
 def in_flight(ctx: Context) -> float:
@@ -135,28 +169,19 @@ def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, act
     # model states on stage 0 (the larger share of the tied embedding lives there too)
     params = np.asarray(parameters, dtype=float) + max(first.parameters, last.parameters)
     backward = np.asarray(layer_backward_s, dtype=float)
-    dp, z = ctx.dp, ctx.zero
-    grad_bytes = GRAD_BYTES * params
-    if dp > 1 and z == 3:
-        gather = all_gather_s(WEIGHT_BYTES * params, dp, ctx.tp, cluster)
-        scatter = reduce_scatter_s(grad_bytes, dp, ctx.tp, cluster)
-        dp_comm = m * 2 * gather + scatter
-        exposed = m * np.maximum(2 * gather - stage_s, 0.0) + np.maximum(scatter - backward, 0.0)
-    elif dp > 1:
-        dp_comm = all_reduce_s(grad_bytes, dp, ctx.tp, cluster)
-        exposed = np.maximum(dp_comm - backward, 0.0)
-    else:
-        dp_comm = exposed = np.zeros_like(stage_s)
+    dp, z, state = ctx.dp, ctx.zero, state_bytes(ctx.dtype)
+    grad_bytes = state.grad * params
+    dp_comm, exposed = _data_parallel_s(ctx, state.weight * params, grad_bytes, stage_s, backward, cluster)
     opt_params = params / (dp if z >= 1 else 1)
     if ctx.offload:
         optimizer_s = opt_params / prof.cpu_adam_params_per_s + 4 * opt_params / prof.pcie_bandwidth_bytes_per_s
     else:
-        optimizer_s = opt_params * ADAM_BYTES_MOVED / prof.memory_bytes_per_s
+        optimizer_s = opt_params * state.adam_moved / prof.memory_bytes_per_s
     time_s = pipeline_s + exposed + optimizer_s
 
-    weights = WEIGHT_BYTES * params / (dp if z == 3 else 1)
+    weights = state.weight * params / (dp if z == 3 else 1)
     grads = grad_bytes / (dp if z >= 2 else 1)
-    optimizer = np.zeros_like(params) if ctx.offload else OPTIMIZER_BYTES * params / (dp if z >= 1 else 1)
+    optimizer = np.zeros_like(params) if ctx.offload else state.optimizer_bytes(z) * params / (dp if z >= 1 else 1)
     acts_first = in_flight(ctx) * (np.asarray(activation_bytes) + first.activation_bytes)
     acts_last = np.asarray(activation_bytes) + last.activation_bytes if p > 1 else acts_first
     activations = np.maximum(acts_first, acts_last)
@@ -170,6 +195,29 @@ def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, act
         "pipeline_bubble_s": bubble_s, "pipeline_p2p_s": np.full_like(stage_s, p2p_total),
         "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
     }
+
+
+def _data_parallel_s(ctx: Context, weight_bytes: np.ndarray, grad_bytes: np.ndarray, stage_s: np.ndarray,
+                     backward_s: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """(data-parallel communication seconds, the part of it not hidden behind compute).
+
+    ZeRO 0-2 all-reduce (or reduce-scatter + all-gather, the same volume) the gradients once, behind
+    the last micro-batch's backward; ZeRO 3 also all-gathers the weights in every micro-batch's
+    forward and backward, behind that stage's compute. Hiding needs a device that communicates
+    beside computing (``overlaps_communication``): where the collective runs on the compute cores
+    (gloo on a CPU), all of it is exposed."""
+    dp, m = ctx.dp, ctx.micro_batches
+    if dp == 1:
+        return np.zeros_like(stage_s), np.zeros_like(stage_s)
+    if ctx.zero == 3:
+        gather = all_gather_s(weight_bytes, dp, ctx.tp, cluster)
+        scatter = reduce_scatter_s(grad_bytes, dp, ctx.tp, cluster)
+        comm = m * 2 * gather + scatter
+        exposed = m * np.maximum(2 * gather - stage_s, 0.0) + np.maximum(scatter - backward_s, 0.0)
+    else:
+        comm = all_reduce_s(grad_bytes, dp, ctx.tp, cluster)
+        exposed = np.maximum(comm - backward_s, 0.0)
+    return comm, exposed if cluster.profile.overlaps_communication else comm
 
 
 def _boundary_bytes(model: ModelCost, ctx: Context) -> float:
@@ -249,4 +297,5 @@ def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     return parts
 
 
-__all__ = ["Context", "Estimate", "ModelCost", "chain_sums", "estimate", "evaluate", "in_flight"]
+__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "in_flight",
+           "state_bytes"]

@@ -4,8 +4,11 @@ Roofline per op (Williams et al., 2009): time = max(FLOPs / (peak x efficiency(F
 bytes / achieved memory bandwidth) + a fixed launch overhead. Matrix products, convolutions and
 attention run at the profile's efficiency for their size; other ops are memory-bound. Backward
 moves about twice the forward's bytes (it reads the output gradient and the saved inputs and
-writes input and weight gradients). Work divides by ``shard`` (the tensor-parallel degree for a
-sharded op); activation work scales with the micro-batch size, parameter reads do not.
+writes input and weight gradients). Chains of memory-bound ops are priced as fused only on a device
+whose profile says its runtime fuses them (``fuses_memory_bound_ops``: GPUs with fused kernels, not
+eager CPU kernels, which each read and write their tensors in full). Work divides by ``shard`` (the
+tensor-parallel degree for a sharded op); activation work scales with the micro-batch size,
+parameter reads do not.
 Where the device profile holds a measured time for the op (``tensoropt profile --model``), that
 time replaces the roofline: the time at one tensor-parallel rank's shapes (``key@tpN``) if it was
 measured, else the unsharded time scaled by micro-batch / shard (all measured at batch 1).
@@ -47,7 +50,7 @@ class OpArrays:
         return OpArrays(
             forward_flops=np.array([op.forward_flops for op in ops], dtype=float),
             backward_flops=np.array([op.backward_flops for op in ops], dtype=float),
-            activation_bytes=moved - fused_bytes(ops),
+            activation_bytes=moved - (fused_bytes(ops) if profile.fuses_memory_bound_ops else 0.0),
             parameter_bytes=np.array([param_bytes(op) for op in ops], dtype=float),
             saved_bytes=np.array([op.saved_bytes for op in ops], dtype=float),
             product=np.array([op.kind in PRODUCT_KINDS for op in ops], dtype=bool),
@@ -70,7 +73,8 @@ def fused_bytes(ops: tuple[Op, ...]) -> np.ndarray:
     Chains of memory-bound ops run as one kernel on GPUs (Megatron-LM's fused scale-mask-softmax
     and bias-GeLU kernels, torch.compile's fusion): when a memory-bound op is the only reader of
     a memory-bound producer's output, it reads that tensor from registers, and the producer does
-    not write it unless autograd keeps it for backward."""
+    not write it unless autograd keeps it for backward. ``OpArrays.of`` applies this only where the
+    profile's ``fuses_memory_bound_ops`` is true."""
     index = {op.index: i for i, op in enumerate(ops)}
 
     def producer(ref):

@@ -48,6 +48,13 @@ class DeviceProfile:
     measured: bool = False
     sources: tuple[str, ...] = ()
     op_times: tuple[tuple[str, float, float], ...] = ()    # (Op.key(), forward_s, backward_s) at batch 1
+    # How the device's training runtime executes, which the roofline alone cannot know (see profiles/README.md):
+    # GPU training fuses chains of memory-bound ops (Megatron-LM's fused kernels, torch.compile); eager CPU
+    # kernels run one by one, each reading and writing its tensors.
+    fuses_memory_bound_ops: bool = True
+    # GPU collectives run on their own engines/streams beside compute (NCCL), so gradient communication hides
+    # behind the backward; gloo on a CPU reduces and copies on the very cores that compute, so it cannot.
+    overlaps_communication: bool = True
 
     @cached_property
     def _op_table(self) -> dict[str, tuple[float, float]]:
@@ -106,6 +113,8 @@ class DeviceProfile:
             runtime_overhead_bytes=int(data["runtime_overhead_bytes"]),
             measured=bool(data.get("measured", False)), sources=tuple(data.get("sources", ())),
             op_times=tuple((k, float(v[0]), float(v[1])) for k, v in sorted(data.get("op_times", {}).items())),
+            fuses_memory_bound_ops=bool(data.get("fuses_memory_bound_ops", True)),
+            overlaps_communication=bool(data.get("overlaps_communication", True)),
         )
 
 

@@ -123,6 +123,15 @@ def run(name: str, settings: Settings, advance) -> dict:
     return build_profile(name, settings, products, memory, overhead, adam, comm)
 
 
+def execution_facts(device: str) -> dict[str, bool]:
+    """How training runs on the device (``DeviceProfile.fuses_memory_bound_ops`` and
+    ``overlaps_communication``), which no micro-benchmark here measures: GPU training fuses
+    memory-bound chains and NCCL communicates on its own streams; eager CPU kernels run one op at a
+    time, and gloo reduces and copies on the cores that compute."""
+    gpu = device == "cuda"
+    return {"fuses_memory_bound_ops": gpu, "overlaps_communication": gpu}
+
+
 def build_profile(name: str, settings: Settings, products: list[dict], memory: list[dict], overhead: float,
                   adam: float, comm: list[dict]) -> dict:
     peaks = {}
@@ -140,6 +149,7 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
         "peak_flops": peaks, "matmul_efficiency": [list(p) for p in curve],
         "memory_bytes": memory_bytes(settings.device), "memory_bandwidth_bytes_per_s": mem_rate,
         "memory_efficiency": 1.0, "kernel_overhead_s": overhead, "runtime_overhead_bytes": 512 * 2**20,
+        **execution_facts(settings.device),
         "intra_node": link, "inter_node": dict(link),
         "host": {"pcie_bandwidth_bytes_per_s": mem_rate, "cpu_adam_params_per_s": adam},
         "extrapolation": "efficiency is interpolated in log10(FLOPs) between measured products and held "

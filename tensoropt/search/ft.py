@@ -60,6 +60,7 @@ class SearchSpace:
         size = math.gcd(base, copies)
         return copies // size, size
     eps: float = 0.002                 # epsilon-dominance while composing (0 = exact); see search/pareto.py
+    dtype: str = "bfloat16"            # training precision: sizes the model states (cost.model.state_bytes)
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         backward = _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
         params = _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
         for v, z, off in globals_:
-            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches)
+            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
             r = evaluate(model, ctx, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params)
             values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
             keep = _front_2d(values)

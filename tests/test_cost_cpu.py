@@ -1,0 +1,86 @@
+"""How the cost model prices a device whose training runtime neither fuses memory-bound ops nor
+overlaps communication with compute (eager CPU kernels and gloo on the compute cores, as in
+``profiles/cpu-2core.json``), and the model-state sizes per training precision."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from conftest import SMALL_GPT
+
+import tensoropt
+from tensoropt.cost.model import ModelCost, estimate, state_bytes
+from tensoropt.cost.ops import OpArrays, fused_bytes
+from tensoropt.cost.profile import PROFILES_DIR, Cluster, DeviceProfile, available_profiles, load_profile
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "small.json"
+    path.write_text(json.dumps(SMALL_GPT))
+    return tensoropt.capture(str(path)).graph
+
+
+def _h100(**facts) -> DeviceProfile:
+    return dataclasses.replace(load_profile("h100-80gb"), **facts)
+
+
+def _plan(zero: int) -> Plan:
+    return Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=2, global_batch=8, zero=zero,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), SMALL_GPT["num_layers"]),)),))
+
+
+def test_only_the_cpu_profile_says_its_runtime_neither_fuses_nor_overlaps():
+    for name in available_profiles():
+        profile = load_profile(name)
+        cpu = name.startswith("cpu")
+        assert profile.fuses_memory_bound_ops is not cpu and profile.overlaps_communication is not cpu, name
+
+
+def test_a_profile_that_omits_the_facts_reads_as_a_fusing_overlapping_device():
+    data = json.loads((PROFILES_DIR / "cpu-2core.json").read_text())
+    for key in ("fuses_memory_bound_ops", "overlaps_communication"):
+        del data[key]
+    profile = DeviceProfile.from_json(data)
+    assert profile.fuses_memory_bound_ops and profile.overlaps_communication
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_device_that_does_not_overlap_pays_compute_plus_all_communication(graph, zero):
+    folded = tensoropt.fold(graph)
+    serial = estimate(ModelCost(graph, folded, Cluster(2, 2, _h100(overlaps_communication=False))), _plan(zero))
+    hidden = estimate(ModelCost(graph, folded, Cluster(2, 2, _h100())), _plan(zero))
+    parts = serial.time_breakdown
+    assert parts["data_parallel_comm_s"] > 0
+    assert parts["data_parallel_exposed_s"] == parts["data_parallel_comm_s"]
+    assert serial.iteration_time_s == pytest.approx(parts["compute_s"] + parts["data_parallel_comm_s"]
+                                                    + parts["optimizer_s"])
+    assert hidden.time_breakdown["data_parallel_exposed_s"] < parts["data_parallel_comm_s"]
+    assert hidden.iteration_time_s < serial.iteration_time_s
+    assert hidden.peak_memory_bytes == serial.peak_memory_bytes          # a time fact, not a memory one
+
+
+def test_a_device_that_does_not_fuse_moves_every_ops_bytes(graph):
+    ops = tensoropt.fold(graph).blocks[0].ops
+    fused = OpArrays.of(ops, _h100()).activation_bytes
+    eager = OpArrays.of(ops, _h100(fuses_memory_bound_ops=False)).activation_bytes
+    saved = fused_bytes(ops)
+    assert saved.sum() > 0                                   # the block has chains a GPU would fuse
+    np.testing.assert_allclose(eager - fused, saved)
+    assert eager.sum() > fused.sum()
+
+
+def test_model_states_per_parameter_by_training_precision():
+    fp32, mixed = state_bytes("float32"), state_bytes("bfloat16")
+    # float32: the weights are the master copy, Adam keeps m and v (4 + 4 + 8)
+    assert (fp32.weight, fp32.grad, fp32.optimizer) == (4, 4, 8)
+    # mixed precision: 16-bit weights and gradients, float32 master copy, m and v (2 + 2 + 12, ZeRO's K = 12)
+    assert (mixed.weight, mixed.grad, mixed.optimizer) == (2, 2, 12)
+    assert state_bytes("float16") == mixed
+    # a fused step reads weight, gradient, m, v and writes weight, m, v (float32); mixed also writes the bf16 copy
+    assert fp32.adam_moved == 7 * 4 and mixed.adam_moved == 36
+    # ZeRO 1-2 in float32 update a separate float32 partition of the weights
+    assert [fp32.optimizer_bytes(z) for z in range(4)] == [8, 12, 12, 8]
+    assert [mixed.optimizer_bytes(z) for z in range(4)] == [12] * 4
