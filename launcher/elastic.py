@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import time
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tensoropt.cli.common import parse_bytes
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
@@ -44,17 +44,29 @@ class ElasticOptions:
     objective: str
 
 
-def device_count(devices: L.Devices, resources_file: Path | None) -> int:
-    """The devices available now: ``{"gpus": N}`` in the resources file if there is one, else the
-    GPUs found (nvidia-smi, so the launcher never holds a CUDA context), else the count launched with."""
+@dataclass(frozen=True)
+class Resources:
+    count: int
+    memory_bytes: float              # per device
+
+
+def resources(devices: L.Devices, resources_file: Path | None, last: Resources | None = None) -> Resources:
+    """The devices available now: ``{"gpus": N, "mem_per_gpu": "8GiB"}`` (memory optional) in the
+    resources file if there is one; else the GPUs nvidia-smi lists (so the launcher never holds a CUDA
+    context) with the memory found at launch (free memory falls while the job itself runs, so it is
+    no signal); else what the job was launched with. A file caught half-written reads as ``last``."""
     if resources_file is not None:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            return int(json.loads(resources_file.read_text())["gpus"])
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, TensorOptError):
+            data = json.loads(resources_file.read_text())
+            memory = parse_bytes(data["mem_per_gpu"], "mem_per_gpu") if "mem_per_gpu" in data else devices.memory_bytes
+            return Resources(int(data["gpus"]), memory)
+        if last is not None:
+            return last
     if devices.kind == "cuda":
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
+        with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
             listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-            return sum(line.startswith("GPU ") for line in listed.splitlines())
-    return devices.count
+            return Resources(sum(line.startswith("GPU ") for line in listed.splitlines()), devices.memory_bytes)
+    return Resources(devices.count, devices.memory_bytes)
 
 
 def checkpoint_env(checkpoint_dir: Path, every: int) -> dict:
@@ -71,28 +83,36 @@ def _failure(run_dir: Path) -> dict | None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Kill torchrun and its workers (one process group). Nothing after the last checkpoint is kept
-    anyway, and a checkpoint being written when they die is never the one resumed from; SIGTERM
-    would only make torchrun print a stack trace."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """Kill torchrun and every worker under it. Nothing after the last checkpoint is kept anyway, and
+    a checkpoint being written when they die is never the one resumed from; SIGTERM would only make
+    torchrun print a stack trace. Workers may sit in process groups of their own, so the whole tree
+    is killed, not torchrun's group: a survivor would wait in a collective forever."""
+    import psutil
+    tree = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        for process in [psutil.Process(proc.pid), *tree]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
     proc.wait()
+    psutil.wait_procs(tree, timeout=30)
 
 
 def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.Devices, options: ElasticOptions,
                 run_dir: Path, echo: Callable[[str], None]) -> int:
     """Supervise the job until it finishes (0) or cannot go on (one-line TensorOptError)."""
-    memory_cap, count, event = devices.memory_bytes, device_count(devices, options.resources_file), "start"
+    oom_cap, have, event = float("inf"), resources(devices, options.resources_file), "start"
     previous, failures = "none", Counter()
     while True:
+        count = have.count
         if count < options.min_gpus:
             raise TensorOptError(f"elastic: {event}; {count} devices left, fewer than --min-gpus {options.min_gpus}: "
                                  "giving up")
-        now = dataclasses.replace(devices, count=count, memory_bytes=memory_cap)
-        point, engine, why, _ = L.plan_for(graph, now, count, options.objective, "torch")
+        now = dataclasses.replace(devices, count=count, memory_bytes=min(have.memory_bytes, oom_cap))
+        point, engine, why, _ = L.plan_for(graph, now, count, options.objective, "torch", pipeline=False)
         step = latest_step(options.checkpoint_dir)
-        echo(f"elastic: {event}; plan {previous} -> {point.plan.summary()} on {count} devices; resuming from step "
-             f"{step}")
+        echo(f"elastic: {event}; plan {previous} -> {point.plan.summary()} on {count} devices of "
+             f"{now.memory_bytes / 2**30:.1f} GiB; resuming from step {step}")
         previous = point.plan.summary()
         argv = L.torchrun_argv(script, script_args, count)
         plan_file = L.write_plan(run_dir, point, engine, why, argv, graph)
@@ -101,10 +121,12 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         env = L.main_env(now, plan_file.resolve()) | checkpoint_env(options.checkpoint_dir, options.checkpoint_every) \
             | {RUN_DIR_ENV: str(run_dir.resolve())}
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
-        new_count = _wait(proc, devices, options.resources_file, count)
-        if new_count != count:
+        changed = _wait(proc, devices, options.resources_file, have)
+        if changed != have:
             _stop(proc)
-            event, count = f"devices changed {count} -> {new_count}", new_count
+            event = f"devices changed {count} -> {changed.count}" if changed.count != count else \
+                f"memory per device changed {have.memory_bytes / 2**30:.1f} -> {changed.memory_bytes / 2**30:.1f} GiB"
+            have = changed
             continue
         if proc.returncode == 0:
             echo(f"elastic: finished with plan {previous}")
@@ -114,7 +136,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         if oom:
             event = f"out of memory at step {(failure or {}).get('step', '?')} (plan needed " \
                     f"{point.peak_memory_bytes / 2**30:.3f} GiB)"
-            memory_cap = point.peak_memory_bytes * (1 - 1e-9)          # the next point needs strictly less
+            oom_cap = point.peak_memory_bytes * (1 - 1e-9)             # the next point needs strictly less
         else:
             event = f"workers failed with exit status {proc.returncode}"
         key = ("oom" if oom else "failure", previous, latest_step(options.checkpoint_dir))
@@ -124,8 +146,8 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
                                  "giving up")
 
 
-def _wait(proc: subprocess.Popen, devices: L.Devices, resources_file: Path | None, count: int) -> int:
-    """Wait for the workers to exit; return early with the new device count if it changes.
+def _wait(proc: subprocess.Popen, devices: L.Devices, resources_file: Path | None, have: Resources) -> Resources:
+    """Wait for the workers to exit; return early with the new resources if they change.
     SIGINT/SIGTERM to the launcher stop the workers and end the job."""
     def forward(signum, _frame):
         _stop(proc)
@@ -134,9 +156,9 @@ def _wait(proc: subprocess.Popen, devices: L.Devices, resources_file: Path | Non
     try:
         while proc.poll() is None:
             time.sleep(POLL_S)
-            if (now := device_count(devices, resources_file)) != count:
+            if (now := resources(devices, resources_file, have)) != have:
                 return now
-        return count
+        return have
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -2,7 +2,6 @@
 while a checkpoint is written; each run must end with the parameters of an uninterrupted run."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,11 +10,10 @@ import time
 import numpy as np
 import psutil
 import pytest
-from conftest import EXAMPLES
+from workers import ENV, GPT_SCRIPT
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
-SCRIPT = str(EXAMPLES / "train_gpt.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SCRIPT = GPT_SCRIPT
 STEPS = 12
 # between two plans (dp2 ZeRO 3 against one process) the parameters differ by ~5e-6 after 12 AdamW
 # steps (summation order); the same plan resumed from a checkpoint differs by less
@@ -80,6 +78,20 @@ def test_shrink_and_grow_replan_and_reshard(reference, tmp_path):
     assert "devices changed 2 -> 1" in log[1] and "on 1 devices" in log[1] and " -> dp1 " in log[1]
     assert "devices changed 1 -> 2" in log[2] and "on 2 devices" in log[2] and " -> dp2 " in log[2]
     assert int(log[1].rsplit(" ", 1)[1]) >= 4 and int(log[2].rsplit(" ", 1)[1]) >= 8
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
+
+
+def test_less_memory_per_device_replans(reference, tmp_path):
+    resources = tmp_path / "resources.json"
+    resources.write_text(json.dumps({"gpus": 2}))
+    proc = start(tmp_path, "--resources", resources)
+    wait_for_checkpoint(tmp_path, 2, proc)
+    first = json.loads((tmp_path / "run" / "plan.json").read_text())
+    less = first["predicted"]["peak_memory_bytes"] - 1                   # the running plan no longer fits
+    resources.write_text(json.dumps({"gpus": 2, "mem_per_gpu": f"{less}B"}))
+    log = finish(proc)
+    assert "memory per device changed" in log[1] and f"-> {first['summary']} on" not in log[1]
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["predicted"]["peak_memory_bytes"] <= less
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
 
 
