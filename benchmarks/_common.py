@@ -26,11 +26,12 @@ def machine() -> dict:
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": commit}
 
 
-def write_results(name: str, rows: list[dict], table_md: str, notes: str = "") -> None:
+def write_results(name: str, rows: list[dict], table_md: str, notes: str = "", extra: dict | None = None) -> None:
+    """``results/NAME.json`` (machine, rows, and any ``extra`` top-level keys) and ``results/NAME.md``."""
     RESULTS.mkdir(exist_ok=True)
     info = machine()
-    (RESULTS / f"{name}.json").write_text(json.dumps({"schema_version": 1, "machine": info, "rows": rows},
-                                                     indent=1) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps({"schema_version": 1, "machine": info, "rows": rows,
+                                                      **(extra or {})}, indent=1) + "\n")
     header = (f"Machine: {info['cpu']}, {info['cores']} cores; Python {info['python']}, torch {info['torch']}; "
               f"{info['date']}, commit {info['commit']}.\n\n")
     (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{header}{table_md}\n{notes}")
