@@ -63,7 +63,8 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
         why = f"given with --plan {plan_path}"
     else:
         devices = L.Devices(devices.kind, world, devices.memory_bytes, devices.profile)
-        point, engine, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective, engine)
+        point, engine, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective,
+                                           "torch" if elastic else engine, pipeline=not elastic)   # as elastic.py
         why += f" (objective {objective}, {n} frontier points)"
     if checkpoint_dir and engine != "torch":
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "

@@ -97,8 +97,9 @@ def test_less_memory_per_device_replans(reference, tmp_path):
 
 def test_out_of_memory_moves_to_a_plan_with_less_memory(reference, tmp_path):
     dry = subprocess.run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, "--device", "cpu", "--gpus", "2",
-                          "--dry-run", "--run-dir", tmp_path / "dry"], cwd=tmp_path, env=ENV, capture_output=True,
-                         text=True, timeout=300)
+                          "--elastic", "--checkpoint-dir", tmp_path / "ckpt", "--dry-run", "--run-dir",
+                          tmp_path / "dry"],
+                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     fastest = json.loads((tmp_path / "dry" / "plan.json").read_text())
     needed = fastest["predicted"]["peak_memory_bytes"]

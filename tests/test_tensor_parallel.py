@@ -24,8 +24,8 @@ def tp2(plan: Plan, branches: tuple[str, ...], micro_batch: int, full_recompute:
     """dp1 x tp2 of a 4-layer model's plan; a global batch of 8 in micro-batches of ``micro_batch``."""
     (block,) = plan.blocks
     strategies = tuple((LayerStrategy(r), n) for r, n in (("full", full_recompute), ("none", 4 - full_recompute)) if n)
-    return dataclasses.replace(plan, dp=1, tp=2, zero=0, offload=False, tp_branches=branches, micro_batch=micro_batch,
-                               global_batch=8, blocks=(BlockPlan(block.block, strategies),))
+    return dataclasses.replace(plan, dp=1, tp=2, pp=1, virtual_stages=1, zero=0, offload=False, tp_branches=branches,
+                               micro_batch=micro_batch, global_batch=8, blocks=(BlockPlan(block.block, strategies),))
 
 
 def launch(script, plan: Plan, tmp_path) -> dict:
