@@ -101,7 +101,6 @@ def _simulate_out_of_memory(plan: dict | None) -> None:
     limit = os.environ.get(SIMULATED_MEMORY_ENV)
     needed = (plan or {}).get("predicted", {}).get("peak_memory_bytes", 0)
     if limit and needed > int(limit):
-        import torch
         raise torch.OutOfMemoryError(f"simulated: the plan needs {needed} bytes per device, the device has {limit}")
 
 
@@ -143,7 +142,6 @@ class Run:
         """One optimizer step on the global ``batch``; returns its mean loss (the same on every rank)."""
         if self.stepper is None:
             raise TensorOptError("tensoropt.parallelize was called without an optimizer_fn: there is nothing to step")
-        import torch
         try:
             _simulate_out_of_memory(self.plan)
             loss = self.stepper(self.local_batches(batch))
