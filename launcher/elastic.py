@@ -27,7 +27,7 @@ from tensoropt.errors import TensorOptError
 from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
 from tensoropt.runtime.checkpoint import latest_step
-from tensoropt.runtime.run import OOM_EXIT_CODE, RUN_DIR_ENV
+from tensoropt.runtime.run import RUN_DIR_ENV
 
 from . import launch as L
 
@@ -132,7 +132,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
             echo(f"elastic: finished with plan {previous}")
             return 0
         failure = _failure(run_dir)
-        oom = proc.returncode == OOM_EXIT_CODE or (failure or {}).get("kind") == "oom"
+        oom = (failure or {}).get("kind") == "oom"      # the worker's note: torchrun itself exits 1 on any failure
         if oom:
             event = f"out of memory at step {(failure or {}).get('step', '?')} (plan needed " \
                     f"{point.peak_memory_bytes / 2**30:.3f} GiB)"

@@ -12,6 +12,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tensoropt.cost.model import ModelCost
 from tensoropt.cost.profile import Cluster, DeviceProfile, load_profile
 from tensoropt.errors import TensorOptError
@@ -21,7 +23,7 @@ from tensoropt.graph.ir import OpGraph
 from tensoropt.profiler.run import memory_bytes
 from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
-from tensoropt.search.ft import FrontierPoint, SearchSpace, search
+from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
 from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
 
 from .argv import torchrun_argv
@@ -101,21 +103,15 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
     merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins.
     ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
     are not resharded yet)."""
-    global_batch = int(graph.meta("global_batch") or 0)
+    global_batch, dtype = int(graph.meta("global_batch") or 0), training_dtype(graph)
     model = ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
-    candidates = []
+    candidates = []                          # in ENGINES order: of two equal points the first is kept
     for name in [engine] if engine else ENGINES:
         space = ENGINE_SPACES[name] | ({} if pipeline else {"pipeline_stages": (1,)})
-        result = search(model, devices.count, SearchSpace(global_batch=global_batch, dtype=training_dtype(graph),
-                                                          **space))
+        result = search(model, devices.count, SearchSpace(global_batch=global_batch, dtype=dtype, **space))
         candidates += [(p, name) for p in result.points if not unsupported(p.plan.to_json(), name)]
-    candidates.sort(key=lambda c: (c[0].iteration_time_s, c[0].peak_memory_bytes, ENGINES.index(c[1])))
-    front, least_memory = [], float("inf")
-    for point, name in candidates:
-        if point.peak_memory_bytes < least_memory:
-            front.append((point, name))
-            least_memory = point.peak_memory_bytes
-    return front
+    values = np.array([[p.iteration_time_s, p.peak_memory_bytes] for p, _ in candidates]).reshape(-1, 2)
+    return [candidates[i] for i in front_by_time(values)]
 
 
 def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, engine: str | None = None,
@@ -127,7 +123,7 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, en
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
                              f"{devices.count} devices: make it a multiple of {devices.count}")
     best, why = choose([p for p, _ in front], devices.memory_bytes, objective)
-    return best, dict((id(p), e) for p, e in front)[id(best)], why, len(front)
+    return best, next(e for p, e in front if p is best), why, len(front)
 
 
 def run_workers(argv: list[str], env: dict) -> int:

@@ -38,13 +38,20 @@ def _rank() -> int:
     return dist.get_rank() if (dist := _dist()) else 0
 
 
-def latest_step(directory: Path) -> int:
-    """The step of the newest complete checkpoint in ``directory`` (0: none)."""
+def _latest(directory: Path) -> tuple[int, Path] | None:
+    """(step, path) of the newest complete checkpoint in ``directory``, as ``latest.json`` names it."""
     try:
         data = json.loads((Path(directory) / LATEST).read_text())
     except (OSError, ValueError):
-        return 0
-    return int(data["step"]) if (Path(directory) / data["path"]).is_dir() else 0
+        return None
+    path = Path(directory) / data["path"]
+    return (int(data["step"]), path) if path.is_dir() else None
+
+
+def latest_step(directory: Path) -> int:
+    """The step of the newest complete checkpoint in ``directory`` (0: none)."""
+    latest = _latest(directory)
+    return latest[0] if latest else 0
 
 
 def _state(model: nn.Module, optimizer) -> dict:
@@ -81,10 +88,10 @@ def load(directory: Path, model: nn.Module, optimizer) -> int:
     shards from whatever layout saved them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    step = latest_step(directory)
-    if not step:
+    latest = _latest(directory)
+    if latest is None:
         return 0
-    path = Path(directory) / json.loads((Path(directory) / LATEST).read_text())["path"]
+    step, path = latest
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

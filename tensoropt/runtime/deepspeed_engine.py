@@ -49,7 +49,7 @@ def recomputes(plan: dict) -> bool:
     return any(s["recompute"] == "full" for b in plan["blocks"] for s in b["strategies"])
 
 
-def _checkpointed(module: nn.Module, forward, *args, **kwargs):
+def _checkpointed(forward, *args, **kwargs):
     from deepspeed import checkpointing
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
@@ -66,7 +66,7 @@ def apply_recompute(model: nn.Module, plan: dict, config: dict) -> None:
         checkpointing.configure(None, deepspeed_config=config)
     for name in names:
         module = model.get_submodule(name)
-        module.forward = functools.partial(_checkpointed, module, module.forward)
+        module.forward = functools.partial(_checkpointed, module.forward)
 
 
 def apply(model: nn.Module, optimizer_fn, plan: dict) -> tuple[nn.Module, object, Run]:
