@@ -84,3 +84,51 @@ def test_model_states_per_parameter_by_training_precision():
     # ZeRO 1-2 in float32 update a separate float32 partition of the weights
     assert [fp32.optimizer_bytes(z) for z in range(4)] == [8, 12, 12, 8]
     assert [mixed.optimizer_bytes(z) for z in range(4)] == [12] * 4
+
+
+def _cpu_cluster() -> Cluster:
+    return Cluster(2, 2, load_profile("cpu-2core"))
+
+
+def test_each_collective_runs_at_the_bandwidth_the_profile_measured_for_it():
+    from tensoropt.cost.comm import all_gather_s, all_reduce_s, reduce_scatter_s
+    cluster = _cpu_cluster()
+    link = cluster.profile.intra_node
+    nbytes, alpha = 64e6, link.latency_s
+    assert all_reduce_s(nbytes, 2, 1, cluster) == pytest.approx(2 * (0.5 * nbytes / link.bandwidth_bytes_per_s + alpha))
+    for collective, fn in (("all_gather", all_gather_s), ("reduce_scatter", reduce_scatter_s)):
+        bandwidth = dict(link.collective_bandwidths)[collective]
+        assert bandwidth < link.bandwidth_bytes_per_s / 2             # gloo's are slower than its all-reduce
+        assert fn(nbytes, 2, 1, cluster) == pytest.approx(0.5 * nbytes / bandwidth + alpha)
+        # sent as 5 collectives (layer by layer): the same volume, the latency paid 5 times
+        assert fn(nbytes, 2, 1, cluster, units=5) - fn(nbytes, 2, 1, cluster) == pytest.approx(4 * alpha)
+
+
+def test_a_link_without_per_collective_bandwidths_uses_its_own_for_all():
+    link = load_profile("h100-80gb").intra_node
+    assert link.collective_bandwidths == ()
+    assert link.bytes_per_s("all_gather") == link.bytes_per_s("all_reduce") == link.effective_bytes_per_s
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_stages_communicate_in_every_micro_batch(graph, zero):
+    """ZeRO 2: a reduce-scatter per micro-batch and one all-gather of the updated weights; ZeRO 3:
+    per micro-batch two all-gathers (forward, backward) and a reduce-scatter; each layer by layer
+    (one unit per block copy and one for the loose ops) and through flat buffers."""
+    from tensoropt.cost.comm import all_gather_s, reduce_scatter_s
+    cluster = _cpu_cluster()
+    model = ModelCost(graph, tensoropt.fold(graph), cluster)
+    units = SMALL_GPT["num_layers"] + 1
+    assert model.units_per_stage(1) == units
+    comm = {}
+    for micro_batches in (1, 4):
+        plan = dataclasses.replace(_plan(zero), micro_batch=4 // micro_batches, dtype="float32")
+        est = estimate(model, plan)
+        weight_bytes = est.memory_breakdown["parameters_bytes"] * (2 if zero == 3 else 1)
+        copy_s = 2 * weight_bytes / cluster.profile.memory_bytes_per_s
+        gather = all_gather_s(weight_bytes, 2, 1, cluster, units) + copy_s
+        scatter = reduce_scatter_s(weight_bytes, 2, 1, cluster, units) + copy_s
+        per_step = micro_batches * (2 * gather + scatter) if zero == 3 else micro_batches * scatter + gather
+        assert est.time_breakdown["data_parallel_comm_s"] == pytest.approx(per_step)
+        comm[micro_batches] = est.time_breakdown["data_parallel_comm_s"]
+    assert comm[4] > 3 * comm[1] if zero == 3 else comm[4] > 2 * comm[1]

@@ -1,13 +1,17 @@
 """Measured op times in a profile replace the roofline for exactly those ops (lookup), and every
-other op keeps the roofline (fallback)."""
+other op keeps the roofline (fallback); the work autograd adds to a backward; how the profiler times
+an op (per sample, at several samples)."""
 
 import dataclasses
 
 import numpy as np
+import torch
+from torch import nn
 
 import tensoropt
-from tensoropt.cost.ops import OpArrays, op_times
+from tensoropt.cost.ops import OpArrays, autograd_glue_bytes, op_times
 from tensoropt.cost.profile import load_profile
+from tensoropt.profiler.ops import _time_at, batched, time_op
 
 
 def test_measured_times_replace_the_roofline_and_the_rest_falls_back():
@@ -41,3 +45,62 @@ def test_times_at_a_ranks_own_shapes_win_over_scaling():
         # tp 2 was measured at a rank's shapes; tp 4 was not, so the unsharded time is scaled
         assert (fwd[qkv.index], bwd[qkv.index]) == (expected_fwd, expected_bwd)
     assert profile.sharded_degrees == (2,)
+
+
+class _Fork(nn.Module):
+    """y feeds two linears (fan-out 2); q and k are slices of one projection (narrowed views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.proj, self.side = nn.Linear(8, 8), nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(x)
+        h = self.proj(y)
+        q, k = h[..., :8], h[..., 8:16]
+        return (q * k).sum() + self.side(y).sum()
+
+
+def _fork_ops():
+    from tensoropt.graph.capture import trace_module
+    return trace_module(_Fork(), (torch.zeros(1, 4, 8),)).ops
+
+
+def test_autograd_sums_fanned_out_gradients_and_fills_sliced_ones():
+    ops = _fork_ops()
+    glue = autograd_glue_bytes(ops)
+    y_bytes, h_bytes, slice_bytes = 4 * 8 * 4, 4 * 24 * 4, 4 * 8 * 4
+    addmms = [i for i, op in enumerate(ops) if op.target == "aten.addmm.default"]
+    mul = next(i for i, op in enumerate(ops) if op.target == "aten.mul.Tensor")
+    # proj reads y first; side reads it second and pays the sum of the two gradients of y
+    assert glue[addmms[1]] == 0 and glue[addmms[2]] == 3 * y_bytes
+    # q and k: each slice's backward fills a whole h-sized gradient and copies its part; the second adds
+    assert glue[mul] == 2 * (h_bytes + 2 * slice_bytes) + 3 * h_bytes
+    assert glue.sum() == glue[addmms[2]] + glue[mul]
+    profile = load_profile("cpu-2core")
+    arrays = OpArrays.of(ops, profile)
+    _, bwd = op_times(arrays, np.ones(len(ops)), 4, profile)
+    _, bare = op_times(dataclasses.replace(arrays, glue_bytes=np.zeros(len(ops))), np.ones(len(ops)), 4, profile)
+    np.testing.assert_allclose(bwd - bare, glue * 4 / profile.memory_bytes_per_s)
+
+
+def test_ops_are_timed_per_sample_at_several_samples_where_their_output_grows():
+    ops = _fork_ops()
+    proj = [op for op in ops if op.target == "aten.addmm.default"][1]
+    wide = batched(proj, 8)
+    activation = [m.shape for m, r in zip(wide.inputs, wide.sources) if r.kind != "param"]
+    assert activation == [(32, 8)] and wide.outputs[0].shape == (32, 24)        # 4 tokens x 8 samples
+    assert [m.shape for m, r in zip(wide.inputs, wide.sources) if r.kind == "param"] == [(24,), (8, 24)]
+    assert wide.bytes_read == sum(m.nbytes for m in wide.inputs)
+    fwd, bwd = time_op(proj, "cpu", 3, 1 << 30)
+    assert fwd > 0 and bwd > 0
+    # an op whose sizes are fixed in its arguments cannot grow: it is timed at its captured shapes
+    from tensoropt.graph.capture import trace_module
+    (fixed,) = trace_module(_Fixed(), (torch.zeros(1, 4, 8),)).ops
+    assert _time_at(batched(fixed, 8), "cpu", 3, 1 << 30) is None
+    assert time_op(fixed, "cpu", 3, 1 << 30) is not None
+
+
+class _Fixed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(3, 5)

@@ -118,3 +118,20 @@ def test_model_calibration_times_the_unique_ops_and_the_planner_uses_them(tmp_pa
     arrays = OpArrays.of(folded.blocks[0].ops, profile)
     timed = ~np.isnan(arrays.measured_forward_s)
     assert timed.sum() >= len(folded.blocks[0].ops) - 1 and np.all(arrays.measured_forward_s[timed] > 0)
+
+
+def test_each_ring_collective_gets_its_own_bandwidth_at_the_links_latency():
+    from tensoropt.profiler.run import link_of
+    alpha, rates = 2e-4, {"all_reduce": 1e9, "all_gather": 3e8, "reduce_scatter": 4e8, "all_to_all": 5e8}
+    points = []
+    for op, rate in rates.items():
+        for full in (1 << 16, 1 << 20, 1 << 24):
+            passes = 2 if op == "all_reduce" else 1
+            seconds = passes * (0.5 * full / rate + alpha)
+            # an all-gather's record gives each rank's input: half the gathered tensor on 2 ranks
+            points.append({"op": op, "group_size": 2, "bytes": full // 2 if op == "all_gather" else full,
+                           "seconds": seconds})
+    link = link_of(points)
+    assert link["bandwidth_bytes_per_s"] == pytest.approx(1e9) and link["latency_s"] == pytest.approx(alpha)
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert link["collective_bandwidths_bytes_per_s"][op] == pytest.approx(rates[op])

@@ -7,7 +7,9 @@ A group inside one node runs a ring over NVLink; a group spanning nodes runs the
 algorithm: reduce-scatter inside each node, the inter-node step on 1/g of the data over every
 GPU's own NIC in parallel, all-gather inside the node (NCCL's tree/ring hierarchy, as modelled by
 TAPS). Ring costs: all-reduce 2(n-1)/n * M/B + 2(n-1)*alpha; all-gather and reduce-scatter
-(n-1)/n * M/B + (n-1)*alpha (Thakur et al., 2005; Patarasuk & Yuan, 2009).
+(n-1)/n * M/B + (n-1)*alpha (Thakur et al., 2005; Patarasuk & Yuan, 2009). B is the bandwidth the
+profile measured for that collective (``Link.bytes_per_s``). A tensor sent as ``units`` separate
+collectives (ZeRO-3 and FSDP gather and reduce layer by layer) pays the latency once per unit.
 """
 
 from __future__ import annotations
@@ -25,37 +27,38 @@ def group_layout(size: int, stride: int, devices_per_node: int) -> tuple[int, in
     return per_node, -(-size // per_node)
 
 
-def _ring(nbytes, n: int, link: Link, passes: float):
-    """``passes`` = 2 for all-reduce, 1 for all-gather / reduce-scatter. ``nbytes`` may be a
-    numpy array (one value per plan); nothing to send costs nothing."""
+def _ring(nbytes, n: int, link: Link, collective: str, units: int = 1):
+    """Ring time of ``nbytes`` sent as ``units`` equal collectives. ``nbytes`` may be a numpy array
+    (one value per plan); nothing to send costs nothing."""
     if n <= 1:
         return 0.0 * nbytes
-    t = passes * ((n - 1) / n * nbytes / link.effective_bytes_per_s + (n - 1) * link.latency_s)
+    passes = 2.0 if collective == "all_reduce" else 1.0
+    t = passes * ((n - 1) / n * nbytes / link.bytes_per_s(collective) + units * (n - 1) * link.latency_s)
     return np.where(nbytes > 0, t, 0.0) if isinstance(nbytes, np.ndarray) else (t if nbytes > 0 else 0.0)
 
 
-def _collective(nbytes, size: int, stride: int, cluster: Cluster, passes: float) -> float:
+def _collective(nbytes, size: int, stride: int, cluster: Cluster, collective: str, units: int = 1) -> float:
     per_node, nodes = group_layout(size, stride, cluster.devices_per_node)
     intra, inter = cluster.profile.intra_node, cluster.profile.inter_node
     if nodes == 1:
-        return _ring(nbytes, per_node, intra, passes)
+        return _ring(nbytes, per_node, intra, collective, units)
     # hierarchical: intra-node reduce-scatter / all-gather around an inter-node step on 1/g of the data
-    return (_ring(nbytes, per_node, intra, passes)
-            + _ring(nbytes / per_node, nodes, inter, passes))
+    return (_ring(nbytes, per_node, intra, collective, units)
+            + _ring(nbytes / per_node, nodes, inter, collective, units))
 
 
-def all_reduce_s(nbytes, size: int, stride: int, cluster: Cluster):
-    return _collective(nbytes, size, stride, cluster, 2.0)
+def all_reduce_s(nbytes, size: int, stride: int, cluster: Cluster, units: int = 1):
+    return _collective(nbytes, size, stride, cluster, "all_reduce", units)
 
 
-def all_gather_s(nbytes, size: int, stride: int, cluster: Cluster):
+def all_gather_s(nbytes, size: int, stride: int, cluster: Cluster, units: int = 1):
     """``nbytes`` is the size of the gathered (full) tensor."""
-    return _collective(nbytes, size, stride, cluster, 1.0)
+    return _collective(nbytes, size, stride, cluster, "all_gather", units)
 
 
-def reduce_scatter_s(nbytes, size: int, stride: int, cluster: Cluster):
+def reduce_scatter_s(nbytes, size: int, stride: int, cluster: Cluster, units: int = 1):
     """``nbytes`` is the size of the full (unreduced) tensor."""
-    return _collective(nbytes, size, stride, cluster, 1.0)
+    return _collective(nbytes, size, stride, cluster, "reduce_scatter", units)
 
 
 def p2p_s(nbytes: float, crosses_node: bool, cluster: Cluster) -> float:

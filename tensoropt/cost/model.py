@@ -3,11 +3,16 @@
 Pipeline (Narayanan et al., SC'21): 1F1B with ``v`` interleaved stages takes (m + (p-1)/v) stage
 times for m micro-batches, the bubble being (p-1)/(v m) of the ideal; stage 0 keeps p micro-batches
 of activations in flight, times (1 + (p-1)/(p v)) when interleaved (Korthikanti et al. 2022, sec.
-4.2.3). Data parallelism: gradients are all-reduced over dp (ZeRO 0/1), reduce-scattered and the
-updated parameters all-gathered (ZeRO 2, same volume), and ZeRO 3 also all-gathers parameters in
-every micro-batch's forward and backward (Rajbhandari et al., SC'20: 3x the volume of 0/1); gradient
-communication overlaps the last micro-batch's backward where the device computes and communicates at
-once (the profile's ``overlaps_communication``), else adds to the step. Model states take 2 + 2 + 12
+4.2.3). Data parallelism (Rajbhandari et al., SC'20): ZeRO 0/1 all-reduce the accumulated gradients
+once per step; ZeRO 2 keeps only a gradient shard, so it reduce-scatters every micro-batch's
+gradients and all-gathers the updated parameters once per step; ZeRO 3 also all-gathers the
+parameters in every micro-batch's forward and backward. Sharded stages gather and reduce layer by
+layer (FSDP units, DeepSpeed's per-module gathers), one collective per block copy plus one for the
+loose ops, each paying the link latency, and copy the parameters or gradients into and out of
+flat communication buffers (one read and one write of the tensor, at memory bandwidth).
+Communication overlaps the backward (gradients) or the stage's compute (ZeRO 3 gathers) where the
+device computes and communicates at once (the profile's ``overlaps_communication``), else adds to
+the step. Model states take 2 + 2 + 12
 bytes per parameter in mixed precision (bf16/fp16 weights and gradients, fp32 master weights and
 Adam moments; ZeRO's K = 12) and 4 + 4 + 8 in float32 training (the plan's ``dtype``: the weights
 are the master copy, K = 8 for the two Adam moments), divided over dp by stage: 1 optimizer states,
@@ -92,6 +97,10 @@ class ModelCost:
     def tp_allowed(self, tp: int) -> bool:
         return tp == 1 or (bool(self.blocks) and all(s.tp_allowed(tp) for s in self.spaces))
 
+    def units_per_stage(self, pp: int) -> int:
+        """Communication units of sharded data parallelism on one stage: its block copies and the loose ops."""
+        return sum(b.repeats for b, _ in self.blocks) // pp + 1
+
     @property
     def max_pp(self) -> int:
         """Pipelines split the layers of a single repeated block evenly."""
@@ -171,7 +180,8 @@ def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, act
     backward = np.asarray(layer_backward_s, dtype=float)
     dp, z, state = ctx.dp, ctx.zero, state_bytes(ctx.dtype)
     grad_bytes = state.grad * params
-    dp_comm, exposed = _data_parallel_s(ctx, state.weight * params, grad_bytes, stage_s, backward, cluster)
+    units = model.units_per_stage(p)
+    dp_comm, exposed = _data_parallel_s(ctx, state.weight * params, grad_bytes, stage_s, backward, cluster, units)
     opt_params = params / (dp if z >= 1 else 1)
     if ctx.offload:
         optimizer_s = opt_params / prof.cpu_adam_params_per_s + 4 * opt_params / prof.pcie_bandwidth_bytes_per_s
@@ -198,25 +208,31 @@ def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, act
 
 
 def _data_parallel_s(ctx: Context, weight_bytes: np.ndarray, grad_bytes: np.ndarray, stage_s: np.ndarray,
-                     backward_s: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
-    """(data-parallel communication seconds, the part of it not hidden behind compute).
+                     backward_s: np.ndarray, cluster: Cluster, units: int) -> tuple[np.ndarray, np.ndarray]:
+    """(data-parallel communication seconds, the part of it not hidden behind compute), per step.
 
-    ZeRO 0-2 all-reduce (or reduce-scatter + all-gather, the same volume) the gradients once, behind
-    the last micro-batch's backward; ZeRO 3 also all-gathers the weights in every micro-batch's
-    forward and backward, behind that stage's compute. Hiding needs a device that communicates
+    ZeRO 0/1: one all-reduce of the gradients, behind the last micro-batch's backward. ZeRO 2: a
+    reduce-scatter behind every micro-batch's backward and one all-gather of the updated weights.
+    ZeRO 3: every micro-batch gathers the weights for its forward and again for its backward (behind
+    the stage's compute) and reduce-scatters its gradients. Hiding needs a device that communicates
     beside computing (``overlaps_communication``): where the collective runs on the compute cores
     (gloo on a CPU), all of it is exposed."""
     dp, m = ctx.dp, ctx.micro_batches
     if dp == 1:
         return np.zeros_like(stage_s), np.zeros_like(stage_s)
-    if ctx.zero == 3:
-        gather = all_gather_s(weight_bytes, dp, ctx.tp, cluster)
-        scatter = reduce_scatter_s(grad_bytes, dp, ctx.tp, cluster)
-        comm = m * 2 * gather + scatter
-        exposed = m * np.maximum(2 * gather - stage_s, 0.0) + np.maximum(scatter - backward_s, 0.0)
-    else:
+    if ctx.zero < 2:
         comm = all_reduce_s(grad_bytes, dp, ctx.tp, cluster)
         exposed = np.maximum(comm - backward_s, 0.0)
+        return comm, exposed if cluster.profile.overlaps_communication else comm
+    copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
+    gather = all_gather_s(weight_bytes, dp, ctx.tp, cluster, units) + copy_s * weight_bytes
+    scatter = reduce_scatter_s(grad_bytes, dp, ctx.tp, cluster, units) + copy_s * grad_bytes
+    if ctx.zero == 3:
+        comm = m * (2 * gather + scatter)
+        exposed = m * (np.maximum(2 * gather - stage_s, 0.0) + np.maximum(scatter - backward_s, 0.0))
+    else:
+        comm = m * scatter + gather
+        exposed = m * np.maximum(scatter - backward_s, 0.0) + np.maximum(gather - stage_s, 0.0)
     return comm, exposed if cluster.profile.overlaps_communication else comm
 
 

@@ -9,6 +9,9 @@ whose profile says its runtime fuses them (``fuses_memory_bound_ops``: GPUs with
 eager CPU kernels, which each read and write their tensors in full). Work divides by ``shard`` (the
 tensor-parallel degree for a sharded op); activation work scales with the micro-batch size,
 parameter reads do not.
+Autograd adds work of its own to the backward, which no forward op stands for and an op timed
+alone does not show (``autograd_glue_bytes``): gradients of a tensor read by several ops are summed,
+and an op that reads a slice of a tensor hands back a zero-filled gradient of the whole tensor.
 Where the device profile holds a measured time for the op (``tensoropt profile --model``), that
 time replaces the roofline: the time at one tensor-parallel rank's shapes (``key@tpN``) if it was
 measured, else the unsharded time scaled by micro-batch / shard (all measured at batch 1).
@@ -35,6 +38,7 @@ class OpArrays:
     activation_bytes: np.ndarray     # read + written, parameters excluded
     parameter_bytes: np.ndarray      # parameter bytes read
     saved_bytes: np.ndarray
+    glue_bytes: np.ndarray           # memory traffic autograd adds to the op's backward (activation-sized)
     product: np.ndarray              # bool: runs at matrix-unit efficiency
     needs_backward: np.ndarray       # bool
     peak_flops: np.ndarray
@@ -53,6 +57,7 @@ class OpArrays:
             activation_bytes=moved - (fused_bytes(ops) if profile.fuses_memory_bound_ops else 0.0),
             parameter_bytes=np.array([param_bytes(op) for op in ops], dtype=float),
             saved_bytes=np.array([op.saved_bytes for op in ops], dtype=float),
+            glue_bytes=autograd_glue_bytes(ops),
             product=np.array([op.kind in PRODUCT_KINDS for op in ops], dtype=bool),
             needs_backward=np.array([op.requires_grad or op.backward_flops > 0 for op in ops], dtype=bool),
             peak_flops=np.array([profile.peak(op.outputs[0].dtype if op.outputs else "bfloat16") for op in ops]),
@@ -99,6 +104,43 @@ def fused_bytes(ops: tuple[Op, ...]) -> np.ndarray:
     return saved
 
 
+def autograd_glue_bytes(ops: tuple[Op, ...]) -> np.ndarray:
+    """Bytes autograd's own kernels move in the backward, charged to the op that causes them.
+
+    - A tensor that k ops with gradients read receives k gradients, which autograd sums as they
+      arrive: k - 1 additions, each reading two tensors and writing one (the residual stream, a fused
+      projection split into q, k and v).
+    - An op that reads a narrowed view (a slice, select or split: fewer elements than the tensor it
+      views) gets back, from the view's backward, a gradient of the whole tensor: zeros written over
+      all of it and the slice's gradient copied in (PyTorch's ``slice_backward``).
+    Sizes are at the captured batch; the caller scales them like other activation bytes."""
+    by_index = {op.index: op for op in ops}
+
+    def tensor_bytes(ref, read_bytes: int) -> int:
+        """The whole tensor behind an input (the reader's own view where the producer is not in ``ops``)."""
+        producer = ops[ref.index] if ref.kind in ("local", "prev") and ref.index < len(ops) else by_index.get(ref.index)
+        if producer is None or ref.slot >= len(producer.outputs):
+            return read_bytes
+        return max(producer.outputs[ref.slot].nbytes, read_bytes)
+
+    glue = np.zeros(len(ops))
+    readers: dict[tuple, int] = {}
+    for i, op in enumerate(ops):
+        if not op.requires_grad:
+            continue
+        for meta, ref in zip(op.inputs, op.sources):
+            if ref.kind in ("param", "buffer", "input", "const") or meta.dtype.startswith(("int", "uint", "bool")):
+                continue
+            whole = tensor_bytes(ref, meta.nbytes)
+            key = (ref.kind, ref.index, ref.slot)
+            if readers.get(key, 0):
+                glue[i] += 3 * whole
+            readers[key] = readers.get(key, 0) + 1
+            if meta.nbytes < whole:
+                glue[i] += whole + 2 * meta.nbytes
+    return glue
+
+
 def efficiency(flops: np.ndarray, profile: DeviceProfile) -> np.ndarray:
     """The profile's efficiency curve, piecewise linear in log10(FLOPs), constant beyond its ends."""
     xs = np.log10([f for f, _ in profile.matmul_efficiency])
@@ -128,4 +170,5 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
         local = (shard == tp) & ~np.isnan(local_fwd)
         fwd = np.where(local, local_fwd * micro_batch, fwd)
         bwd = np.where(local & arrays.needs_backward, local_bwd * micro_batch, bwd)
-    return fwd, bwd
+    glue_s = arrays.glue_bytes * micro_batch / shard / profile.memory_bytes_per_s
+    return fwd, bwd + np.where(arrays.needs_backward, glue_s, 0.0)

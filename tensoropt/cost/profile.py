@@ -24,10 +24,25 @@ class Link:
     bandwidth_bytes_per_s: float     # per GPU, one direction
     latency_s: float
     efficiency: float = 1.0          # achieved fraction of the link rate for collectives
+    # Ring bandwidth a collective reaches where it differs from all-reduce's (the fitted ``bandwidth``):
+    # gloo's all-gather and reduce-scatter into fresh tensors reach a third of its all-reduce rate on
+    # the CPU. (collective, bytes/s) pairs, measured by ``tensoropt profile``; absent for datasheet GPUs,
+    # whose NCCL ring collectives reach about the same bus bandwidth.
+    collective_bandwidths: tuple[tuple[str, float], ...] = ()
 
     @property
     def effective_bytes_per_s(self) -> float:
         return self.bandwidth_bytes_per_s * self.efficiency
+
+    def bytes_per_s(self, collective: str) -> float:
+        """Achieved ring bandwidth of one collective (``all_gather``, ``reduce_scatter``, ...)."""
+        return dict(self.collective_bandwidths).get(collective, self.effective_bytes_per_s)
+
+    @staticmethod
+    def from_json(d: dict) -> Link:
+        by_collective = d.get("collective_bandwidths_bytes_per_s", {})
+        return Link(float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]), float(d.get("efficiency", 1.0)),
+                    tuple(sorted((k, float(v)) for k, v in by_collective.items())))
 
 
 @dataclass(frozen=True)
@@ -95,8 +110,6 @@ class DeviceProfile:
     def from_json(data: dict) -> DeviceProfile:
         if data.get("kind") != "tensoropt.device_profile" or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
             raise ValueError(f"not a device profile of schema_version {PROFILE_SCHEMA_VERSION}")
-        link = lambda d: Link(float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]),  # noqa: E731
-                              float(d.get("efficiency", 1.0)))
         curve = tuple(sorted((float(f), float(e)) for f, e in data["matmul_efficiency"]))
         if not curve or any(not 0 < e <= 1 for _, e in curve):
             raise ValueError("matmul_efficiency needs points with efficiencies in (0, 1]")
@@ -106,7 +119,7 @@ class DeviceProfile:
             matmul_efficiency=curve, memory_bytes=int(data["memory_bytes"]),
             memory_bandwidth_bytes_per_s=float(data["memory_bandwidth_bytes_per_s"]),
             memory_efficiency=float(data["memory_efficiency"]),
-            intra_node=link(data["intra_node"]), inter_node=link(data["inter_node"]),
+            intra_node=Link.from_json(data["intra_node"]), inter_node=Link.from_json(data["inter_node"]),
             pcie_bandwidth_bytes_per_s=float(data["host"]["pcie_bandwidth_bytes_per_s"]),
             cpu_adam_params_per_s=float(data["host"]["cpu_adam_params_per_s"]),
             kernel_overhead_s=float(data["kernel_overhead_s"]),

@@ -5,11 +5,20 @@ An op is replayed from the graph alone: its ATen overload, random tensors of its
 and dtypes (integer inputs are zeros, masks all true, so indices stay valid), and its non-tensor
 arguments parsed back from the recorded attributes in schema order. Ops that cannot be replayed,
 or whose inputs exceed ``max_bytes``, are skipped and keep the roofline estimate.
+
+An op is timed at ``CALIBRATION_SAMPLES`` samples (the leading dimension of every activation input
+scaled up, parameters and buffers as they are) and stored per sample, which is how the cost model
+scales it. In training an op runs at the micro-batch's size: at the captured batch of one its
+tensors stay in the core's cache and a small product runs below the rate it reaches at the real
+size, so batch-one times scaled up were 10-40% short for the memory-bound ops of the CPU benchmark
+(``benchmarks/cost_model_accuracy.md``). An op without activation inputs (a factory) or whose output
+comes out in another shape (sizes fixed in its arguments) is timed at its captured shapes.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 
 import torch
@@ -76,12 +85,42 @@ def replay_args(op: Op, device: str):
     return func, args, kwargs
 
 
-def time_op(op: Op, device: str, repeats: int, max_bytes: int) -> tuple[float, float] | None:
-    """(forward_s, backward_s) of one op at its recorded shapes, or None if it cannot be replayed."""
+CALIBRATION_SAMPLES = 8       # samples an op is timed at; its time is stored per sample
+
+
+def batched(op: Op, samples: int) -> Op:
+    """``op`` with the leading dimension of every activation input and output times ``samples``."""
+    def scale(meta):
+        return dataclasses.replace(meta, shape=(meta.shape[0] * samples, *meta.shape[1:])) if meta.shape else meta
+    inputs = tuple(m if r.kind in ("param", "buffer") else scale(m) for m, r in zip(op.inputs, op.sources))
+    outputs = tuple(scale(m) for m in op.outputs)
+    return dataclasses.replace(op, inputs=inputs, outputs=outputs, bytes_read=sum(m.nbytes for m in inputs),
+                               bytes_written=sum(m.nbytes for m in outputs))
+
+
+def time_op(op: Op, device: str, repeats: int, max_bytes: int,
+            samples: int = CALIBRATION_SAMPLES) -> tuple[float, float] | None:
+    """(forward_s, backward_s) per sample of one op (see the module docstring), or None if it cannot
+    be replayed."""
+    grows = any(m.shape and r.kind not in ("param", "buffer") for m, r in zip(op.inputs, op.sources))
+    if samples > 1 and grows:
+        timing = _time_at(batched(op, samples), device, repeats, max_bytes)
+        if timing is not None:
+            return timing[0] / samples, timing[1] / samples
+    return _time_at(op, device, repeats, max_bytes)
+
+
+def _time_at(op: Op, device: str, repeats: int, max_bytes: int) -> tuple[float, float] | None:
+    """(forward_s, backward_s) at the op's recorded shapes; None if it cannot be replayed there or its
+    first output is not of the recorded shape."""
     if op.bytes_read + op.bytes_written > max_bytes:
         return None
     try:
         func, args, kwargs = replay_args(op, device)
+        out = func(*args, **kwargs)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if op.outputs and (not isinstance(first, torch.Tensor) or tuple(first.shape) != op.outputs[0].shape):
+            return None
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         fwd = timed(lambda: func(*args, **kwargs), device, repeats)
         if not op.requires_grad or not leaves:

@@ -8,7 +8,9 @@ Fits:
 - links: the ring all-reduce model t = 2(n-1)/n * M/B + 2(n-1)*alpha fitted to every all-reduce by
   least squares, giving B (bytes/s per rank) and alpha (latency), for the workers' node. A
   single-host run cannot see an inter-node link: it is recorded equal to the intra-node one and
-  the metadata says so.
+  the metadata says so. All-gather, reduce-scatter and all-to-all get their own bandwidth, fitted
+  with the link's latency (t = (n-1)/n * M/B_op + (n-1)*alpha, M the full tensor): gloo's run at a
+  third of its all-reduce rate, and ZeRO's sharded data parallelism is made of them.
 """
 
 from __future__ import annotations
@@ -64,6 +66,34 @@ def fit_ring(points: list[dict]) -> tuple[float, float]:
         big = max(points, key=lambda p: p["bytes"])
         inv_bandwidth = big["seconds"] / (2 * (big["group_size"] - 1) / big["group_size"] * big["bytes"])
     return 1.0 / inv_bandwidth, max(float(latency), 1e-7)
+
+
+RING_COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all")
+
+
+def full_bytes(point: dict) -> float:
+    """The full tensor of a measured collective: an all-gather's record gives each rank's input."""
+    return point["bytes"] * (point["group_size"] if point["op"] == "all_gather" else 1)
+
+
+def fit_collective_bandwidth(points: list[dict], latency_s: float) -> float:
+    """Bandwidth (bytes/s) of one-pass ring collectives, least squares with the link's latency fixed."""
+    volume = np.array([(p["group_size"] - 1) / p["group_size"] * full_bytes(p) for p in points])
+    beyond_latency = np.array([p["seconds"] - (p["group_size"] - 1) * latency_s for p in points])
+    inv_bandwidth = float(volume @ beyond_latency) / float(volume @ volume)
+    if inv_bandwidth <= 0:                     # all-latency: take the largest message's rate
+        big = max(points, key=full_bytes)
+        inv_bandwidth = big["seconds"] / ((big["group_size"] - 1) / big["group_size"] * full_bytes(big))
+    return 1.0 / inv_bandwidth
+
+
+def link_of(comm: list[dict]) -> dict:
+    """The profile's link entry from measured collectives (see the module docstring)."""
+    bandwidth, latency = fit_ring([c for c in comm if c["op"] == "all_reduce"])
+    by_collective = {op: fit_collective_bandwidth(points, latency) for op in RING_COLLECTIVES
+                     if (points := [c for c in comm if c["op"] == op])}
+    return {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency, "efficiency": 1.0,
+            "collective_bandwidths_bytes_per_s": by_collective}
 
 
 def device_name(device: str) -> str:
@@ -140,9 +170,8 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
     reference = "bfloat16" if "bfloat16" in peaks else "float32"
     curve = sorted((p["flops"], min(1.0, p["flops_per_s"] / peaks[reference]))
                    for p in products if p["dtype"] == reference)
-    bandwidth, latency = fit_ring([c for c in comm if c["op"] == "all_reduce"])
     mem_rate = max(m["bytes_per_s"] for m in memory)
-    link = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency, "efficiency": 1.0}
+    link = link_of(comm)
     return {
         "schema_version": 1, "kind": "tensoropt.device_profile", "name": name,
         "device": device_name(settings.device), "measured": True,

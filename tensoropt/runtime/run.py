@@ -61,18 +61,20 @@ def split_batch(batch: Batch, part: int, parts: int) -> Batch:
     return take(batch)
 
 
-def plain_stepper(model, optimizer, no_sync: Callable[[bool], object] | None = None, dp_group=None) -> Stepper:
+def plain_stepper(model, optimizer, before_micro_batch: Callable[[bool], object] | None = None,
+                  dp_group=None) -> Stepper:
     """Forward and backward every micro-batch, then one optimizer step (one process, DDP, FSDP2, TP);
     the loss is averaged over ``dp_group`` (default: every rank).
 
-    ``no_sync(last)`` (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``) keeps gradient
-    reduction to the last micro-batch, as the cost model assumes."""
+    ``before_micro_batch(last)`` is told whether the coming micro-batch is the step's last, for the
+    engine to communicate as the cost model assumes: DDP reduces gradients after the last only,
+    FSDP2 under ZeRO 2 keeps its parameters gathered until then."""
     def step(micro_batches: list[Batch]) -> float:
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for i, micro in enumerate(micro_batches):
-            if no_sync:
-                no_sync(i == len(micro_batches) - 1)
+            if before_micro_batch:
+                before_micro_batch(i == len(micro_batches) - 1)
             loss = loss_of(call_model(model, micro)) / len(micro_batches)
             loss.backward()
             total += loss.detach().float().cpu()

@@ -68,23 +68,27 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, example_inputs=None) -> tu
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         apply_tensor_parallel(model, plan, mesh["tp"])
     apply_recompute(model, plan)
-    no_sync = None           # FSDP2 reduce-scatters every micro-batch: deferring would hold unsharded gradients
+    before_micro_batch = None
     if plan["zero"] >= 2:
+        # FSDP2 reduce-scatters every micro-batch (deferring would hold unsharded gradients); under ZeRO 2
+        # the parameters stay gathered across the micro-batches and are gathered again after the step only
         from torch.distributed.fsdp import fully_shard
-        reshard = plan["zero"] == 3                          # ZeRO 2 keeps parameters gathered
+        reshard = plan["zero"] == 3
         dp_mesh = mesh["dp"] if mesh is not None else None
         for name in block_modules(model, plan):
             fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        if not reshard:
+            before_micro_batch = model.set_reshard_after_backward
     elif dp > 1:
         # gradients live in DDP's buckets, not in a second copy: 1x gradient memory, as planned
         model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         ddp = model
 
-        def no_sync(last: bool) -> None:
+        def before_micro_batch(last: bool) -> None:
             ddp.require_backward_grad_sync = last
     optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
     dp_rank = rank // tp
     run = Run(rank, world, dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
-              plan, "torch", plain_stepper(model, optimizer, no_sync) if optimizer else None)
+              plan, "torch", plain_stepper(model, optimizer, before_micro_batch) if optimizer else None)
     return model, optimizer, run
