@@ -102,7 +102,9 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
     """The frontier of plans an engine can run: one search per engine (``engine`` alone if given),
     merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins.
     ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
-    are not resharded yet)."""
+    are not resharded yet); so does a model whose forward returns more than the loss tensor (a Hugging
+    Face output), which the pipeline engine cannot split."""
+    pipeline = pipeline and graph.meta("output", "tensor") == "tensor"
     global_batch, dtype = int(graph.meta("global_batch") or 0), training_dtype(graph)
     model = ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
     candidates = []                          # in ENGINES order: of two equal points the first is kept

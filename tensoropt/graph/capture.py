@@ -229,10 +229,7 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     post = nn.modules.module.register_module_forward_hook(leave)
     try:
         with fake_mode, _GpuKernels(), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if isinstance(fakes, Mapping):
-                model(**fakes)
-            else:
-                model(*fakes)
+            output = model(**fakes) if isinstance(fakes, Mapping) else model(*fakes)
     except CaptureError:
         raise
     except Exception as exc:   # any failure inside user code becomes one line
@@ -250,7 +247,9 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
         params=tuple((n, _meta(p)) for n, p in params.items()),   # tied weights appear once
         buffers=tuple((n, _meta(b)) for n, b in buffers.items()),
         inputs=tuple(input_metas),
-        metadata=tuple(sorted((metadata or {}).items())),
+        # pipeline stages need a forward that returns the loss tensor itself (not a Hugging Face output)
+        metadata=tuple(sorted({**(metadata or {}),
+                               "output": "tensor" if isinstance(output, torch.Tensor) else "structured"}.items())),
     )
 
 
