@@ -17,11 +17,6 @@ SCRIPT = GPT_SCRIPT
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses_alone(SCRIPT, tmp_path_factory.mktemp("ref") / "losses.json")
-
-
-@pytest.fixture(scope="module")
 def chosen(tmp_path_factory):
     """A dry run: the plan the launcher chooses for 2 CPU workers, nothing started; returned as the
     2-way data-parallel plan of the same model that the tests edit into the plans they run."""

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from workers import GPT_SCRIPT, dry_run_plan, losses_alone, tensoropt_cli
+from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
@@ -16,11 +16,6 @@ from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 SCRIPT = GPT_SCRIPT
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses_alone(SCRIPT, tmp_path_factory.mktemp("ref") / "losses.json")
 
 
 @pytest.fixture(scope="module")

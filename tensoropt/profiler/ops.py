@@ -88,11 +88,16 @@ def replay_args(op: Op, device: str):
 CALIBRATION_SAMPLES = 8       # samples an op is timed at; its time is stored per sample
 
 
+def _is_activation(ref) -> bool:
+    """An input that grows with the samples: anything but a parameter or buffer."""
+    return ref.kind not in ("param", "buffer")
+
+
 def batched(op: Op, samples: int) -> Op:
     """``op`` with the leading dimension of every activation input and output times ``samples``."""
     def scale(meta):
         return dataclasses.replace(meta, shape=(meta.shape[0] * samples, *meta.shape[1:])) if meta.shape else meta
-    inputs = tuple(m if r.kind in ("param", "buffer") else scale(m) for m, r in zip(op.inputs, op.sources))
+    inputs = tuple(scale(m) if _is_activation(r) else m for m, r in zip(op.inputs, op.sources))
     outputs = tuple(scale(m) for m in op.outputs)
     return dataclasses.replace(op, inputs=inputs, outputs=outputs, bytes_read=sum(m.nbytes for m in inputs),
                                bytes_written=sum(m.nbytes for m in outputs))
@@ -102,7 +107,7 @@ def time_op(op: Op, device: str, repeats: int, max_bytes: int,
             samples: int = CALIBRATION_SAMPLES) -> tuple[float, float] | None:
     """(forward_s, backward_s) per sample of one op (see the module docstring), or None if it cannot
     be replayed."""
-    grows = any(m.shape and r.kind not in ("param", "buffer") for m, r in zip(op.inputs, op.sources))
+    grows = any(m.shape and _is_activation(r) for m, r in zip(op.inputs, op.sources))
     if samples > 1 and grows:
         timing = _time_at(batched(op, samples), device, repeats, max_bytes)
         if timing is not None:
