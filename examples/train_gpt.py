@@ -2,11 +2,17 @@
 ``tensoropt launch examples/train_gpt.py --device cpu --gpus 2 -- --steps 5``.
 
 The TensorOpt lines are ``tensoropt.parallelize`` (it hands the launcher the model to plan, and in the
-workers applies the chosen plan) and ``run.train_step`` (one step, driven the way the plan's engine
-needs). The data is deterministic, so a launched run's losses can be compared with this script run by hand.
+workers applies the chosen plan and puts the model on the worker's device) and ``run.train_step`` (one
+step, driven the way the plan's engine needs; it moves the batch to the device). The data is
+deterministic, so a launched run's losses can be compared with this script run by hand.
+
+``--meta`` builds the model on the meta device (``tensoropt.meta_init()``: no memory for parameters); each
+worker then gets storage for its own shard only, initialised by ``init_weights`` module by module, the same
+values under every plan as this script run alone with ``--meta``.
 """
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -14,7 +20,7 @@ import numpy as np
 import torch
 
 import tensoropt
-from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.models.transformer import DecoderLM, TransformerConfig, init_weights
 
 
 def main() -> None:
@@ -26,31 +32,39 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the per-step losses (JSON) here")
     parser.add_argument("--save-params", default=None, help="write the final parameters here (.npy, flattened)")
     parser.add_argument("--pause-s", type=float, default=0.0, help="sleep after each step (to watch or interrupt)")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--meta", action="store_true", help="build on the meta device; workers materialise shards")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    cfg = TransformerConfig(hidden_size=64, num_layers=args.layers, num_attention_heads=4, ffn_hidden_size=256,
-                            seq_length=args.seq_len, vocab_size=128)
-    model = DecoderLM(cfg)
+    cfg = TransformerConfig(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4,
+                            ffn_hidden_size=4 * args.hidden, seq_length=args.seq_len, vocab_size=128)
+    with tensoropt.meta_init() if args.meta else contextlib.nullcontext():
+        model = DecoderLM(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (args.steps, args.global_batch, args.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[..., :-1], tokens[..., 1:]                 # predict the next token
     example = (inputs[0, :1], targets[0, :1])                          # one sample, for the planner
     model, optimizer, run = tensoropt.parallelize(model, lambda p: torch.optim.AdamW(p, lr=1e-3),
-                                                  example_inputs=example, global_batch=args.global_batch)
-    losses = []
+                                                  example_inputs=example, global_batch=args.global_batch,
+                                                  init_fn=init_weights)   # used for tensors built on meta only
+    losses, step_times = [], []
     for step in range(run.start_step, args.steps):                    # a resumed run starts at its checkpoint
+        start = time.perf_counter()
         losses.append(run.train_step((inputs[step], targets[step])))   # the model returns the loss
+        step_times.append(time.perf_counter() - start)
         if run.rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
         time.sleep(args.pause_s)
     if args.save_params:
         params = run.full_state_dict()                                 # gathered on every rank
         if run.rank == 0:
-            np.save(args.save_params, torch.cat([params[k].detach().flatten() for k in sorted(params)]).numpy())
+            np.save(args.save_params, torch.cat([params[k].detach().float().cpu().flatten()
+                                                 for k in sorted(params)]).numpy())
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}, f)
+            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine,
+                       "step_times_s": step_times} | run.device_report(), f)
     run.close()
 
 

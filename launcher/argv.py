@@ -20,5 +20,6 @@ def torchrun_argv(script: str, script_args: Sequence[str], nproc_per_node: int, 
 
 
 def capture_argv(script: str, script_args: Sequence[str]) -> list[str]:
-    """Run the script once in one process; ``tensoropt.parallelize`` captures the model and exits."""
-    return [sys.executable, script, *script_args]
+    """Run the script once in one process, every tensor on the meta device (nothing allocated, see
+    ``tensoropt.runtime.capture_run``); ``tensoropt.parallelize`` captures the model and exits."""
+    return [sys.executable, "-m", "tensoropt.runtime.capture_run", script, *script_args]

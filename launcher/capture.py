@@ -52,13 +52,13 @@ def capture_script(script: str, args: list[str], use_cache: bool = True, timeout
     cache, key = GraphCache(), cache_key(script, args)
     if use_cache and (graph := cache.load(key)) is not None and _unchanged(graph):
         return graph
-    graph = _run_capture(script, args, timeout_s)
+    graph = run_capture(script, args, timeout_s)
     if use_cache:
         cache.store(key, graph)
     return graph
 
 
-def _run_capture(script: str, args: list[str], timeout_s: float) -> OpGraph:
+def run_capture(script: str, args: list[str], timeout_s: float) -> OpGraph:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "graph.json"
         env = {**os.environ, CAPTURE_ENV: str(out)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,7 +20,12 @@ from . import launch as L
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("script")
 @click.option("--gpus", type=click.IntRange(min=1), default=None, help="devices to use (default: all found)")
-@click.option("--device", type=click.Choice(["cpu"]), default=None, help="cpu: run --gpus CPU workers over gloo")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="cuda (default where GPUs are visible; with --dry-run also where none are) or cpu: --gpus CPU "
+                   "workers over gloo")
+@click.option("--profile", default=None,
+              help="device profile to plan with: a name in profiles/ or a path (default: the GPUs' datasheet profile, "
+                   "cpu-2core for --device cpu)")
 @click.option("--mem-per-gpu", default=None, help="memory per device to plan for (default: what is free)")
 @click.option("--objective", type=click.Choice(L.OBJECTIVES), default="fastest", show_default=True)
 @click.option("--plan", "plan_path", default=None, help="run this plan (a previous launch's plan.json)")
@@ -41,7 +47,7 @@ from . import launch as L
 @click.option("--resources", "resources_file", default=None,
               help='elastic: JSON file {"gpus": N} with the devices available now (watched while the job runs)')
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnodes, node_rank, master_addr,
+def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, nnodes, node_rank, master_addr,
            master_port, gpus_per_node, dry_run, run_dir, no_cache, elastic, checkpoint_dir, checkpoint_every, min_gpus,
            resources_file, script_args):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
@@ -49,7 +55,8 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
         raise TensorOptError(f"{script}: no such script")
     if elastic:
         _check_elastic(checkpoint_dir, plan_path, engine, nnodes)
-    devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None)
+    devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None, profile,
+                       dry_run)
     graph = L.capture_script(script, list(script_args), use_cache=not no_cache)
     if elastic and not dry_run:
         from .elastic import ElasticOptions, run_elastic
@@ -61,8 +68,12 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
     if plan_path:
         point, engine = _load_plan(plan_path, graph, world, engine)
         why = f"given with --plan {plan_path}"
+        if point.peak_memory_bytes > devices.memory_bytes:
+            raise TensorOptError(f"{plan_path} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
+                                 f"have {devices.memory_bytes / 2**30:.2f} GiB" +
+                                 (f"; {devices.note}" if devices.note else ""))
     else:
-        devices = L.Devices(devices.kind, world, devices.memory_bytes, devices.profile)
+        devices = dataclasses.replace(devices, count=world)
         point, engine, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective,
                                            "torch" if elastic else engine, pipeline=not elastic)   # as elastic.py
         why += f" (objective {objective}, {n} frontier points)"
@@ -70,7 +81,9 @@ def launch(script, gpus, device, mem_per_gpu, objective, plan_path, engine, nnod
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
                              f"on {engine}: add --engine torch")
     argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port)
-    plan_file = L.write_plan(Path(run_dir), point, engine, why, argv, graph)
+    plan_file = L.write_plan(Path(run_dir), point, engine, why, argv, graph, devices.kind)
+    click.echo(f"devices: {world} x {devices.kind} ({devices.memory_bytes / 2**30:.1f} GiB each), profile "
+               f"{devices.profile_name}" + (f"; {devices.note}" if devices.note else ""))
     click.echo(f"chosen: {point.plan.summary()} (engine {engine})")
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")

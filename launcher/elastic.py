@@ -115,7 +115,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
              f"{now.memory_bytes / 2**30:.1f} GiB; resuming from step {step}")
         previous = point.plan.summary()
         argv = L.torchrun_argv(script, script_args, count)
-        plan_file = L.write_plan(run_dir, point, engine, why, argv, graph)
+        plan_file = L.write_plan(run_dir, point, engine, why, argv, graph, now.kind)
         for stale in run_dir.glob("failure-rank*.json"):
             stale.unlink()
         env = L.main_env(now, plan_file.resolve()) | checkpoint_env(options.checkpoint_dir, options.checkpoint_every) \

@@ -4,23 +4,20 @@ found, write the plan, start the workers through torchrun and exit with their st
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import signal
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tensoropt.cost.model import ModelCost
-from tensoropt.cost.profile import Cluster, DeviceProfile, load_profile
+from tensoropt.cost.profile import Cluster
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.cache import write_json_atomic
 from tensoropt.graph.fold import fold
 from tensoropt.graph.ir import OpGraph
-from tensoropt.profiler.run import memory_bytes
 from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
@@ -28,6 +25,7 @@ from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
 
 from .argv import torchrun_argv
 from .capture import capture_script
+from .devices import Devices, detect
 
 OBJECTIVES = ("fastest", "min-memory", "balanced")
 # the part of the search space each engine applies; plans in it that an engine still cannot run
@@ -38,37 +36,6 @@ ENGINE_SPACES = {
     "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=True,
                       max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
-
-
-@dataclass(frozen=True)
-class Devices:
-    kind: str
-    count: int
-    memory_bytes: int
-    profile: DeviceProfile
-
-
-def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None) -> Devices:
-    """The devices this run can use: CUDA GPUs and their free memory, or N CPU workers."""
-    import torch
-    if device == "cpu":
-        if not gpus:
-            raise TensorOptError("--device cpu needs --gpus N: the number of CPU worker processes")
-        profile = load_profile("cpu-2core")
-        memory = int(mem_per_gpu or memory_bytes("cpu") // gpus)
-        return Devices("cpu", gpus, memory, dataclasses.replace(profile, memory_bytes=memory))
-    if not torch.cuda.is_available():
-        raise TensorOptError("no GPU found on this machine; pass --device cpu --gpus N to run CPU workers over gloo")
-    count = gpus or torch.cuda.device_count()
-    free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(count, torch.cuda.device_count())))
-    name = torch.cuda.get_device_name(0).lower()
-    known = "h200-141gb" if "h200" in name else "h100-80gb" if "h100" in name else "a100-80gb" if "a100" in name \
-        else None
-    if known is None:
-        raise TensorOptError(f"no device profile for {name!r}: run `tensoropt profile --device cuda --out "
-                             "profiles/NAME.json` first")
-    memory = int(mem_per_gpu or free)
-    return Devices("cuda", count, memory, dataclasses.replace(load_profile(known), memory_bytes=memory))
 
 
 def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> tuple[FrontierPoint, str]:
@@ -124,7 +91,10 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, en
         global_batch = int(graph.meta("global_batch") or 0)
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
                              f"{devices.count} devices: make it a multiple of {devices.count}")
-    best, why = choose([p for p, _ in front], devices.memory_bytes, objective)
+    try:
+        best, why = choose([p for p, _ in front], devices.memory_bytes, objective)
+    except TensorOptError as exc:
+        raise TensorOptError(f"{exc}; {devices.note}" if devices.note else str(exc)) from None
     return best, next(e for p, e in front if p is best), why, len(front)
 
 
@@ -147,15 +117,17 @@ def main_env(devices: Devices, plan_path: Path) -> dict:
     env = {**os.environ, PLAN_ENV: str(plan_path)}
     if devices.kind == "cpu":
         env["OMP_NUM_THREADS"] = "1"            # two threads per worker on two cores was 100x slower
+        env["CUDA_VISIBLE_DEVICES"] = ""        # CPU workers on a GPU machine: neither torch nor DeepSpeed uses one
     return env
 
 
 def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv: list[str],
-               graph: OpGraph) -> Path:
+               graph: OpGraph, device_kind: str) -> Path:
     """Write plan.json (and for DeepSpeed the exact config it trains with) into the run directory;
-    a tensor-parallel plan carries which linears of each block are column- and row-parallel."""
+    the plan names the kind of device its workers train on (``cuda`` or ``cpu``), and a tensor-parallel
+    plan carries which linears of each block are column- and row-parallel."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    extra: dict = {"engine": engine}
+    extra: dict = {"engine": engine, "device": device_kind}
     if point.plan.tp > 1:
         extra[TP_LAYOUT_KEY] = tp_layout(graph)
     if engine == "deepspeed":
@@ -183,5 +155,5 @@ def describe(plan: dict, engine: str) -> str:
     return "torch: " + ", ".join(p for p in parts if p)
 
 
-__all__ = ["ENGINE_SPACES", "OBJECTIVES", "capture_script", "choose", "describe", "detect", "main_env", "plan_for",
-           "run_workers", "runnable_front", "torchrun_argv", "write_plan"]
+__all__ = ["ENGINE_SPACES", "OBJECTIVES", "Devices", "capture_script", "choose", "describe", "detect", "main_env",
+           "plan_for", "run_workers", "runnable_front", "torchrun_argv", "write_plan"]

@@ -6,13 +6,13 @@ from .api import Captured, capture  # noqa: E402
 from .graph.fold import FoldedGraph, fold  # noqa: E402
 from .graph.ir import Op, OpGraph  # noqa: E402
 
-__all__ = ["Captured", "FoldedGraph", "Op", "OpGraph", "capture", "fold", "parallelize", "__version__"]
+__all__ = ["Captured", "FoldedGraph", "Op", "OpGraph", "capture", "fold", "meta_init", "parallelize", "__version__"]
 
 
 def __getattr__(name: str):
-    """``tensoropt.parallelize`` lives in the runtime, imported only when a training script asks:
-    planning never imports the runtime."""
-    if name == "parallelize":
-        from .runtime import parallelize
-        return parallelize
+    """``tensoropt.parallelize`` and ``tensoropt.meta_init`` live in the runtime, imported only when a
+    training script asks: planning never imports the runtime."""
+    if name in ("parallelize", "meta_init"):
+        from . import runtime
+        return getattr(runtime, name)
     raise AttributeError(f"module 'tensoropt' has no attribute {name!r}")

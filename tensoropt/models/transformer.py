@@ -178,10 +178,17 @@ class MoE(nn.Module):
         self.router = nn.Linear(h, e, bias=False)
         self.w_in = nn.Parameter(torch.empty(e, h, f))
         self.w_out = nn.Parameter(torch.empty(e, f, h))
-        self.b_in = nn.Parameter(torch.zeros(e, 1, f)) if cfg.bias else None
-        self.b_out = nn.Parameter(torch.zeros(e, 1, h)) if cfg.bias else None
+        self.b_in = nn.Parameter(torch.empty(e, 1, f)) if cfg.bias else None
+        self.b_out = nn.Parameter(torch.empty(e, 1, h)) if cfg.bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Experts N(0, 0.02), biases zero (the router is an ``nn.Linear`` and resets itself)."""
         for w in (self.w_in, self.w_out):
             nn.init.normal_(w, std=0.02)
+        for b in (self.b_in, self.b_out):
+            if b is not None:
+                nn.init.zeros_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -226,12 +233,16 @@ def rope_tables(cfg: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
-def _init_weights(module: nn.Module) -> None:
-    """GPT-2's initialisation: N(0, 0.02) weights, zero biases (free on the meta device)."""
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation of one module: N(0, 0.02) weights, zero biases; and the decoder's own
+    buffers (causal mask, rotary tables). ``DecoderLM`` applies it when built; a model built on the meta
+    device passes it as ``tensoropt.parallelize(..., init_fn=init_weights)`` (free on the meta device)."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
+    if isinstance(module, DecoderLM):
+        module.reset_buffers()
 
 
 class DecoderLM(nn.Module):
@@ -248,13 +259,22 @@ class DecoderLM(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.apply(_init_weights)
-        mask = torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool).triu(1)
-        self.register_buffer("causal_mask", mask, persistent=False)
+        s = cfg.seq_length
+        self.register_buffer("causal_mask", torch.empty(s, s, dtype=torch.bool), persistent=False)
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("rope_cos", torch.empty(s, cfg.head_dim), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(s, cfg.head_dim), persistent=False)
+        self.apply(init_weights)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Compute the causal mask and rotary tables (non-persistent: never in a checkpoint)."""
+        s = self.cfg.seq_length
+        self.causal_mask.copy_(torch.ones(s, s, dtype=torch.bool, device=self.causal_mask.device).triu(1))
+        if self.cfg.position == "rope":
+            cos, sin = rope_tables(self.cfg)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]

@@ -13,8 +13,14 @@ The one call a training script makes, and the one call per step::
   on fake tensors from ``example_inputs``, the graph is written for the launcher, and the process
   exits; nothing trains. This is how the launcher learns the model from the script itself.
 - Under ``tensoropt launch`` with a plan (``TENSOROPT_PLAN`` set, workers started by torchrun): the
-  process group is joined and the plan applied by the engine the plan names (``torch_engine``,
-  ``deepspeed_engine``).
+  process binds to its device (``cuda:LOCAL_RANK`` for a GPU plan, see ``device``), joins the process
+  group, and the engine the plan names (``torch_engine``, ``deepspeed_engine``) applies the plan and puts
+  the model there; ``train_step`` moves every micro-batch to the device.
+
+A model built on the meta device (``tensoropt.meta_init()`` or ``torch.device("meta")``) is sharded first
+and only then given storage, this rank's shard only, initialised by the model's own ``reset_parameters``
+and the script's ``init_fn`` (see ``materialize``). Run alone, it is materialised whole on this process's
+device (a GPU where one is visible).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from .device import worker_device
+from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .run import Run, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
@@ -40,29 +48,47 @@ class _Captured(SystemExit):
 
 
 def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.Optimizer] | None = None, *,
-                example_inputs: tuple | Mapping | torch.Tensor | None = None,
-                global_batch: int | None = None) -> tuple[nn.Module, object, Run]:
-    """Return (model, optimizer, Run) for the plan this process runs under (see module doc)."""
+                example_inputs: tuple | Mapping | torch.Tensor | None = None, global_batch: int | None = None,
+                init_fn: InitFn | None = None) -> tuple[nn.Module, object, Run]:
+    """Return (model, optimizer, Run) for the plan this process runs under (see module doc).
+
+    ``init_fn(module)`` initialises a model built on the meta device, one module at a time (after the
+    module's own ``reset_parameters()``), as ``model.apply(init_fn)`` would; models built for real need none.
+    """
     if os.environ.get(CAPTURE_ENV):
         _capture_and_exit(model, example_inputs, global_batch)
+    materializer = Materializer(model, init_fn) if has_meta_tensors(model) else None
     plan_path = os.environ.get(PLAN_ENV)
     if not plan_path:
-        optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
-        return model, optimizer, Run(global_batch=global_batch or 0, model=model, optimizer=optimizer,
-                                     stepper=plain_stepper(model, optimizer) if optimizer else None)
+        return _alone(model, optimizer_fn, global_batch, materializer)
     plan = json.loads(Path(plan_path).read_text())
     engine = plan.get("engine") or choose_engine(plan)
     if missing := unsupported(plan, engine):     # never run a plan as something else than what was planned
         raise TensorOptError(f"plan {plan['summary']} needs {', '.join(missing)}, which the {engine} engine does not "
                              "apply")
+    device = worker_device(plan)
     if engine == "deepspeed":
         from .deepspeed_engine import apply
-        model, optimizer, run = apply(model, optimizer_fn, plan)
+        model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer)
     else:
         from .torch_engine import apply
-        model, optimizer, run = apply(model, optimizer_fn, plan, example_inputs)   # a pipeline traces them
-    run.model, run.optimizer = model, optimizer
+        model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer, example_inputs)
+    run.model, run.optimizer, run.device = model, optimizer, device
     return model, optimizer, _resume(run, engine)
+
+
+def _alone(model: nn.Module, optimizer_fn, global_batch: int | None, materializer: Materializer | None):
+    """The script run by hand: the model as the script made it, trained where its parameters are; a
+    meta-built one materialised whole on this process's device."""
+    if materializer is not None:
+        device = worker_device(None)
+        materializer.allocate(model, device)
+        materializer.initialise(model, device)
+    first = next(iter(model.parameters()), None)
+    optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
+    return model, optimizer, Run(global_batch=global_batch or 0, model=model, optimizer=optimizer,
+                                 stepper=plain_stepper(model, optimizer) if optimizer else None,
+                                 device=first.device if first is not None else torch.device("cpu"))
 
 
 def _resume(run: Run, engine: str) -> Run:
@@ -141,4 +167,4 @@ def choose_engine(plan: dict, requested: str | None = None) -> str:
 
 
 __all__ = ["CAPTURE_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_EVERY_ENV", "ENGINES", "PLAN_ENV", "Run", "choose_engine",
-           "parallelize", "unsupported"]
+           "meta_init", "parallelize", "unsupported"]

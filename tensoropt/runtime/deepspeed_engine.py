@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .device import init_process_group
+from .materialize import Materializer
 from .run import Run, call_model, loss_of, mean_over_group
 from .torch_engine import recomputed_modules
 
@@ -69,18 +71,26 @@ def apply_recompute(model: nn.Module, plan: dict, config: dict) -> None:
         module.forward = functools.partial(_checkpointed, module.forward)
 
 
-def apply(model: nn.Module, optimizer_fn, plan: dict) -> tuple[nn.Module, object, Run]:
+def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
+          materializer: Materializer | None = None) -> tuple[nn.Module, object, Run]:
+    """``deepspeed.initialize`` on the model put on ``device``. DeepSpeed shards (ZeRO 3) a model that is
+    already whole on the device, so a meta-built model is materialised in full first: one full copy per
+    device for a moment (``deepspeed.zero.Init`` shards at construction, which a built model is past)."""
     import deepspeed
     import torch.distributed as dist
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+    from .torch_engine import place
+    init_process_group(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     path = plan.get("deepspeed_config")
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
+    place(model, device, materializer)
     apply_recompute(model, plan, config)
     optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     run = Run(rank, world, rank, world, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
-              plan, "deepspeed", _stepper(engine) if optimizer else None)
+              plan, "deepspeed", _stepper(engine) if optimizer else None, device=device)
     return engine, ds_optimizer, run
 
 
@@ -88,11 +98,12 @@ def _stepper(engine):
     """DeepSpeed drives accumulation itself: ``backward`` scales each micro-batch's loss by 1 /
     gradient_accumulation_steps and ``step`` only updates at the accumulation boundary."""
     def step(micro_batches) -> float:
-        total = torch.zeros(())
+        total = None
         for micro in micro_batches:
             loss = loss_of(call_model(engine, micro))
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float().cpu() / len(micro_batches)
+            part = loss.detach().float() / len(micro_batches)
+            total = part if total is None else total + part
         return mean_over_group(total)
     return step

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,6 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from .device import to_device
+from .materialize import Materializer, tied_parameters
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, recomputed_modules, replace_module
 
@@ -71,11 +72,15 @@ class Relay(nn.Module):
 
 
 def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.Optimizer] | None, plan: dict,
+                   device: torch.device, materializer: Materializer | None = None,
                    example_inputs: Batch | None = None) -> tuple[nn.Module, object, Run]:
-    """Cut ``model`` into ``plan["pp"]`` stages and return this rank's (stage module, optimizer, Run)."""
+    """Cut ``model`` into ``plan["pp"]`` stages and return this rank's (stage module, optimizer, Run); only
+    this rank's stage is put on ``device`` (a meta-built model: only its stage gets storage)."""
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.pipelining import PipelineStage, pipeline
+
+    from .torch_engine import place
     if example_inputs is None:
         raise TensorOptError("pipeline stages are cut by tracing one micro-batch: pass example_inputs to "
                              "tensoropt.parallelize")
@@ -85,7 +90,10 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     rank, pp = dist.get_rank(), plan["pp"]
     tied, recomputed = tied_parameters(model), set(recomputed_modules(model, plan))
     signature = inspect.signature(model.forward)
-    args, kwargs = example_micro_batch(example_inputs, plan["micro_batch"])
+    if materializer is not None:        # a meta-built model is cut on meta, buffers too (their values are kept)
+        model._apply(lambda t: t.to("meta"))
+    trace_device = next(iter(model.parameters())).device
+    args, kwargs = to_device(example_micro_batch(example_inputs, plan["micro_batch"]), trace_device)
     pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec(model, plan))
     if pipe.num_stages != pp:
         raise TensorOptError(f"cutting the model before its block copies gave {pipe.num_stages} pipeline stages, "
@@ -93,32 +101,23 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     held = [{name for name, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)}
             for s in range(pp)]
     stage_module = pipe.get_stage_module(rank)
+    retarget_devices(stage_module, device)          # before recomputation wraps the blocks' graphs
+    place(stage_module, device, materializer)       # before tying: a meta-built stage gets new parameters
     shared = tie_within_stage(stage_module, tied, held[rank])
     reductions = shared_gradient_groups(shared, tied, held, rank)
-    device = stage_device()
-    retarget_devices(stage_module, device)          # before recomputation wraps the blocks' graphs
     for name in sorted(recomputed & {n for n, _ in stage_module.named_modules()}):
         replace_module(stage_module, name, checkpoint_wrapper)
     wiring = stage_wiring(pipe.split_gm.graph, rank)
     del pipe                                        # the other stages' modules go with it
-    stage = PipelineStage(Relay(stage_module.to(device), wiring), rank, pp, device)
+    stage = PipelineStage(Relay(stage_module, wiring), rank, pp, device)
     optimizer = optimizer_fn(stage_module.parameters()) if optimizer_fn else None
     stepper = None
     if optimizer is not None:
         stepper = pipeline_stepper(stage, plan["gradient_accumulation"], optimizer, signature, wiring.model_inputs,
                                    reductions, device)
     run = Run(rank, dist.get_world_size(), 0, 1, plan["micro_batch"], plan["gradient_accumulation"],
-              plan["global_batch"], plan, "torch", stepper)
+              plan["global_batch"], plan, "torch", stepper, device=device)
     return stage_module, optimizer, run
-
-
-def stage_device() -> torch.device:
-    """This rank's device: its local GPU, else the CPU (gloo)."""
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def retarget_devices(stage_module: nn.Module, device: torch.device) -> None:
@@ -170,15 +169,6 @@ def example_micro_batch(example: Batch, micro_batch: int) -> tuple[tuple, dict]:
     if isinstance(example, tuple):
         return tuple(resize(v) for v in example), {}
     return (resize(example),), {}
-
-
-def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
-    """Names of each parameter the model registers under several names (tied embeddings), in model order.
-    The split copies parameters, so sharing must be found by name before it."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [tuple(group) for group in names.values() if len(group) > 1]
 
 
 def tie_within_stage(stage_module: nn.Module, tied: list[tuple[str, ...]], held: set[str]) -> dict[int, nn.Parameter]:
@@ -274,7 +264,7 @@ def named_inputs(batch: Batch, signature: inspect.Signature, device: torch.devic
             bound = signature.bind(*(batch if isinstance(batch, tuple) else (batch,)))
     except TypeError as exc:
         raise TensorOptError(f"the batch does not fit the model's forward{signature}: {exc}") from exc
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bound.arguments.items()}
+    return to_device(dict(bound.arguments), device)
 
 
 def pipeline_stepper(stage, n_microbatches: int, optimizer: torch.optim.Optimizer, signature: inspect.Signature,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TensorOptError
+from .device import check_placement, to_device
 
 Batch = torch.Tensor | tuple | Mapping
 # an engine's step: this rank's micro-batches in, the step's loss (mean over the whole batch) out
@@ -71,20 +72,21 @@ def plain_stepper(model, optimizer, before_micro_batch: Callable[[bool], object]
     FSDP2 under ZeRO 2 keeps its parameters gathered until then."""
     def step(micro_batches: list[Batch]) -> float:
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = None
         for i, micro in enumerate(micro_batches):
             if before_micro_batch:
                 before_micro_batch(i == len(micro_batches) - 1)
             loss = loss_of(call_model(model, micro)) / len(micro_batches)
             loss.backward()
-            total += loss.detach().float().cpu()
+            total = loss.detach().float() if total is None else total + loss.detach().float()
         optimizer.step()
         return mean_over_group(total, dp_group)
     return step
 
 
 def mean_over_group(value: torch.Tensor, group=None) -> float:
-    """Average a loss over a process group (the data-parallel ranks); identity without one."""
+    """Average a loss (on the device the step ran on: NCCL reduces GPU tensors only) over a process group
+    (the data-parallel ranks); identity without one. The one host synchronisation of a step."""
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         value = value.clone()
@@ -134,16 +136,23 @@ class Run:
     checkpoint_every: int = 0
     model: object = field(default=None, repr=False)
     optimizer: object = field(default=None, repr=False)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where this rank trains
+    _placement_checked: bool = field(default=False, repr=False)
 
     def local_batches(self, batch: Batch) -> list[Batch]:
-        """This rank's micro-batches of a global batch (its data-parallel slice, split in order)."""
+        """This rank's micro-batches of a global batch (its data-parallel slice, split in order), on its
+        device: only this rank's share of the batch is ever copied there."""
         mine = split_batch(batch, self.dp_rank, self.dp_size)
-        return [split_batch(mine, i, self.grad_accumulation) for i in range(self.grad_accumulation)]
+        return [to_device(split_batch(mine, i, self.grad_accumulation), self.device)
+                for i in range(self.grad_accumulation)]
 
     def train_step(self, batch: Batch) -> float:
         """One optimizer step on the global ``batch``; returns its mean loss (the same on every rank)."""
         if self.stepper is None:
             raise TensorOptError("tensoropt.parallelize was called without an optimizer_fn: there is nothing to step")
+        if self.plan is not None and not self._placement_checked:
+            check_placement(self.model, self.device, "run.train_step")   # the script may have moved it since
+            self._placement_checked = True
         try:
             _simulate_out_of_memory(self.plan)
             loss = self.stepper(self.local_batches(batch))
@@ -155,6 +164,15 @@ class Run:
             from .checkpoint import save
             save(Path(self.checkpoint_dir), self.step, self.model, self.optimizer)
         return loss
+
+    def device_report(self) -> dict:
+        """Where this rank trained: its device, the devices its parameters sit on, and the most device
+        memory it allocated (GPUs only; None on CPUs, where torch keeps no such count)."""
+        from .device import local_tensor
+        params = self.model.parameters() if isinstance(self.model, torch.nn.Module) else ()
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return {"device": str(self.device), "parameter_devices": sorted({str(local_tensor(p).device) for p in params}),
+                "max_memory_allocated_bytes": peak}
 
     def full_state_dict(self) -> dict:
         """The whole model's parameters, gathered on every rank (CPU tensors), under the script's own

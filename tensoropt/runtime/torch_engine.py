@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from .device import check_placement, init_process_group
+from .materialize import Materializer
 from .run import Run, plain_stepper
 
 
@@ -48,24 +50,25 @@ def apply_recompute(model: nn.Module, plan: dict) -> None:
         replace_module(model, name, checkpoint_wrapper)
 
 
-def apply(model: nn.Module, optimizer_fn, plan: dict, example_inputs=None) -> tuple[nn.Module, object, Run]:
+def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, materializer: Materializer | None = None,
+          example_inputs=None) -> tuple[nn.Module, object, Run]:
+    """Apply ``plan`` to ``model`` on ``device``: shard it (on the meta device if it was built there), then
+    give this rank's part storage on the device, then wrap it for data parallelism."""
     import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    init_process_group(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != plan["devices"]:
         raise TensorOptError(f"plan {plan['summary']} is for {plan['devices']} devices but {world} workers were "
                              "started")
     if plan["pp"] > 1:
         from .pipeline import apply_pipeline
-        return apply_pipeline(model, optimizer_fn, plan, example_inputs)
+        return apply_pipeline(model, optimizer_fn, plan, device, materializer, example_inputs)
     dp, tp = plan["dp"], plan["tp"]
-    mesh = None
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan["zero"] >= 2 \
+        else None
     if tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         from .tensor_parallel import apply_tensor_parallel
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         apply_tensor_parallel(model, plan, mesh["tp"])
     apply_recompute(model, plan)
     before_micro_batch = None
@@ -74,15 +77,16 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, example_inputs=None) -> tu
         # the parameters stay gathered across the micro-batches and are gathered again after the step only
         from torch.distributed.fsdp import fully_shard
         reshard = plan["zero"] == 3
-        dp_mesh = mesh["dp"] if mesh is not None else None
         for name in block_modules(model, plan):
-            fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(model.get_submodule(name), mesh=mesh["dp"], reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
         if not reshard:
             before_micro_batch = model.set_reshard_after_backward
-    elif dp > 1:
+    place(model, device, materializer)
+    if plan["zero"] < 2 and dp > 1:
         # gradients live in DDP's buckets, not in a second copy: 1x gradient memory, as planned
-        model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                    gradient_as_bucket_view=True)
         ddp = model
 
         def before_micro_batch(last: bool) -> None:
@@ -90,5 +94,17 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, example_inputs=None) -> tu
     optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
     dp_rank = rank // tp
     run = Run(rank, world, dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
-              plan, "torch", plain_stepper(model, optimizer, before_micro_batch) if optimizer else None)
+              plan, "torch", plain_stepper(model, optimizer, before_micro_batch) if optimizer else None, device=device)
     return model, optimizer, run
+
+
+def place(module: nn.Module, device: torch.device, materializer: Materializer | None) -> None:
+    """Put ``module`` (already sharded, if the plan shards it) on ``device``: a meta-built one gets storage
+    for this rank's part and the model's own initialisation, a real one is moved (only its shards, where
+    FSDP2 or tensor parallelism already split it). Stops with one line if anything stays elsewhere."""
+    if materializer is not None:
+        materializer.allocate(module, device)
+        materializer.initialise(module, device)
+    else:
+        module.to(device)
+    check_placement(module, device, "tensoropt.parallelize")

@@ -1,0 +1,86 @@
+"""The devices a launch plans for: the GPUs found (and their free memory), CPU workers, or, for a dry
+run on a machine without GPUs, GPUs described by a device profile.
+
+Everything a launch cannot run on is said here, in one line, before any worker starts: more GPUs asked
+for than are visible, a GPU another process already fills, no GPU at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from tensoropt.cost.profile import DeviceProfile, load_profile
+from tensoropt.errors import TensorOptError
+from tensoropt.profiler.run import memory_bytes
+
+GIB = 2**30
+DEFAULT_GPU_PROFILE = "h100-80gb"
+# free memory below this share of a GPU's total is worth saying when no plan fits: someone else holds it
+IN_USE_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class Devices:
+    kind: str                       # cuda | cpu: what the workers train on (plan.json's "device")
+    count: int
+    memory_bytes: int
+    profile: DeviceProfile
+    profile_name: str = ""          # the profile planned with, as the user would name it
+    note: str = ""                  # what the user should know when no plan fits (memory held by others)
+
+
+def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None, profile: str | None = None,
+           dry_run: bool = False) -> Devices:
+    """The devices this launch plans for (see module doc)."""
+    import torch
+    if device == "cpu":
+        if not gpus:
+            raise TensorOptError("--device cpu needs --gpus N: the number of CPU worker processes")
+        name = profile or "cpu-2core"
+        memory = int(mem_per_gpu or memory_bytes("cpu") // gpus)
+        return Devices("cpu", gpus, memory, dataclasses.replace(load_profile(name), memory_bytes=memory), name)
+    if torch.cuda.is_available():
+        return _visible_gpus(torch, gpus, mem_per_gpu, profile)
+    if device == "cuda" and dry_run:
+        if not gpus:
+            raise TensorOptError("planning for GPUs this machine does not have needs --gpus N (per node)")
+        name = profile or DEFAULT_GPU_PROFILE
+        loaded = load_profile(name)
+        memory = int(mem_per_gpu or loaded.memory_bytes)
+        return Devices("cuda", gpus, memory, dataclasses.replace(loaded, memory_bytes=memory), name,
+                       note=f"no GPU here: planned with the {name} profile")
+    raise TensorOptError("no GPU found on this machine; pass --device cpu --gpus N to run CPU workers over gloo, or "
+                         "--device cuda --gpus N --dry-run to plan for GPUs")
+
+
+def _visible_gpus(torch, gpus: int | None, mem_per_gpu: float | None, profile: str | None) -> Devices:
+    visible = torch.cuda.device_count()
+    count = gpus or visible
+    if count > visible:
+        raise TensorOptError(f"--gpus {count} asks for more GPUs than the {visible} visible here "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): use --gpus "
+                             f"{visible} or fewer, or --nnodes to span machines")
+    free_total = [torch.cuda.mem_get_info(i) for i in range(count)]
+    index, (free, total) = min(enumerate(free_total), key=lambda item: item[1][0])
+    name = profile or _datasheet_profile(torch.cuda.get_device_name(0))
+    if mem_per_gpu and mem_per_gpu > free:
+        raise TensorOptError(f"--mem-per-gpu {mem_per_gpu / GIB:.1f} GiB is more than the {free / GIB:.1f} GiB free on "
+                             f"GPU {index}: ask for less, or free the GPU")
+    memory = int(mem_per_gpu or free)
+    note = f"GPU {index} has {free / GIB:.1f} of {total / GIB:.1f} GiB free (another process holds the rest)" \
+        if free < IN_USE_SHARE * total else ""
+    return Devices("cuda", count, memory, dataclasses.replace(load_profile(name), memory_bytes=memory), name, note)
+
+
+def _datasheet_profile(device_name: str) -> str:
+    name = device_name.lower()
+    for key, profile in (("h200", "h200-141gb"), ("h100", "h100-80gb"), ("a100", "a100-80gb")):
+        if key in name:
+            return profile
+    raise TensorOptError(f"no device profile for {device_name!r}: run `tensoropt profile --device cuda --out "
+                         "profiles/NAME.json` and pass --profile profiles/NAME.json")
+
+
+__all__ = ["Devices", "detect"]

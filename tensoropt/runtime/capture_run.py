@@ -1,0 +1,61 @@
+"""``python -m tensoropt.runtime.capture_run SCRIPT [ARGS...]``: run a training script in capture mode
+with every tensor on the meta device.
+
+The launcher learns the model by running the script up to ``tensoropt.parallelize``. A script that builds
+its model for real (``DecoderLM(cfg)``, ``from_config``) would allocate and initialise every weight on the
+host first: 280 GB for a 70B model in float32. Here nothing is allocated: tensors made without a device go
+to meta (``torch.device("meta")`` as the default device), tensors asked for on a device (``device="cuda"``,
+``.to(device)``, ``.cuda()``) go to meta too, so a script that moves its model to its GPU before
+``parallelize`` captures unchanged and no GPU memory is touched. Tensors the script reads from outside
+torch (``torch.from_numpy``, files) stay real; they are data, small next to a model. A script whose code
+before ``parallelize`` needs tensor values (``.item()`` on a weight) cannot be captured this way.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+META = torch.device("meta")
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
+
+
+class _EverythingOnMeta(TorchFunctionMode):
+    """Rewrites every device a tensor is asked for to meta (see module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _MOVES:
+            return _move_to_meta(func, args, kwargs)
+        if kwargs.get("device") is not None:
+            kwargs["device"] = META
+        return func(*args, **kwargs)
+
+
+def _move_to_meta(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``t.to(...)`` / ``t.cuda()`` / ``t.cpu()`` with the device replaced by meta; the dtype still applies."""
+    tensor, rest = args[0], args[1:]
+    if func is torch.Tensor.to:
+        device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*rest, **kwargs)
+        if device is None:
+            return func(*args, **kwargs)                     # a dtype change alone, where the tensor is
+        return tensor.to(device=META, dtype=dtype or tensor.dtype)
+    return tensor if tensor.is_meta else tensor.to(device=META)
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m tensoropt.runtime.capture_run SCRIPT [ARGS...]")
+    script = argv[0]
+    sys.argv = list(argv)                                    # as `python SCRIPT ARGS` would see them
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    with META, _EverythingOnMeta():
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,97 @@
+"""Models built on the meta device, launched: real 2-worker CPU trainings whose workers shard the meta model
+and materialise only their part, against the same script run alone (materialised whole, same seed); and the
+launcher's capture of a 70B-parameter script, which must never allocate its weights."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import EXAMPLES
+from workers import ENV, GPT_SCRIPT, dry_run_plan, losses_alone, tensoropt_cli
+
+from tensoropt.cost.profile import load_profile
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+LARGE = str(EXAMPLES / "train_llama_large.py")
+
+
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory):
+    return dry_run_plan(GPT_SCRIPT, tmp_path_factory.mktemp("dry"))
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The script run by hand with --meta: one process, the whole model materialised on the CPU."""
+    return losses_alone(GPT_SCRIPT, tmp_path_factory.mktemp("alone") / "losses.json", "--meta")
+
+
+def _blocks(recompute: str, copies: int) -> tuple[BlockPlan, ...]:
+    return (BlockPlan("layers.*", ((LayerStrategy(recompute), copies),)),)
+
+
+PLANS = {   # name: (engine, changes to the 2-worker plan)
+    "ddp": ("torch", dict(dp=2, tp=1, pp=1, zero=0, micro_batch=4, tp_branches=(), blocks=_blocks("none", 4))),
+    "fsdp2-zero3": ("torch", dict(dp=2, tp=1, pp=1, zero=3, micro_batch=1, tp_branches=(), blocks=_blocks("full", 4))),
+    "tp2": ("torch", dict(dp=1, tp=2, pp=1, zero=0, micro_batch=4, tp_branches=("attn", "mlp"),
+                          blocks=_blocks("none", 4))),
+    "pipeline2": ("torch", dict(dp=1, tp=1, pp=2, zero=0, micro_batch=2, tp_branches=(), blocks=_blocks("none", 2))),
+    "deepspeed-zero3": ("deepspeed", dict(dp=2, tp=1, pp=1, zero=3, micro_batch=2, tp_branches=(),
+                                          blocks=_blocks("none", 4))),
+}
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_meta_built_model_trains_as_materialised_by_hand(chosen, alone, tmp_path, name):
+    engine, changes = PLANS[name]
+    plan = dataclasses.replace(chosen, virtual_stages=1, offload=False, **changes)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
+                           "--run-dir", tmp_path / "run", "--", "--steps", 3, "--meta", "--out", tmp_path / "out.json",
+                           cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert (data["plan"], data["engine"]) == (plan.summary(), engine)
+    assert (data["device"], data["parameter_devices"]) == ("cpu", ["cpu"])
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["device"] == "cpu"
+    np.testing.assert_allclose(data["losses"], alone, rtol=2e-5)
+
+
+CAPTURE = textwrap.dedent("""
+    import json, resource, sys, time
+    from launcher.capture import run_capture
+    start = time.perf_counter()
+    graph = run_capture(sys.argv[1], sys.argv[2:], timeout_s=600)
+    print(json.dumps({"seconds": time.perf_counter() - start, "parameters": graph.num_parameters,
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+""")
+
+
+@pytest.mark.parametrize("build", [[], ["--no-meta"]], ids=["meta_init", "built-for-real"])
+def test_capturing_a_70b_script_allocates_no_weights(tmp_path, build):
+    """The capture run alone (a fresh process measures its only child): seconds and far under 2 GB, whether the
+    script builds on meta or not (capture puts every tensor on meta)."""
+    result = subprocess.run([sys.executable, "-c", CAPTURE, LARGE, *build], capture_output=True, text=True,
+                            cwd=tmp_path, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout)
+    assert measured["parameters"] == 68_976_648_192                  # LLaMA-2 70B
+    assert measured["peak_rss_bytes"] < 2 * 2**30, measured
+    assert measured["seconds"] < 30, measured
+
+
+def test_dry_run_plans_the_70b_script_for_gpus_this_machine_lacks(tmp_path):
+    result = tensoropt_cli("launch", LARGE, "--device", "cuda", "--gpus", 8, "--nnodes", 8, "--dry-run", "--run-dir",
+                           tmp_path / "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "devices: 64 x cuda (80.0 GiB each), profile h100-80gb" in result.stdout
+    written = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert written["device"] == "cuda" and written["devices"] == 64
+    assert Plan.from_json(written).devices == 64
+    assert written["predicted"]["peak_memory_bytes"] <= load_profile("h100-80gb").memory_bytes
