@@ -18,12 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from _common import write_results
+from _launch import launched, run
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples" / "train_gpt.py")
@@ -31,21 +31,9 @@ LOSS_RTOL = 1e-4       # same maths in another order (gradient reductions, kerne
 RUNS = [("torch", []), ("torch", ["--meta"]), ("deepspeed", ["--meta"])]
 
 
-def run(argv: list[str], cwd: str, env: dict) -> None:
-    result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    if result.returncode:
-        tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"gpu_smoke: {' '.join(argv[:6])} ... failed: {tail}")
-
-
-def launched(engine: str, script_args: list[str], args, device: list[str], tmp: Path, env: dict) -> dict:
-    run_dir = tmp / f"run-{engine}-{len(script_args)}"
-    out = run_dir / "out.json"
-    run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, "--gpus", str(args.gpus), *device, "--engine", engine,
-         "--run-dir", str(run_dir), "--", *args.model, *script_args, "--out", str(out)], str(tmp), env)
-    data = json.loads(out.read_text())
-    data["predicted"] = json.loads((run_dir / "plan.json").read_text())["predicted"]
-    return data
+def launched_gpt(engine: str, script_args: list[str], args, device: list[str], tmp: Path, env: dict) -> dict:
+    return launched(SCRIPT, ["--gpus", str(args.gpus), *device, "--engine", engine], [*args.model, *script_args],
+                    tmp / f"run-{engine}-{len(script_args)}", env)
 
 
 def main() -> None:
@@ -78,7 +66,7 @@ def main() -> None:
             run([sys.executable, SCRIPT, *args.model, *built, "--out", str(out)], tmp_name,
                 env | ({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}))
             alone[tuple(built)] = json.loads(out.read_text())["losses"]
-        rows = [row(engine, script_args, launched(engine, script_args, args, device, tmp, env),
+        rows = [row(engine, script_args, launched_gpt(engine, script_args, args, device, tmp, env),
                     alone[tuple(script_args)]) for engine, script_args in RUNS]
     table = ("| engine | model built | plan | parameters on | step (median s) | predicted (s) | max allocated (GiB) | "
              "predicted (GiB) | loss vs alone (max rel) |\n|---|---|---|---|---:|---:|---:|---:|---|\n")

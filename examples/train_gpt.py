@@ -33,14 +33,17 @@ def main() -> None:
     parser.add_argument("--save-params", default=None, help="write the final parameters here (.npy, flattened)")
     parser.add_argument("--pause-s", type=float, default=0.0, help="sleep after each step (to watch or interrupt)")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--meta", action="store_true", help="build on the meta device; workers materialise shards")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    cfg = TransformerConfig(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4,
-                            ffn_hidden_size=4 * args.hidden, seq_length=args.seq_len, vocab_size=128)
+    cfg = TransformerConfig(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
+                            ffn_hidden_size=4 * args.hidden, seq_length=args.seq_len, vocab_size=args.vocab)
     with tensoropt.meta_init() if args.meta else contextlib.nullcontext():
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg).to(getattr(torch, args.dtype))
     tokens = torch.randint(0, cfg.vocab_size, (args.steps, args.global_batch, args.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[..., :-1], tokens[..., 1:]                 # predict the next token

@@ -16,6 +16,7 @@ only small models survive (every worker would hold all 138 GB of a 70B model in 
 import argparse
 import contextlib
 import json
+import time
 
 import torch
 
@@ -61,16 +62,18 @@ def main() -> None:
     model, optimizer, run = tensoropt.parallelize(model, lambda p: torch.optim.AdamW(p, lr=1e-4),
                                                   example_inputs=(example[:, :-1], example[:, 1:]),
                                                   global_batch=args.global_batch, init_fn=init_weights)
-    losses = []
+    losses, step_times = [], []
     for step in range(run.start_step, args.steps):
         batch = tokens(step)
-        losses.append(run.train_step((batch[:, :-1], batch[:, 1:])))
+        start = time.perf_counter()
+        losses.append(run.train_step((batch[:, :-1], batch[:, 1:])))      # returns when the step is done
+        step_times.append(time.perf_counter() - start)
         if run.rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}
-                      | run.device_report(), f)
+            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine,
+                       "step_times_s": step_times} | run.device_report(), f)
     run.close()
 
 

@@ -65,17 +65,18 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
         run_elastic(script, list(script_args), graph, devices, options, Path(run_dir), click.echo)
         return
     world = devices.count * nnodes
+    devices = dataclasses.replace(devices, count=world)
+    per_node = gpus_per_node or devices.count // nnodes
     if plan_path:
-        point, engine = _load_plan(plan_path, graph, world, engine)
-        why = f"given with --plan {plan_path}"
+        point, engine = _load_plan(plan_path, graph, devices, per_node, engine)
+        why = f"given with --plan {plan_path}, priced for this model on these devices"
         if point.peak_memory_bytes > devices.memory_bytes:
             raise TensorOptError(f"{plan_path} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
                                  f"have {devices.memory_bytes / 2**30:.2f} GiB" +
                                  (f"; {devices.note}" if devices.note else ""))
     else:
-        devices = dataclasses.replace(devices, count=world)
-        point, engine, why, n = L.plan_for(graph, devices, gpus_per_node or devices.count // nnodes, objective,
-                                           "torch" if elastic else engine, pipeline=not elastic)   # as elastic.py
+        point, engine, why, n = L.plan_for(graph, devices, per_node, objective, "torch" if elastic else engine,
+                                           pipeline=not elastic)   # as elastic.py
         why += f" (objective {objective}, {n} frontier points)"
     if checkpoint_dir and engine != "torch":
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
@@ -87,6 +88,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo(f"chosen: {point.plan.summary()} (engine {engine})")
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")
+    click.echo(f"model states: {L.precision(point.plan)}")
     click.echo(L.describe(point.plan.to_json(), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
@@ -112,7 +114,9 @@ def _check_elastic(checkpoint_dir, plan_path, engine, nnodes) -> None:
         raise TensorOptError("; ".join(problems))
 
 
-def _load_plan(path: str, graph, devices: int, engine: str | None) -> tuple[FrontierPoint, str]:
+def _load_plan(path: str, graph, devices: L.Devices, per_node: int, engine: str | None) -> tuple[FrontierPoint, str]:
+    """The plan in ``path`` for this script's model on these devices, priced again here: a plan file's own
+    figures were computed for whatever model and devices it was made for."""
     try:
         data = json.loads(Path(path).read_text())
         plan = Plan.from_json(data)
@@ -124,12 +128,10 @@ def _load_plan(path: str, graph, devices: int, engine: str | None) -> tuple[Fron
     if planned != blocks:
         raise TensorOptError(f"{path} is a plan for another model (blocks {planned}, this script's model has "
                              f"{blocks})")
-    if plan.devices != devices:
-        raise TensorOptError(f"{path} is a plan for {plan.devices} devices, this launch has {devices}")
+    if plan.devices != devices.count:
+        raise TensorOptError(f"{path} is a plan for {plan.devices} devices, this launch has {devices.count}")
     try:
         engine = choose_engine(plan.to_json(), engine or data.get("engine"))
     except TensorOptError as exc:
         raise TensorOptError(f"{path}: {exc}") from exc
-    predicted = data.get("predicted", {})
-    return FrontierPoint(plan, float(predicted.get("iteration_time_s", 0.0)),
-                         float(predicted.get("peak_memory_bytes", 0.0))), engine
+    return L.price(graph, devices, per_node, plan, engine), engine

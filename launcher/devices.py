@@ -1,6 +1,10 @@
 """The devices a launch plans for: the GPUs found (and their free memory), CPU workers, or, for a dry
 run on a machine without GPUs, GPUs described by a device profile.
 
+The profile planned with is ``--profile`` if given, else this machine's measured profile of the device
+(``tensoropt profile`` without ``--out`` writes it, see ``tensoropt.profiler.store``), else the device's
+datasheet profile (``cpu-2core`` for CPU workers). The launch prints which.
+
 Everything a launch cannot run on is said here, in one line, before any worker starts: more GPUs asked
 for than are visible, a GPU another process already fills, no GPU at all.
 """
@@ -13,7 +17,8 @@ from dataclasses import dataclass
 
 from tensoropt.cost.profile import DeviceProfile, load_profile
 from tensoropt.errors import TensorOptError
-from tensoropt.profiler.run import memory_bytes
+from tensoropt.profiler.run import device_name, memory_bytes
+from tensoropt.profiler.store import datasheet_profile, find_measured
 
 GIB = 2**30
 DEFAULT_GPU_PROFILE = "h100-80gb"
@@ -38,9 +43,10 @@ def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None, prof
     if device == "cpu":
         if not gpus:
             raise TensorOptError("--device cpu needs --gpus N: the number of CPU worker processes")
-        name = profile or "cpu-2core"
+        name = profile or _measured(device_name("cpu")) or "cpu-2core"
         memory = int(mem_per_gpu or memory_bytes("cpu") // gpus)
-        return Devices("cpu", gpus, memory, dataclasses.replace(load_profile(name), memory_bytes=memory), name)
+        return Devices("cpu", gpus, memory, dataclasses.replace(load_profile(name), memory_bytes=memory),
+                       _described(name, profile))
     if torch.cuda.is_available():
         return _visible_gpus(torch, gpus, mem_per_gpu, profile)
     if device == "cuda" and dry_run:
@@ -64,23 +70,26 @@ def _visible_gpus(torch, gpus: int | None, mem_per_gpu: float | None, profile: s
                              f"{visible} or fewer, or --nnodes to span machines")
     free_total = [torch.cuda.mem_get_info(i) for i in range(count)]
     index, (free, total) = min(enumerate(free_total), key=lambda item: item[1][0])
-    name = profile or _datasheet_profile(torch.cuda.get_device_name(0))
+    gpu_name = torch.cuda.get_device_name(0)
+    name = profile or _measured(gpu_name) or datasheet_profile(gpu_name)
     if mem_per_gpu and mem_per_gpu > free:
         raise TensorOptError(f"--mem-per-gpu {mem_per_gpu / GIB:.1f} GiB is more than the {free / GIB:.1f} GiB free on "
                              f"GPU {index}: ask for less, or free the GPU")
     memory = int(mem_per_gpu or free)
     note = f"GPU {index} has {free / GIB:.1f} of {total / GIB:.1f} GiB free (another process holds the rest)" \
         if free < IN_USE_SHARE * total else ""
-    return Devices("cuda", count, memory, dataclasses.replace(load_profile(name), memory_bytes=memory), name, note)
+    return Devices("cuda", count, memory, dataclasses.replace(load_profile(name), memory_bytes=memory),
+                   _described(name, profile), note)
 
 
-def _datasheet_profile(device_name: str) -> str:
-    name = device_name.lower()
-    for key, profile in (("h200", "h200-141gb"), ("h100", "h100-80gb"), ("a100", "a100-80gb")):
-        if key in name:
-            return profile
-    raise TensorOptError(f"no device profile for {device_name!r}: run `tensoropt profile --device cuda --out "
-                         "profiles/NAME.json` and pass --profile profiles/NAME.json")
+def _measured(name: str) -> str | None:
+    path = find_measured(name)
+    return str(path) if path else None
+
+
+def _described(name: str, given: str | None) -> str:
+    """The profile as the launch reports it: a measured one found on this machine says so."""
+    return name if given or not name.endswith(".json") else f"{name} (measured on this machine)"
 
 
 __all__ = ["Devices", "detect"]

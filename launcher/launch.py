@@ -4,6 +4,7 @@ found, write the plan, start the workers through torchrun and exit with their st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tensoropt.cost.model import ModelCost
+from tensoropt.cost.model import ModelCost, estimate, state_bytes
 from tensoropt.cost.profile import Cluster
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.cache import write_json_atomic
@@ -21,6 +22,7 @@ from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
+from tensoropt.space.plan import Plan
 from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
 
 from .argv import torchrun_argv
@@ -58,10 +60,33 @@ def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> 
 
 
 def training_dtype(graph: OpGraph) -> str:
-    """The precision the script trains in, as its parameters have it: both engines train in the
-    model's own dtype, so a float32 script is planned with float32 model states (no master copy)."""
+    """The precision the script trains in, as its parameters have it (see ``master_weights``)."""
     dtypes = [meta.dtype for _, meta in graph.params]
     return max(set(dtypes), key=dtypes.count) if dtypes else "bfloat16"
+
+
+def cost_model(graph: OpGraph, devices: Devices, per_node: int) -> ModelCost:
+    return ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
+
+
+def price(graph: OpGraph, devices: Devices, per_node: int, plan: Plan, engine: str) -> FrontierPoint:
+    """``plan`` priced for this model on these devices, in the precision the script trains in on ``engine``."""
+    plan = dataclasses.replace(plan, dtype=training_dtype(graph), master_weights=master_weights(engine))
+    try:
+        result = estimate(cost_model(graph, devices, per_node), plan)
+    except (KeyError, ValueError, IndexError) as exc:
+        raise TensorOptError(f"plan {plan.summary()} does not fit this model: {exc}") from exc
+    return FrontierPoint(plan, result.iteration_time_s, result.peak_memory_bytes)
+
+
+def master_weights(engine: str) -> bool:
+    """Whether an engine keeps float32 master weights of a 16-bit model. The torch engine trains the
+    weights in their own dtype (a bf16 script: bf16 weights, gradients and AdamW states, 2 + 2 + 4 bytes
+    per parameter); DeepSpeed's ZeRO optimizer (stages 1-3) keeps float32 partitions of the weights and
+    their AdamW states whatever the model's dtype (``master_weights_and_grads_dtype``, float32 by
+    default): mixed precision, 2 + 2 + 12. Its ZeRO 0 plans are priced so too (a little more memory than
+    they use; on a tie the torch engine's equal plan wins anyway)."""
+    return engine == "deepspeed"
 
 
 def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str | None = None,
@@ -73,11 +98,12 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
     Face output), which the pipeline engine cannot split."""
     pipeline = pipeline and graph.meta("output", "tensor") == "tensor"
     global_batch, dtype = int(graph.meta("global_batch") or 0), training_dtype(graph)
-    model = ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
+    model = cost_model(graph, devices, per_node)
     candidates = []                          # in ENGINES order: of two equal points the first is kept
     for name in [engine] if engine else ENGINES:
         space = ENGINE_SPACES[name] | ({} if pipeline else {"pipeline_stages": (1,)})
-        result = search(model, devices.count, SearchSpace(global_batch=global_batch, dtype=dtype, **space))
+        result = search(model, devices.count, SearchSpace(global_batch=global_batch, dtype=dtype,
+                                                          master_weights=master_weights(name), **space))
         candidates += [(p, name) for p in result.points if not unsupported(p.plan.to_json(), name)]
     values = np.array([[p.iteration_time_s, p.peak_memory_bytes] for p, _ in candidates]).reshape(-1, 2)
     return [candidates[i] for i in front_by_time(values)]
@@ -137,8 +163,13 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
     path = run_dir / "plan.json"
     write_json_atomic(path, point.plan.to_json() | extra | {"predicted": {
         "iteration_time_s": point.iteration_time_s, "peak_memory_bytes": int(point.peak_memory_bytes),
-        "why": why}, "command": argv})
+        "precision": precision(point.plan), "why": why}, "command": argv})
     return path
+
+
+def precision(plan: Plan) -> str:
+    """The model-state precision the plan was priced with, in words."""
+    return state_bytes(plan.dtype, plan.master_weights).precision
 
 
 def describe(plan: dict, engine: str) -> str:
@@ -156,4 +187,5 @@ def describe(plan: dict, engine: str) -> str:
 
 
 __all__ = ["ENGINE_SPACES", "OBJECTIVES", "Devices", "capture_script", "choose", "describe", "detect", "main_env",
-           "plan_for", "run_workers", "runnable_front", "torchrun_argv", "write_plan"]
+           "master_weights", "plan_for", "precision", "price", "run_workers", "runnable_front", "torchrun_argv",
+           "write_plan"]

@@ -14,7 +14,7 @@ from .graph.cache import GraphCache, fingerprint
 from .graph.capture import trace_module
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
-from .models import ModelSource, module_identity, resolve_model
+from .models import ModelSource, in_dtype, module_identity, resolve_model
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
 CAPTURE_VERSION = 5
@@ -37,11 +37,13 @@ def _identity(source: ModelSource, batch_size: int | None, seq_len: int | None) 
 
 def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = None, *,
             batch_size: int | None = None, seq_len: int | None = None, name: str | None = None,
-            cache: bool = True, cache_dir: Path | None = None) -> Captured:
+            cache: bool = True, cache_dir: Path | None = None, dtype: str | None = None) -> Captured:
     """Capture a model into an ``OpGraph`` on the meta device, from the cache when possible.
 
     ``model`` is a ``--model`` string (preset, JSON config, ``file.py:function``) or an
     ``nn.Module`` with ``example_inputs`` (a tuple of positional or a dict of keyword arguments).
+    ``dtype`` (``float32``...) captures a ``--model`` in that precision instead of its own (bf16 for the
+    built-in and Hugging Face models).
     """
     start = time.perf_counter()
     if isinstance(model, nn.Module):
@@ -54,8 +56,8 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
     else:
         source = resolve_model(model)
         label = name or source.name
-        identity = _identity(source, batch_size, seq_len)
-        build = lambda: source.build(batch_size, seq_len)   # noqa: E731
+        identity = _identity(source, batch_size, seq_len) | ({"dtype": dtype} if dtype else {})
+        build = lambda: in_dtype(*source.build(batch_size, seq_len), dtype)   # noqa: E731
 
     key = fingerprint(identity)
     store = GraphCache(cache_dir) if cache else None

@@ -10,15 +10,17 @@ EXAMPLES = REPO / "examples"
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """All tests share one fresh capture cache, never the user's."""
-    path = tmp_path_factory.mktemp("tensoropt-cache")
-    old = os.environ.get("TENSOROPT_CACHE_DIR")
-    os.environ["TENSOROPT_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("TENSOROPT_CACHE_DIR", None)
-    else:
-        os.environ["TENSOROPT_CACHE_DIR"] = old
+    """All tests share one fresh capture cache and an empty folder of measured profiles, never the user's."""
+    paths = {"TENSOROPT_CACHE_DIR": tmp_path_factory.mktemp("tensoropt-cache"),
+             "TENSOROPT_PROFILE_DIR": tmp_path_factory.mktemp("tensoropt-profiles")}
+    old = {name: os.environ.get(name) for name in paths}
+    os.environ.update({name: str(path) for name, path in paths.items()})
+    yield paths["TENSOROPT_CACHE_DIR"]
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture

@@ -84,6 +84,12 @@ def test_model_states_per_parameter_by_training_precision():
     # ZeRO 1-2 in float32 update a separate float32 partition of the weights
     assert [fp32.optimizer_bytes(z) for z in range(4)] == [8, 12, 12, 8]
     assert [mixed.optimizer_bytes(z) for z in range(4)] == [12] * 4
+    # a bf16 model trained in bf16 (no master copy: what the torch engine runs): 2 + 2 + 4, step moves 7 x 2
+    pure = state_bytes("bfloat16", master_weights=False)
+    assert (pure.weight, pure.grad, pure.optimizer, pure.adam_moved) == (2, 2, 4, 14)
+    assert [pure.optimizer_bytes(z) for z in range(4)] == [4, 6, 6, 4]
+    assert state_bytes("float32", master_weights=True) == fp32          # float32 weights are their own master
+    assert "no master copy (2 + 2 + 4 bytes)" in pure.precision and "(2 + 2 + 12 bytes)" in mixed.precision
 
 
 def _cpu_cluster() -> Cluster:

@@ -83,6 +83,27 @@ def test_estimate_json_contract(model):
     assert report["plan"]["dp"] == 2 and isinstance(report["time_breakdown"], dict)
 
 
+def test_estimate_prices_the_precision_it_is_told(model):
+    def est(*precision):
+        code, out = run("estimate", "--model", model, "--gpus", 1, "--tp", 1, "--pp", 1, "--global-batch", 4,
+                        "--micro-batch", 4, "--json", *precision)
+        assert code == 0, out
+        return json.loads(out)
+    mixed, pure, fp32 = est(), est("--no-master-weights"), est("--dtype", "fp32")
+    params = mixed["memory_breakdown"]["parameters_bytes"] / 2                      # bf16 weights: 2 bytes each
+    assert mixed["memory_breakdown"]["optimizer_bytes"] == pytest.approx(12 * params)
+    assert pure["memory_breakdown"]["optimizer_bytes"] == pytest.approx(4 * params)
+    assert fp32["memory_breakdown"]["parameters_bytes"] == pytest.approx(4 * params)
+    assert fp32["memory_breakdown"]["optimizer_bytes"] == pytest.approx(8 * params)
+    assert (mixed["plan"]["master_weights"], pure["plan"]["master_weights"]) == (True, False)
+    assert fp32["plan"]["dtype"] == "float32" and "float32 weights" in fp32["precision"]
+    assert "mixed precision" in mixed["precision"] and "no master copy" in pure["precision"]
+    # float32 is captured in float32: its activations take twice the bf16 ones (the masks stay 1 byte)
+    ratio = fp32["memory_breakdown"]["activations_bytes"] / mixed["memory_breakdown"]["activations_bytes"]
+    assert 1.7 < ratio <= 2.0
+    assert fp32["iteration_time_s"] > mixed["iteration_time_s"]                     # float32 peak is lower
+
+
 def test_recomputation_trades_time_for_memory_in_estimates(model):
     def est(recompute):
         code, out = run("estimate", "--model", model, "--gpus", 1, "--tp", 1, "--pp", 1, "--global-batch", 4,

@@ -7,9 +7,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import EXAMPLES
 
 from tensoropt.cost.profile import load_profile
 
@@ -135,3 +137,28 @@ def test_each_ring_collective_gets_its_own_bandwidth_at_the_links_latency():
     assert link["bandwidth_bytes_per_s"] == pytest.approx(1e9) and link["latency_s"] == pytest.approx(alpha)
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
         assert link["collective_bandwidths_bytes_per_s"][op] == pytest.approx(rates[op])
+
+
+def test_one_device_measures_no_collectives_and_launch_finds_this_machines_profile(tmp_path):
+    """--nproc 1 (a single GPU's case, here on the CPU): links copied from the named datasheet profile, said
+    in the metadata and the summary; without --out the profile lands where `tensoropt launch` looks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TENSOROPT_PROFILE_DIR": str(tmp_path / "store")}
+    result = subprocess.run([sys.executable, "-m", "tensoropt", "profile", "--device", "cpu", "--nproc", "1",
+                             "--link-profile", "h100-80gb", "--quick"], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "copied from the h100-80gb profile (one device)" in result.stdout
+    from tensoropt.profiler.run import device_name
+    from tensoropt.profiler.store import device_slug
+    (written,) = (tmp_path / "store").iterdir()
+    assert written.name == f"{device_slug(device_name('cpu'))}.json"
+    data = json.loads(written.read_text())
+    datasheet = json.loads((Path(__file__).parent.parent / "profiles" / "h100-80gb.json").read_text())
+    assert data["measurements"]["collectives"] == [] and data["metadata"]["device_count"] == 1
+    assert (data["intra_node"], data["inter_node"]) == (datasheet["intra_node"], datasheet["inter_node"])
+    assert data["metadata"]["links_from"] == "copied from the h100-80gb profile (one device)"
+    assert load_profile(str(written)).measured
+    launched = subprocess.run([sys.executable, "-m", "tensoropt", "launch", str(EXAMPLES / "train_gpt.py"), "--device",
+                               "cpu", "--gpus", "2", "--dry-run", "--run-dir", str(tmp_path / "run")],
+                              capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert f"profile {written} (measured on this machine)" in launched.stdout

@@ -58,12 +58,32 @@ def test_launcher_front_is_pareto_and_every_point_runs_on_its_engine(write_json)
     for point, engine in front:
         assert not unsupported(point.plan.to_json(), engine)
         assert point.plan.dtype == graph.params[0][1].dtype               # planned in the precision it trains in
+        # the torch engine trains bf16 weights in bf16; DeepSpeed's ZeRO optimizer keeps float32 partitions
+        assert point.plan.master_weights == (engine == "deepspeed")
     times = [p.iteration_time_s for p, _ in front]
     memories = [p.peak_memory_bytes for p, _ in front]
     assert times == sorted(times) and memories == sorted(memories, reverse=True)
     assert len(set(memories)) == len(memories)                               # strictly better memory each step
     only_ds = runnable_front(graph, devices, 2, "deepspeed")
     assert {engine for _, engine in only_ds} == {"deepspeed"}
+
+
+def test_a_given_plan_is_priced_for_this_model_and_these_devices(write_json):
+    from launcher.launch import price
+    from tensoropt.api import capture
+    from tensoropt.cost.model import ModelCost, estimate
+    from tensoropt.cost.profile import Cluster
+    from tensoropt.graph.fold import fold
+    graph = capture(write_json("gpt.json", SMALL_GPT), batch_size=1, seq_len=32).graph
+    devices = Devices("cuda", 2, 80 * 2**30, load_profile("h100-80gb"))
+    plan = Plan.from_json(_plan(zero=2, master_weights=True))
+    priced = price(graph, devices, 2, plan, "torch")
+    expected = estimate(ModelCost(graph, fold(graph), Cluster(2, 2, devices.profile)),
+                        dataclasses.replace(plan, master_weights=False))
+    assert priced.plan.master_weights is False and priced.plan.dtype == "bfloat16"
+    assert (priced.iteration_time_s, priced.peak_memory_bytes) == (expected.iteration_time_s,
+                                                                   expected.peak_memory_bytes)
+    assert price(graph, devices, 2, plan, "deepspeed").peak_memory_bytes > priced.peak_memory_bytes
 
 
 def test_parallelize_alone_trains_one_process_as_the_plain_loop():

@@ -62,9 +62,9 @@ class Loaded:
         return self.folded.summary()
 
 
-def load(model: str, device: str, seq_len: int | None) -> Loaded:
+def load(model: str, device: str, seq_len: int | None, dtype: str | None = None) -> Loaded:
     profile = load_profile(device)
-    captured = capture(model, seq_len=seq_len)
+    captured = capture(model, seq_len=seq_len, dtype=dtype)
     return Loaded(captured.graph, fold(captured.graph), profile, captured.capture_seconds)
 
 

@@ -9,15 +9,19 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cost.model import estimate as estimate_plan
+from ..cost.model import state_bytes
 from ..errors import TensorOptError
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan
 from .common import load, model_options
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
 
 def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
-               global_batch: int, recompute: str, sequence_parallel: bool, dtype: str) -> Plan:
+               global_batch: int, recompute: str, sequence_parallel: bool, dtype: str,
+               master_weights: bool = True) -> Plan:
     """The plan the flags describe, or one line naming every operand that does not fit."""
     problems = []
     if gpus % (tp * pp):
@@ -46,7 +50,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
     strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
     blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
     return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, False, model_cost.branch_names if tp > 1
-                else (), "float16" if dtype == "fp16" else "bfloat16", blocks)
+                else (), DTYPES[dtype], blocks, master_weights)
 
 
 @click.command()
@@ -61,22 +65,28 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
 @click.option("--global-batch", type=click.IntRange(min=1), required=True)
 @click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True)
 @click.option("--sequence-parallel", is_flag=True)
-@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bf16", show_default=True,
+              help="the dtype the weights train in")
+@click.option("--master-weights/--no-master-weights", default=True, show_default=True,
+              help="16-bit weights with a float32 master copy and float32 AdamW states (mixed precision, 2+2+12 "
+                   "bytes per parameter), or everything in --dtype (2+2+4)")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
-             recompute, sequence_parallel, dtype, as_json):
+             recompute, sequence_parallel, dtype, master_weights, as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
     if gpus < 1:
         raise TensorOptError(f"--gpus must be positive, got {gpus}")
-    loaded = load(model, device, seq_len)
+    # a 16-bit model is captured as it is (bf16); float32 training computes and keeps activations in float32
+    loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" else None)
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
-                      global_batch, recompute, sequence_parallel, dtype)
+                      global_batch, recompute, sequence_parallel, dtype, master_weights)
     result = estimate_plan(cost, plan)
     report = {"iteration_time_s": result.iteration_time_s, "peak_memory_bytes": int(result.peak_memory_bytes),
               "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},
               "time_breakdown": result.time_breakdown, "plan": plan.to_json(), "model": loaded.graph.name,
               "device_profile": loaded.profile.name,
+              "precision": state_bytes(plan.dtype, plan.master_weights).precision,
               "fits": result.peak_memory_bytes <= loaded.profile.memory_bytes}
     if as_json:
         click.echo(json.dumps(report))
@@ -99,6 +109,7 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
                   + ("" if report["fits"] else f"  (> {binary_bytes(loaded.profile.memory_bytes)} on the device)"))
     for key, value in result.memory_breakdown.items():
         table.add_row(f"  {key.removesuffix('_bytes')}", binary_bytes(value))
+    table.add_row("model states", report["precision"])
     console = Console(width=120)
     console.print(title)
     console.print(table)

@@ -12,16 +12,16 @@ loose ops, each paying the link latency, and copy the parameters or gradients in
 flat communication buffers (one read and one write of the tensor, at memory bandwidth).
 Communication overlaps the backward (gradients) or the stage's compute (ZeRO 3 gathers) where the
 device computes and communicates at once (the profile's ``overlaps_communication``), else adds to
-the step. Model states take 2 + 2 + 12
-bytes per parameter in mixed precision (bf16/fp16 weights and gradients, fp32 master weights and
-Adam moments; ZeRO's K = 12) and 4 + 4 + 8 in float32 training (the plan's ``dtype``: the weights
-are the master copy, K = 8 for the two Adam moments), divided over dp by stage: 1 optimizer states,
-2 also gradients, 3 also weights; offload moves the optimizer states and step to the CPU
-(ZeRO-Offload, Ren et al. 2021). In float32 under ZeRO 1 and 2 the rank's optimizer updates its own
-float32 partition of the weights, a copy next to the full replicated weights (DeepSpeed's fp32
-partition, FSDP2's sharded parameters under ``reshard_after_forward=False``): 4 more bytes per
-parameter over dp; mixed precision counts that copy in K already, and ZeRO 3 updates the shards in
-place.
+the step. Model states take 2 + 2 + 12 bytes per parameter in mixed precision (bf16/fp16 weights and
+gradients, fp32 master weights and Adam moments; ZeRO's K = 12; the plan's ``master_weights``) and
+b + b + 2b when a model trains in its own dtype of b bytes (the plan's ``dtype``: the weights are the
+master copy, K = 2b for the two Adam moments; float32 4 + 4 + 8, a bf16 model without master weights
+2 + 2 + 4), divided over dp by stage: 1 optimizer states, 2 also gradients, 3 also weights; offload
+moves the optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021). Without master
+weights, under ZeRO 1 and 2 the rank's optimizer updates its own partition of the weights, a copy
+next to the full replicated weights (DeepSpeed's flat partition, FSDP2's sharded parameters under
+``reshard_after_forward=False``): b more bytes per parameter over dp; mixed precision counts that copy
+in K already, and ZeRO 3 updates the shards in place.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class StateBytes:
     optimizer: int
     adam_moved: int
     partition_copy: int = 0      # a separate master partition when only the optimizer is sharded (ZeRO 1-2)
+    precision: str = ""          # what was assumed, in words (plan files and ``estimate`` say it)
 
     def optimizer_bytes(self, zero: int) -> int:
         """Optimizer-state bytes per parameter (before dividing over dp) under a ZeRO stage."""
@@ -56,16 +57,24 @@ class StateBytes:
 
 # mixed precision (Micikevicius et al. 2018; Rajbhandari et al. 2020: 2 + 2 + K, K = 12); Adam step:
 # read/write fp32 master, m, v; read grad; write bf16
-MIXED_PRECISION = StateBytes(weight=2, grad=2, optimizer=12, adam_moved=36)
-# float32 training: the weights are the master copy; K = 8 (m and v); a fused step reads weight, gradient,
-# m, v and writes weight, m, v: 7 x 4 bytes
-FLOAT32 = StateBytes(weight=4, grad=4, optimizer=8, adam_moved=28, partition_copy=4)
+MIXED_PRECISION = StateBytes(weight=2, grad=2, optimizer=12, adam_moved=36, precision="mixed precision: 16-bit "
+                             "weights and gradients, float32 master weights and AdamW states (2 + 2 + 12 bytes)")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def state_bytes(dtype: str) -> StateBytes:
-    """Model-state sizes for a plan's training dtype: 16-bit types train in mixed precision with
-    float32 master weights; float32 trains the weights themselves (see the module docstring)."""
-    return FLOAT32 if dtype == "float32" else MIXED_PRECISION
+def own_dtype(dtype: str) -> StateBytes:
+    """Training in the weights' own dtype of b bytes: b + b + 2b (AdamW's two moments in that dtype); a fused
+    step reads weight, gradient, m, v and writes weight, m, v: 7b bytes."""
+    b = DTYPE_BYTES.get(dtype, 2)
+    return StateBytes(weight=b, grad=b, optimizer=2 * b, adam_moved=7 * b, partition_copy=b,
+                      precision=f"{dtype} weights, gradients and AdamW states, no master copy ({b} + {b} + {2 * b} "
+                                "bytes)")
+
+
+def state_bytes(dtype: str, master_weights: bool = True) -> StateBytes:
+    """Model-state sizes for a plan's training dtype: 16-bit types with a float32 master copy train in mixed
+    precision; float32, or any dtype without a master copy, trains the weights themselves (module docstring)."""
+    return MIXED_PRECISION if master_weights and DTYPE_BYTES.get(dtype, 2) < 4 else own_dtype(dtype)
 
 
 def _carried_bytes(block: Block) -> int:
@@ -135,6 +144,7 @@ class Context:
     offload: bool
     tp_branches: tuple[str, ...]
     dtype: str = "bfloat16"          # the training precision: sizes the model states (``state_bytes``)
+    master_weights: bool = True      # a float32 master copy of 16-bit weights (mixed precision)
 
     @property
     def micro_batches(self) -> int:
@@ -143,12 +153,12 @@ class Context:
     @staticmethod
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
-                       plan.zero, plan.offload, plan.tp_branches, plan.dtype)
+                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
-                    self.zero, self.offload, self.tp_branches, self.dtype, blocks)
+                    self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights)
 
 
 def in_flight(ctx: Context) -> float:
@@ -178,7 +188,7 @@ def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, act
     # model states on stage 0 (the larger share of the tied embedding lives there too)
     params = np.asarray(parameters, dtype=float) + max(first.parameters, last.parameters)
     backward = np.asarray(layer_backward_s, dtype=float)
-    dp, z, state = ctx.dp, ctx.zero, state_bytes(ctx.dtype)
+    dp, z, state = ctx.dp, ctx.zero, state_bytes(ctx.dtype, ctx.master_weights)
     grad_bytes = state.grad * params
     units = model.units_per_stage(p)
     dp_comm, exposed = _data_parallel_s(ctx, state.weight * params, grad_bytes, stage_s, backward, cluster, units)

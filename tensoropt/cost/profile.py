@@ -135,8 +135,8 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
 
 
-def load_profile(spec: str) -> DeviceProfile:
-    """A profile by name (``h100-80gb``, looked up in ``profiles/``) or by path to a JSON file."""
+def load_profile_json(spec: str) -> dict:
+    """A profile's JSON, by name (``h100-80gb``, looked up in ``profiles/``) or by path to a JSON file."""
     path = Path(spec)
     if not path.suffix:
         path = PROFILES_DIR / f"{spec}.json"
@@ -144,9 +144,18 @@ def load_profile(spec: str) -> DeviceProfile:
         raise ProfileError(f"unknown device profile {spec!r}: use one of {', '.join(available_profiles())} "
                            "or a path to a profile JSON file")
     try:
-        return DeviceProfile.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         raise ProfileError(f"{path}: not a valid device profile ({exc})") from exc
+
+
+def load_profile(spec: str) -> DeviceProfile:
+    """A profile by name (``h100-80gb``, looked up in ``profiles/``) or by path to a JSON file."""
+    data = load_profile_json(spec)
+    try:
+        return DeviceProfile.from_json(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProfileError(f"{spec}: not a valid device profile ({exc})") from exc
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,20 @@ class FileSource(ModelSource):
         return self._call(batch_size, seq_len)
 
 
+def in_dtype(model: nn.Module, inputs: tuple | Mapping, dtype: str | None) -> tuple[nn.Module, tuple | Mapping]:
+    """The model and its floating-point inputs in ``dtype`` (``float32``...); unchanged for None."""
+    if dtype is None:
+        return model, inputs
+    target = getattr(torch, dtype, None)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise ModelSpecError(f"dtype {dtype!r} is not a floating-point torch dtype (float32, bfloat16, float16)")
+
+    def cast(x):
+        return x.to(target) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    inputs = {k: cast(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else tuple(map(cast, inputs))
+    return model.to(target), inputs
+
+
 def module_identity(model: nn.Module, inputs: tuple | Mapping) -> dict[str, Any]:
     """A structural description of a built module: its module tree, state shapes, input shapes and
     the source code of every non-torch module class (so an edited forward invalidates the cache)."""

@@ -1,5 +1,5 @@
 """Device micro-benchmarks: matrix products over shapes and dtypes (the efficiency curve), memory
-bandwidth, the fixed cost of launching one op, and the optimizer step rate.
+bandwidth, the fixed cost of launching one op, the optimizer step rate, and the host link.
 
 Every figure is the median of several timed repeats after a warm-up; on CUDA the device is
 synchronised around each timing. Nothing here is used by the planner directly: ``run.py`` turns
@@ -70,3 +70,16 @@ def adam_rate(params: int, device: str, repeats: int) -> float:
     weight.grad = torch.randn_like(weight)
     optimizer = torch.optim.AdamW([weight], lr=1e-4)
     return params / timed(optimizer.step, device, repeats)
+
+
+def host_copies(numel: int, repeats: int) -> list[dict]:
+    """Pinned host -> device and device -> host copies of ``numel`` float32 elements: bytes per second each
+    way (what optimizer offload moves every step)."""
+    host = torch.empty(numel, pin_memory=True)
+    gpu = torch.empty(numel, device="cuda")
+    out = []
+    for direction, copy in (("host_to_device", lambda: gpu.copy_(host, non_blocking=True)),
+                            ("device_to_host", lambda: host.copy_(gpu, non_blocking=True))):
+        seconds = timed(copy, "cuda", repeats)
+        out.append({"direction": direction, "bytes": numel * 4, "seconds": seconds, "bytes_per_s": numel * 4 / seconds})
+    return out

@@ -10,7 +10,15 @@ Fits:
   single-host run cannot see an inter-node link: it is recorded equal to the intra-node one and
   the metadata says so. All-gather, reduce-scatter and all-to-all get their own bandwidth, fitted
   with the link's latency (t = (n-1)/n * M/B_op + (n-1)*alpha, M the full tensor): gloo's run at a
-  third of its all-reduce rate, and ZeRO's sharded data parallelism is made of them.
+  third of its all-reduce rate, and ZeRO's sharded data parallelism is made of them. With one
+  device there is nothing to measure: both links are copied from a named datasheet profile
+  (``Settings.link_profile``), and the metadata and the summary say which;
+- ``host.pcie_bandwidth_bytes_per_s``: on a GPU, the slower direction of pinned host<->device copies
+  (optimizer offload moves gradients down and parameters up every step); on a CPU there is no such
+  link and the memory bandwidth stands in;
+- ``host.cpu_adam_params_per_s``: ``torch.optim.AdamW`` steps on the host in float32, the optimizer
+  DeepSpeed runs for offload under the engine's config (the script's own optimizer, not
+  DeepSpeedCPUAdam), with the host threads one worker of ``nproc`` gets.
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ from . import collectives
 from . import device as bench
 
 QUICK = {"matmul": [128, 512, 1024], "memory": [1 << 22], "messages": [1 << 12, 1 << 18, 1 << 24],
-         "repeats": 3, "adam": 1 << 20}
+         "repeats": 3, "adam": 1 << 20, "host_copy": 1 << 24}
 FULL = {"matmul": [64, 128, 256, 512, 1024, 2048, 4096], "memory": [1 << 22, 1 << 25],
         "messages": [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26],
-        "repeats": 7, "adam": 1 << 24}
+        "repeats": 7, "adam": 1 << 24, "host_copy": 1 << 28}
+# a GPU reaches its peak only on large products (an H100: ~800 TFLOP/s bf16 at 8192^3, far less at 4096^3)
+GPU_MATMUL = {"quick": [1024, 4096, 8192], "full": [256, 512, 1024, 2048, 4096, 8192, 16384]}
 
 
 @dataclass(frozen=True)
@@ -40,10 +50,14 @@ class Settings:
     device: str
     nproc: int
     quick: bool
+    link_profile: str | None = None     # with one device: the datasheet profile the links are copied from
 
     @property
     def plan(self) -> dict:
-        return QUICK if self.quick else FULL
+        base = QUICK if self.quick else FULL
+        if self.device == "cuda":
+            return base | {"matmul": GPU_MATMUL["quick" if self.quick else "full"]}
+        return base
 
     @property
     def dtypes(self) -> list[torch.dtype]:
@@ -52,7 +66,7 @@ class Settings:
 
 
 def total_steps(s: Settings) -> int:
-    return (len(s.plan["matmul"]) * len(s.dtypes) + len(s.plan["memory"]) + 2
+    return (len(s.plan["matmul"]) * len(s.dtypes) + len(s.plan["memory"]) + 3
             + collectives.steps(s.nproc, s.plan["messages"]))
 
 
@@ -148,9 +162,13 @@ def run(name: str, settings: Settings, advance) -> dict:
     advance("op overhead")
     adam = bench.adam_rate(plan["adam"], "cpu", plan["repeats"])
     advance("optimizer step")
-    comm = collectives.measure(settings.nproc, dev, plan["messages"], plan["repeats"],
-                               on_step=lambda op, g, b: advance(f"{op} x{g} {b} B"))
-    return build_profile(name, settings, products, memory, overhead, adam, comm)
+    host = bench.host_copies(plan["host_copy"], plan["repeats"]) if dev == "cuda" else []
+    advance("host link")
+    comm = []
+    if settings.nproc > 1:
+        comm = collectives.measure(settings.nproc, dev, plan["messages"], plan["repeats"],
+                                   on_step=lambda op, g, b: advance(f"{op} x{g} {b} B"))
+    return build_profile(name, settings, products, memory, overhead, adam, comm, host)
 
 
 def execution_facts(device: str) -> dict[str, bool]:
@@ -162,8 +180,21 @@ def execution_facts(device: str) -> dict[str, bool]:
     return {"fuses_memory_bound_ops": gpu, "overlaps_communication": gpu}
 
 
+def links(settings: Settings, comm: list[dict]) -> tuple[dict, dict, str]:
+    """(intra-node, inter-node, where they come from): fitted to the measured collectives, or, with one
+    device, copied from the datasheet profile ``settings.link_profile``."""
+    if comm:
+        link = link_of(comm)
+        return link, dict(link), "measured (inter-node: not measurable on one host, recorded equal)"
+    from ..cost.profile import load_profile_json
+    if not settings.link_profile:
+        raise ValueError("one device measures no collectives: a link profile must be named")
+    data = load_profile_json(settings.link_profile)
+    return data["intra_node"], data["inter_node"], f"copied from the {settings.link_profile} profile (one device)"
+
+
 def build_profile(name: str, settings: Settings, products: list[dict], memory: list[dict], overhead: float,
-                  adam: float, comm: list[dict]) -> dict:
+                  adam: float, comm: list[dict], host_copies: list[dict] | None = None) -> dict:
     peaks = {}
     for p in products:
         peaks[p["dtype"]] = max(peaks.get(p["dtype"], 0.0), p["flops_per_s"])
@@ -171,7 +202,8 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
     curve = sorted((p["flops"], min(1.0, p["flops_per_s"] / peaks[reference]))
                    for p in products if p["dtype"] == reference)
     mem_rate = max(m["bytes_per_s"] for m in memory)
-    link = link_of(comm)
+    intra, inter, links_from = links(settings, comm)
+    host_rate = min(c["bytes_per_s"] for c in host_copies) if host_copies else mem_rate
     return {
         "schema_version": 1, "kind": "tensoropt.device_profile", "name": name,
         "device": device_name(settings.device), "measured": True,
@@ -179,8 +211,8 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
         "memory_bytes": memory_bytes(settings.device), "memory_bandwidth_bytes_per_s": mem_rate,
         "memory_efficiency": 1.0, "kernel_overhead_s": overhead, "runtime_overhead_bytes": 512 * 2**20,
         **execution_facts(settings.device),
-        "intra_node": link, "inter_node": dict(link),
-        "host": {"pcie_bandwidth_bytes_per_s": mem_rate, "cpu_adam_params_per_s": adam},
+        "intra_node": intra, "inter_node": inter,
+        "host": {"pcie_bandwidth_bytes_per_s": host_rate, "cpu_adam_params_per_s": adam},
         "extrapolation": "efficiency is interpolated in log10(FLOPs) between measured products and held "
                          "constant beyond them; links follow the fitted ring model at every size",
         "sources": [f"measured by `tensoropt profile --device {settings.device} --nproc {settings.nproc}"
@@ -189,11 +221,12 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
             "device_name": device_name(settings.device), "device_count": settings.nproc,
             "device_kind": settings.device, "host": socket.gethostname(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "quick": settings.quick, "threads_per_worker": torch.get_num_threads(),
+            "quick": settings.quick, "threads_per_worker": torch.get_num_threads(), "links_from": links_from,
+            "host_link": "pinned host<->device copies, the slower direction" if host_copies else
+                         "no host link on a CPU: the memory bandwidth",
             "method": "medians of timed repeats after a warm-up; collectives in spawned worker processes "
-                      f"({'nccl' if settings.device == 'cuda' else 'gloo'}); inter-node link not measured "
-                      "(single host): recorded equal to the intra-node link",
+                      f"({'nccl' if settings.device == 'cuda' else 'gloo'}); links {links_from}",
         },
         "measurements": {"matmul": products, "memory": memory, "op_overhead_s": overhead,
-                         "adam_params_per_s": adam, "collectives": comm},
+                         "adam_params_per_s": adam, "collectives": comm, "host_copies": host_copies or []},
     }

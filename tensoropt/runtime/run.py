@@ -10,6 +10,7 @@ how a step is driven, so the script never drives it by hand and runs unchanged u
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,7 @@ def mean_over_group(value: torch.Tensor, group=None) -> float:
     return float(value)
 
 
+CLOSE_GRACE_S = 0.2                 # see Run.close
 OOM_EXIT_CODE = 75                  # a worker ran out of device memory (the launcher re-plans with less)
 RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_MEMORY_BYTES"
 
@@ -181,9 +183,15 @@ class Run:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
     def close(self) -> None:
-        """End the run: wait for every rank, then leave the process group. Tearing gloo down while a
-        peer still talks aborts the process ("terminate called without an active exception")."""
+        """End the run: wait for every rank, then leave the process group.
+
+        Between the two, the process sleeps a moment without the GIL. Gloo's worker thread frees each
+        finished collective after the caller saw it complete, and freeing its tensors takes the GIL; a
+        process group destroyed before that, with the GIL held (the last reference may sit in DDP's
+        Reducer, freed when the script's model goes), joins that thread and waits forever, or aborts
+        ("terminate called without an active exception"). pytorch/pytorch#56297."""
         import torch.distributed as dist
         if dist.is_initialized():
             dist.barrier()
+            time.sleep(CLOSE_GRACE_S)
             dist.destroy_process_group()

@@ -34,7 +34,8 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
             t, b, a, p = sums[:, 0].sum(), sums[:, 1].sum(), sums[:, 2].sum(), sums[:, 4].sum()
             x = sums[:, 3].max()
             for v, z, off in globals_:
-                ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches)
+                ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
+                              space.master_weights)
                 r = evaluate(model, ctx, [t], [b], [a], [x], [p])
                 values.append((float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0])))
                 plans.append((ctx, [seq for seq, _ in combo]))

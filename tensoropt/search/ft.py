@@ -61,6 +61,7 @@ class SearchSpace:
         return copies // size, size
     eps: float = 0.002                 # epsilon-dominance while composing (0 = exact); see search/pareto.py
     dtype: str = "bfloat16"            # training precision: sizes the model states (cost.model.state_bytes)
+    master_weights: bool = True        # a float32 master copy of 16-bit weights (mixed precision)
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         backward = _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
         params = _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
         for v, z, off in globals_:
-            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
+            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype, space.master_weights)
             r = evaluate(model, ctx, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params)
             values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
             keep = _front_2d(values)

@@ -52,6 +52,9 @@ class Plan:
     tp_branches: tuple[str, ...] = ()       # branch names sharded over tp (others replicated)
     dtype: str = "bfloat16"
     blocks: tuple[BlockPlan, ...] = field(default=())   # per pipeline stage (every stage alike)
+    # a float32 master copy of 16-bit weights (mixed precision, Megatron-LM / DeepSpeed bf16); False: the
+    # weights, gradients and optimizer states all in ``dtype``, as a script that trains its bf16 model runs
+    master_weights: bool = True
 
     @property
     def grad_accumulation(self) -> int:
@@ -76,7 +79,7 @@ class Plan:
             "pp": self.pp, "virtual_stages": self.virtual_stages, "micro_batch": self.micro_batch,
             "global_batch": self.global_batch, "gradient_accumulation": self.grad_accumulation,
             "zero": self.zero, "offload": self.offload, "tp_branches": list(self.tp_branches), "dtype": self.dtype,
-            "blocks": [{"block": bp.block, "strategies": [
+            "master_weights": self.master_weights, "blocks": [{"block": bp.block, "strategies": [
                 {"recompute": s.recompute, "sequence_parallel": s.sequence_parallel, "copies": n}
                 for s, n in bp.strategies]} for bp in self.blocks],
             "summary": self.summary(),
@@ -94,6 +97,7 @@ class Plan:
             blocks=tuple(BlockPlan(b["block"], tuple(
                 (LayerStrategy(s["recompute"], bool(s["sequence_parallel"])), int(s["copies"]))
                 for s in b["strategies"])) for b in d["blocks"]),
+            master_weights=bool(d.get("master_weights", True)),
         )
 
 
