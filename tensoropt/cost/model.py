@@ -35,7 +35,7 @@ from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.plan import BlockPlan, LayerStrategy, Plan
 from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from .layer import BlockCost, LooseCost, loose_cost
+from .layer import BlockCost, LooseCost, LooseOps
 from .profile import Cluster
 
 
@@ -89,6 +89,7 @@ class ModelCost:
         vocab = {op.inputs[0].shape[0] for op in graph.ops if op.kind == "embedding"}
         self.vocab = max(vocab) if vocab else None
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
+        self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
     @property
     def spaces(self) -> list[BlockSpace]:
@@ -114,10 +115,14 @@ class ModelCost:
         """(first stage, last stage) costs of the ops outside blocks."""
         key = (tp, micro_batch, pp)
         if key not in self._loose:
-            first = loose_cost(self.head_ops + self.middle_ops + (self.tail_ops if pp == 1 else ()),
-                               tp, micro_batch, self.cluster, self.vocab)
-            last = loose_cost(self.tail_ops, tp, micro_batch, self.cluster, self.vocab) if pp > 1 else first
-            self._loose[key] = (first, last)
+            split = pp > 1
+            if split not in self._loose_ops:
+                self._loose_ops[split] = (
+                    LooseOps(self.head_ops + self.middle_ops + (() if split else self.tail_ops), self.cluster,
+                             self.vocab), LooseOps(self.tail_ops if split else (), self.cluster, self.vocab))
+            head, tail = self._loose_ops[split]
+            first = head.cost(tp, micro_batch)
+            self._loose[key] = (first, tail.cost(tp, micro_batch) if split else first)
         return self._loose[key]
 
 

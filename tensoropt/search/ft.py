@@ -192,8 +192,9 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
             for b, (block, cost) in enumerate(model.blocks):
                 options = layer_options(cost, tp, space)
                 groups, size = space.groups(block.repeats // pp, block.repeats)
-                builder = builders.setdefault((b, tp, branches, mb, size),
-                                              Chain(cost, options, tp, branches, mb, space.eps, size))
+                if (b, tp, branches, mb, size) not in builders:     # one chain (and its powers) per key
+                    builders[(b, tp, branches, mb, size)] = Chain(cost, options, tp, branches, mb, space.eps, size)
+                builder = builders[(b, tp, branches, mb, size)]
                 parts.append(builder.copies(groups, doubling))
                 option_lists.append(options)
             chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
