@@ -26,7 +26,7 @@ place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -167,48 +167,85 @@ def in_flight(ctx: Context) -> float:
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
              parameters) -> dict[str, np.ndarray]:
     """Time and memory of plans from their per-stage layer sums (arrays, one entry per plan)."""
+    rows = evaluate_many(model, [ctx], layer_time_s, layer_backward_s, activation_bytes, transient_bytes, parameters)
+    return {k: v[0] for k, v in rows.items()}
+
+
+def evaluate_many(model: ModelCost, ctxs: list[Context], layer_time_s, layer_backward_s, activation_bytes,
+                  transient_bytes, parameters, totals_only: bool = False) -> dict[str, np.ndarray]:
+    """``evaluate`` of the same plans under contexts that differ only in virtual stages, ZeRO stage and
+    offload (the global choices the search tries around one chain): entries are (contexts, plans) arrays.
+
+    The pipeline part is priced once per virtual-stage count and the data-parallel and optimizer parts
+    once per ZeRO stage (and offload), then summed in one fixed order, so every row is what pricing its
+    context alone gives, bit for bit. ``totals_only``: just iteration time and peak memory."""
+    base = ctxs[0]
+    if any(replace(c, virtual_stages=base.virtual_stages, zero=base.zero, offload=base.offload) != base for c in ctxs):
+        raise ValueError("evaluate_many: contexts must differ only in virtual stages, ZeRO stage and offload")
     cluster, prof = model.cluster, model.cluster.profile
-    first, last = model.loose(ctx.tp, ctx.micro_batch, ctx.pp)
-    m, p, v = ctx.micro_batches, ctx.pp, ctx.virtual_stages
+    first, last = model.loose(base.tp, base.micro_batch, base.pp)
+    m, p, dp = base.micro_batches, base.pp, base.dp
     stage_s = np.asarray(layer_time_s, dtype=float) + max(first.time_s, last.time_s)
-    # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
-    if p > 1:
-        crosses = ctx.tp * ctx.dp >= cluster.devices_per_node
-        p2p = 2 * v * p2p_s(_boundary_bytes(model, ctx), crosses, cluster)
-        pipeline_s = (m + (p - 1) / v) * (stage_s + p2p)
-        bubble_s = (p - 1) / v * (stage_s + p2p)
-        p2p_total = m * p2p
-    else:
-        pipeline_s, bubble_s, p2p_total = m * stage_s, np.zeros_like(stage_s), 0.0
     # model states on stage 0 (the larger share of the tied embedding lives there too)
     params = np.asarray(parameters, dtype=float) + max(first.parameters, last.parameters)
     backward = np.asarray(layer_backward_s, dtype=float)
-    dp, z, state = ctx.dp, ctx.zero, state_bytes(ctx.dtype)
+    state = state_bytes(base.dtype)
     grad_bytes = state.grad * params
     units = model.units_per_stage(p)
-    dp_comm, exposed = _data_parallel_s(ctx, state.weight * params, grad_bytes, stage_s, backward, cluster, units)
-    opt_params = params / (dp if z >= 1 else 1)
-    if ctx.offload:
-        optimizer_s = opt_params / prof.cpu_adam_params_per_s + 4 * opt_params / prof.pcie_bandwidth_bytes_per_s
-    else:
-        optimizer_s = opt_params * state.adam_moved / prof.memory_bytes_per_s
-    time_s = pipeline_s + exposed + optimizer_s
-
-    weights = state.weight * params / (dp if z == 3 else 1)
-    grads = grad_bytes / (dp if z >= 2 else 1)
-    optimizer = np.zeros_like(params) if ctx.offload else state.optimizer_bytes(z) * params / (dp if z >= 1 else 1)
-    acts_first = in_flight(ctx) * (np.asarray(activation_bytes) + first.activation_bytes)
-    acts_last = np.asarray(activation_bytes) + last.activation_bytes if p > 1 else acts_first
-    activations = np.maximum(acts_first, acts_last)
     other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes
-    memory = weights + grads + optimizer + activations + other
+
+    pipeline = {}       # virtual stages -> (time, bubble, p2p per step, activation memory)
+    for v in sorted({c.virtual_stages for c in ctxs}):
+        ctx = replace(base, virtual_stages=v)
+        # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
+        if p > 1:
+            crosses = ctx.tp * ctx.dp >= cluster.devices_per_node
+            p2p = 2 * v * p2p_s(_boundary_bytes(model, ctx), crosses, cluster)
+            pipeline_s = (m + (p - 1) / v) * (stage_s + p2p)
+            bubble_s = (p - 1) / v * (stage_s + p2p)
+            p2p_total = m * p2p
+        else:
+            pipeline_s, bubble_s, p2p_total = m * stage_s, np.zeros_like(stage_s), 0.0
+        acts_first = in_flight(ctx) * (np.asarray(activation_bytes) + first.activation_bytes)
+        acts_last = np.asarray(activation_bytes) + last.activation_bytes if p > 1 else acts_first
+        pipeline[v] = (pipeline_s, bubble_s, np.full_like(stage_s, p2p_total), np.maximum(acts_first, acts_last))
+
+    data_parallel = {}  # ZeRO stage -> (communication, exposed, weights, gradients)
+    for z in sorted({c.zero for c in ctxs}):
+        comm, exposed = _data_parallel_s(replace(base, zero=z), state.weight * params, grad_bytes, stage_s, backward,
+                                         cluster, units)
+        data_parallel[z] = (comm, exposed, state.weight * params / (dp if z == 3 else 1),
+                            grad_bytes / (dp if z >= 2 else 1))
+
+    optimizer = {}      # (ZeRO stage, offload) -> (step time, optimizer-state memory)
+    for z, offload in sorted({(c.zero, c.offload) for c in ctxs}):
+        opt_params = params / (dp if z >= 1 else 1)
+        if offload:
+            optimizer_s = opt_params / prof.cpu_adam_params_per_s + 4 * opt_params / prof.pcie_bandwidth_bytes_per_s
+        else:
+            optimizer_s = opt_params * state.adam_moved / prof.memory_bytes_per_s
+        states = np.zeros_like(params) if offload else state.optimizer_bytes(z) * params / (dp if z >= 1 else 1)
+        optimizer[(z, offload)] = (optimizer_s, states)
+
+    def rows(table: dict, key, part: int) -> np.ndarray:
+        return np.stack([table[key(c)][part] for c in ctxs])
+
+    virtual, zero, zero_offload = (lambda c: c.virtual_stages), (lambda c: c.zero), (lambda c: (c.zero, c.offload))
+    time_s = rows(pipeline, virtual, 0) + rows(data_parallel, zero, 1) + rows(optimizer, zero_offload, 0)
+    weights, grads = rows(data_parallel, zero, 2), rows(data_parallel, zero, 3)
+    states, activations = rows(optimizer, zero_offload, 1), rows(pipeline, virtual, 3)
+    memory = weights + grads + states + activations + other
+    if totals_only:
+        return {"iteration_time_s": time_s, "peak_memory_bytes": memory}
+    compute_s = m * (np.asarray(layer_time_s) + max(first.time_s, last.time_s))
     return {
         "iteration_time_s": time_s, "peak_memory_bytes": memory,
-        "parameters_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optimizer,
-        "activations_bytes": activations, "other_bytes": other,
-        "compute_s": m * (np.asarray(layer_time_s) + max(first.time_s, last.time_s)),
-        "pipeline_bubble_s": bubble_s, "pipeline_p2p_s": np.full_like(stage_s, p2p_total),
-        "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
+        "parameters_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": states,
+        "activations_bytes": activations, "other_bytes": np.stack([other] * len(ctxs)),
+        "compute_s": np.stack([compute_s] * len(ctxs)),
+        "pipeline_bubble_s": rows(pipeline, virtual, 1), "pipeline_p2p_s": rows(pipeline, virtual, 2),
+        "data_parallel_comm_s": rows(data_parallel, zero, 0), "data_parallel_exposed_s": rows(data_parallel, zero, 1),
+        "optimizer_s": rows(optimizer, zero_offload, 0),
     }
 
 
@@ -318,5 +355,5 @@ def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     return parts
 
 
-__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "in_flight",
-           "state_bytes"]
+__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "evaluate_many",
+           "in_flight", "state_bytes"]

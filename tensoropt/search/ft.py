@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cost.layer import BlockCost
-from ..cost.model import Context, ModelCost, evaluate
+from ..cost.model import Context, ModelCost, evaluate_many
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .pareto import ParetoSet, combine, combine_all, nondominated, union
 
@@ -183,7 +183,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     start = time.perf_counter()
     chains: dict[tuple, tuple[ParetoSet, list[list[LayerStrategy]]]] = {}
     builders: dict[tuple, Chain] = {}
-    candidates = []      # (values (n, 2), ctx, counts (n, S), option lists)
+    candidates = []      # (values (contexts x n, 2), contexts, counts (n, S), option lists)
     n_candidates = 0
     for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
         key = (tp, branches, mb, pp)
@@ -200,28 +200,32 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
             chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
                 (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
         stage, option_lists = chains[key]
-        globals_ = _undominated(globals_, dp, pp)
+        ctxs = [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
+                for v, z, off in _undominated(globals_, dp, pp)]
+        if not ctxs:
+            continue
         backward = _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
         params = _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
-        for v, z, off in globals_:
-            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
-            r = evaluate(model, ctx, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params)
-            values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
-            keep = _front_2d(values)
-            n_candidates += len(values)
-            candidates.append((values[keep], ctx, stage.counts[keep], option_lists))
+        r = evaluate_many(model, ctxs, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params,
+                          totals_only=True)
+        values = np.stack([r["iteration_time_s"].ravel(), r["peak_memory_bytes"].ravel()], axis=1)
+        n_candidates += len(values)
+        candidates.append((values, ctxs, stage.counts, option_lists))
     if not candidates:
         return SearchResult([], time.perf_counter() - start, 0, {"chains": len(chains), "contexts": 0})
+    # one prune over every candidate (pruning each context's first gives the same front, ties included:
+    # of equal points the first one priced is kept either way)
     all_values = np.concatenate([c[0] for c in candidates])
     owner = np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(candidates)])
     row = np.concatenate([np.arange(len(c[0])) for c in candidates])
     points = []
     for k in front_by_time(all_values):
-        values, ctx, counts, option_lists = candidates[owner[k]]
-        plan = _plan(model, devices, ctx, counts[row[k]], option_lists)
+        values, ctxs, counts, option_lists = candidates[owner[k]]
+        g, plan_row = divmod(int(row[k]), len(counts))
+        plan = _plan(model, devices, ctxs[g], counts[plan_row], option_lists)
         points.append(FrontierPoint(plan, float(values[row[k], 0]), float(values[row[k], 1])))
     return SearchResult(points, time.perf_counter() - start, n_candidates,
-                        {"chains": len(chains), "contexts": len(candidates)})
+                        {"chains": len(chains), "contexts": sum(len(c[1]) for c in candidates)})
 
 
 def _undominated(globals_: list[tuple[int, int, bool]], dp: int, pp: int) -> list[tuple[int, int, bool]]:
