@@ -31,9 +31,9 @@ import numpy as np
 from ..cost.layer import BlockCost
 from ..cost.model import Context, ModelCost, evaluate_many
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
-from .pareto import ParetoSet, combine, combine_all, nondominated, union
+from .pareto import ParetoSet, ParetoSets, combine, combine_sets, nondominated, union_sets
 
-Matrix = dict[tuple[bool, bool], ParetoSet]
+Matrix = dict[tuple[bool, bool], ParetoSets]
 
 
 @dataclass(frozen=True)
@@ -84,20 +84,24 @@ def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStr
     return [LayerStrategy(r, sp) for r in recompute for sp in sps]
 
 
-def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
-                  micro_batch: int, group: int = 1) -> Matrix:
-    """One step of the chain: a group of ``group`` consecutive copies running one strategy."""
-    change = cost.layout_change_s(tp, micro_batch)
+def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, keys: list[tuple[tuple[str, ...], int]],
+                  group: int = 1) -> Matrix:
+    """One step of the chain: a group of ``group`` consecutive copies running one strategy, one Pareto
+    set per (branches, micro-batch) key."""
     layouts = sorted({o.sequence_parallel for o in options})
     matrix: Matrix = {}
     for a in layouts:
         for b in layouts:
             rows = [i for i, o in enumerate(options) if o.sequence_parallel == b]
-            costs = [cost.layer(options[i], tp, branches, micro_batch) for i in rows]
-            values = np.array([[group * c.time_s + (change if a != b else 0.0), group * c.activation_bytes,
-                                c.transient_bytes] for c in costs])
-            counts = group * np.eye(len(options), dtype=np.int64)[rows]
-            matrix[(a, b)] = ParetoSet.single(values, counts)
+            values = []
+            for branches, micro_batch in keys:
+                change = cost.layout_change_s(tp, micro_batch)
+                costs = [cost.layer(options[i], tp, branches, micro_batch) for i in rows]
+                values += [[group * c.time_s + (change if a != b else 0.0), group * c.activation_bytes,
+                            c.transient_bytes] for c in costs]
+            counts = np.tile(group * np.eye(len(options), dtype=np.int64)[rows], (len(keys), 1))
+            matrix[(a, b)] = ParetoSets.of(np.array(values, dtype=float), counts,
+                                           np.repeat(np.arange(len(keys)), len(rows)), len(keys))
     return matrix
 
 
@@ -107,39 +111,70 @@ def _multiply(p: Matrix, q: Matrix, eps: float) -> Matrix:
     for a in layouts:
         for c in layouts:
             pairs = [(p[(a, b)], q[(b, c)]) for b in layouts if (a, b) in p and (b, c) in q]
-            if any(len(x) and len(y) for x, y in pairs):
-                out[(a, c)] = combine_all(pairs, eps)
+            if any(len(x.values) and len(y.values) for x, y in pairs):
+                out[(a, c)] = combine_sets(pairs, eps)
     return out
 
 
 class Chain:
-    """Pareto sets of k consecutive copies of one block for one (tp, branches, micro-batch), entered
-    and left with a replicated stream. Powers 2^i of the one-copy matrix are kept, so every pipeline
-    depth (k = copies / pp) costs only the products its binary digits need."""
+    """Pareto sets of k consecutive copies of one block for one tp and several (branches, micro-batch)
+    keys at once (one set per key, all held in one ``ParetoSets``), entered and left with a replicated
+    stream. Powers 2^i of the one-copy matrix are kept, so every pipeline depth (k = copies / pp)
+    costs only the products its binary digits need; each key is carried only as far as the chain
+    lengths it is needed for (``needs``: key -> the k asked of it)."""
 
-    def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
-                 micro_batch: int, eps: float = 0.0, group: int = 1) -> None:
-        self.eps = eps
-        self.change = cost.layout_change_s(tp, micro_batch)
-        self.powers = [_layer_matrix(cost, options, tp, branches, micro_batch, group)]
+    def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int,
+                 needs: dict[tuple[tuple[str, ...], int], set[int]], eps: float = 0.0, group: int = 1) -> None:
+        self.eps, self.keys = eps, {key: g for g, key in enumerate(needs)}
+        self.needs = list(needs.values())
+        self.change = np.array([cost.layout_change_s(tp, mb) for _, mb in needs], dtype=float)
+        self.powers = [_layer_matrix(cost, options, tp, list(needs), group)]
+        self._copies: dict[tuple[int, bool], ParetoSets] = {}
 
     def _power(self, i: int) -> Matrix:
         while len(self.powers) <= i:
-            self.powers.append(_multiply(self.powers[-1], self.powers[-1], self.eps))
+            wanted = np.array([max(ks).bit_length() > len(self.powers) for ks in self.needs])
+            half = _restrict(self.powers[-1], wanted)
+            self.powers.append(_multiply(half, half, self.eps))
         return self.powers[i]
 
-    def copies(self, k: int, doubling: bool = True) -> ParetoSet:
+    def copies(self, k: int, doubling: bool = True) -> ParetoSets:
+        """The sets of k copies (only the keys that asked for k are filled)."""
+        if (k, doubling) in self._copies:
+            return self._copies[(k, doubling)]
+        wanted = np.array([k in ks for ks in self.needs])
         result: Matrix | None = None
         if doubling:
             for i in range(k.bit_length()):
                 if k >> i & 1:
-                    result = self._power(i) if result is None else _multiply(result, self._power(i), self.eps)
+                    power = _restrict(self._power(i), wanted)
+                    result = power if result is None else _multiply(result, power, self.eps)
         else:
+            step = _restrict(self.powers[0], wanted)
             for _ in range(k):
-                result = self.powers[0] if result is None else _multiply(result, self.powers[0], self.eps)
-        exits = [ParetoSet(s.values + np.array([self.change if b else 0.0, 0.0, 0.0]), s.counts)
-                 for (a, b), s in result.items() if not a]
-        return union(exits, self.eps)
+                result = step if result is None else _multiply(result, step, self.eps)
+        exits = []
+        for (a, b), s in result.items():
+            if not a:
+                values = s.values.copy()
+                values[:, 0] += self.change[s.group] if b else 0.0
+                exits.append(ParetoSets(values, s.counts, s.group, s.size))
+        self._copies[(k, doubling)] = union_sets(exits, self.eps)
+        return self._copies[(k, doubling)]
+
+    def set(self, k: int, key: tuple[tuple[str, ...], int], doubling: bool = True) -> ParetoSet:
+        return self.copies(k, doubling).set(self.keys[key])
+
+
+def _restrict(matrix: Matrix, wanted: np.ndarray) -> Matrix:
+    """The matrix with only the wanted keys' sets (the others empty)."""
+    if wanted.all():
+        return matrix
+    out = {}
+    for ab, s in matrix.items():
+        rows = wanted[s.group]
+        out[ab] = ParetoSets(s.values[rows], s.counts[rows], s.group[rows], s.size)
+    return out
 
 
 def _combine_blocks(parts: list[ParetoSet], eps: float) -> ParetoSet:
@@ -181,22 +216,26 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True) -> SearchResult:
     start = time.perf_counter()
+    choices = list(contexts(model, devices, space))
+    # one chain per (block, tp, group size), with a Pareto set per (branches, micro-batch) it is needed for
+    needs: dict[tuple[int, int, int], dict[tuple[tuple[str, ...], int], set[int]]] = {}
+    for _, tp, pp, branches, mb, _ in choices:
+        for b, (block, _) in enumerate(model.blocks):
+            groups, size = space.groups(block.repeats // pp, block.repeats)
+            needs.setdefault((b, tp, size), {}).setdefault((branches, mb), set()).add(groups)
+    builders = {(b, tp, size): Chain(model.blocks[b][1], layer_options(model.blocks[b][1], tp, space), tp, keys,
+                                     space.eps, size) for (b, tp, size), keys in needs.items()}
     chains: dict[tuple, tuple[ParetoSet, list[list[LayerStrategy]]]] = {}
-    builders: dict[tuple, Chain] = {}
     candidates = []      # (values (contexts x n, 2), contexts, counts (n, S), option lists)
     n_candidates = 0
-    for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
+    for dp, tp, pp, branches, mb, globals_ in choices:
         key = (tp, branches, mb, pp)
         if key not in chains:
             parts, option_lists = [], []
             for b, (block, cost) in enumerate(model.blocks):
-                options = layer_options(cost, tp, space)
                 groups, size = space.groups(block.repeats // pp, block.repeats)
-                if (b, tp, branches, mb, size) not in builders:     # one chain (and its powers) per key
-                    builders[(b, tp, branches, mb, size)] = Chain(cost, options, tp, branches, mb, space.eps, size)
-                builder = builders[(b, tp, branches, mb, size)]
-                parts.append(builder.copies(groups, doubling))
-                option_lists.append(options)
+                parts.append(builders[(b, tp, size)].set(groups, (branches, mb), doubling))
+                option_lists.append(layer_options(cost, tp, space))
             chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
                 (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
         stage, option_lists = chains[key]
