@@ -26,7 +26,7 @@ place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -98,8 +98,9 @@ class ModelCost:
     def tp_allowed(self, tp: int) -> bool:
         return tp == 1 or (bool(self.blocks) and all(s.tp_allowed(tp) for s in self.spaces))
 
-    def units_per_stage(self, pp: int) -> int:
-        """Communication units of sharded data parallelism on one stage: its block copies and the loose ops."""
+    def units_per_stage(self, pp):
+        """Communication units of sharded data parallelism on one stage: its block copies and the loose ops
+        (``pp`` a number or an array of them)."""
         return sum(b.repeats for b, _ in self.blocks) // pp + 1
 
     @property
@@ -113,9 +114,9 @@ class ModelCost:
 
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
         """(first stage, last stage) costs of the ops outside blocks."""
-        key = (tp, micro_batch, pp)
+        split = pp > 1                   # which stages hold them matters, not how many stages there are
+        key = (tp, micro_batch, split)
         if key not in self._loose:
-            split = pp > 1
             if split not in self._loose_ops:
                 self._loose_ops[split] = (
                     LooseOps(self.head_ops + self.middle_ops + (() if split else self.tail_ops), self.cluster,
@@ -156,133 +157,114 @@ class Context:
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks)
 
 
-def in_flight(ctx: Context) -> float:
-    """Micro-batches of activations stage 0 holds at its peak."""
-    if ctx.pp == 1:
-        return 1.0
-    base = float(min(ctx.micro_batches, ctx.pp))
-    return base * (1 + (ctx.pp - 1) / (ctx.pp * ctx.virtual_stages)) if ctx.virtual_stages > 1 else base
-
-
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
              parameters) -> dict[str, np.ndarray]:
     """Time and memory of plans from their per-stage layer sums (arrays, one entry per plan)."""
-    rows = evaluate_many(model, [ctx], layer_time_s, layer_backward_s, activation_bytes, transient_bytes, parameters)
-    return {k: v[0] for k, v in rows.items()}
+    n = len(np.atleast_1d(layer_time_s))
+    return evaluate_rows(model, [ctx], np.zeros(n, dtype=np.int64), layer_time_s, layer_backward_s, activation_bytes,
+                         transient_bytes, parameters)
 
 
-def evaluate_many(model: ModelCost, ctxs: list[Context], layer_time_s, layer_backward_s, activation_bytes,
-                  transient_bytes, parameters, totals_only: bool = False) -> dict[str, np.ndarray]:
-    """``evaluate`` of the same plans under contexts that differ only in virtual stages, ZeRO stage and
-    offload (the global choices the search tries around one chain): entries are (contexts, plans) arrays.
-
-    The pipeline part is priced once per virtual-stage count and the data-parallel and optimizer parts
-    once per ZeRO stage (and offload), then summed in one fixed order, so every row is what pricing its
-    context alone gives, bit for bit. ``totals_only``: just iteration time and peak memory."""
-    base = ctxs[0]
-    if any(replace(c, virtual_stages=base.virtual_stages, zero=base.zero, offload=base.offload) != base for c in ctxs):
-        raise ValueError("evaluate_many: contexts must differ only in virtual stages, ZeRO stage and offload")
+def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, layer_time_s, layer_backward_s,
+                  activation_bytes, transient_bytes, parameters, totals_only: bool = False) -> dict[str, np.ndarray]:
+    """``evaluate`` of many plans at once, plan i under context ``ctxs[which[i]]`` (the search prices
+    all its candidates in one call). Every formula is applied element by element to per-plan arrays
+    of the context's numbers, so each plan gets the very floats it would get priced alone.
+    ``totals_only``: just iteration time and peak memory."""
     cluster, prof = model.cluster, model.cluster.profile
-    first, last = model.loose(base.tp, base.micro_batch, base.pp)
-    m, p, dp = base.micro_batches, base.pp, base.dp
-    stage_s = np.asarray(layer_time_s, dtype=float) + max(first.time_s, last.time_s)
+
+    # the numbers of each context, then of each plan
+    numbers = {}
+    for c in ctxs:
+        first, last = model.loose(c.tp, c.micro_batch, c.pp)
+        state = state_bytes(c.dtype)
+        numbers.setdefault("int", []).append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch,
+                                               c.zero, c.offload, state.weight, state.grad, state.adam_moved,
+                                               state.optimizer_bytes(c.zero)))
+        numbers.setdefault("float", []).append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
+                                                first.activation_bytes, last.activation_bytes))
+    ints, floats = np.array(numbers["int"], dtype=np.int64)[which].T, np.array(numbers["float"])[which].T
+    dp, tp, pp, v, m, mb, z, offload, weight, grad, adam_moved, optimizer_bytes = ints
+    offload = offload.astype(bool)
+    loose_time, loose_params, first_acts, last_acts = floats
+
+    stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
+    # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
+    carried = max((cost.space.carried_bytes for _, cost in model.blocks), default=0)
+    p2p = 2 * v * p2p_s(carried * mb / tp, tp * dp >= cluster.devices_per_node, cluster)
+    piped = pp > 1
+    pipeline_s = np.where(piped, (m + (pp - 1) / v) * (stage_s + p2p), m * stage_s)
     # model states on stage 0 (the larger share of the tied embedding lives there too)
-    params = np.asarray(parameters, dtype=float) + max(first.parameters, last.parameters)
+    params = np.asarray(parameters, dtype=float) + loose_params
     backward = np.asarray(layer_backward_s, dtype=float)
-    state = state_bytes(base.dtype)
-    grad_bytes = state.grad * params
-    units = model.units_per_stage(p)
+    grad_bytes = grad * params
+    units = model.units_per_stage(pp)
+    dp_comm, exposed = _data_parallel_s(dp, tp, z, m, weight * params, grad_bytes, stage_s, backward, cluster, units)
+    opt_params = params / np.where(z >= 1, dp, 1)
+    optimizer_s = np.where(offload, opt_params / prof.cpu_adam_params_per_s + 4 * opt_params /
+                           prof.pcie_bandwidth_bytes_per_s, opt_params * adam_moved / prof.memory_bytes_per_s)
+    time_s = pipeline_s + exposed + optimizer_s
+
+    weights = weight * params / np.where(z == 3, dp, 1)
+    grads = grad_bytes / np.where(z >= 2, dp, 1)
+    optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
+    acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
+    acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
+    activations = np.maximum(acts_first, acts_last)
     other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes
-
-    pipeline = {}       # virtual stages -> (time, bubble, p2p per step, activation memory)
-    for v in sorted({c.virtual_stages for c in ctxs}):
-        ctx = replace(base, virtual_stages=v)
-        # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
-        if p > 1:
-            crosses = ctx.tp * ctx.dp >= cluster.devices_per_node
-            p2p = 2 * v * p2p_s(_boundary_bytes(model, ctx), crosses, cluster)
-            pipeline_s = (m + (p - 1) / v) * (stage_s + p2p)
-            bubble_s = (p - 1) / v * (stage_s + p2p)
-            p2p_total = m * p2p
-        else:
-            pipeline_s, bubble_s, p2p_total = m * stage_s, np.zeros_like(stage_s), 0.0
-        acts_first = in_flight(ctx) * (np.asarray(activation_bytes) + first.activation_bytes)
-        acts_last = np.asarray(activation_bytes) + last.activation_bytes if p > 1 else acts_first
-        pipeline[v] = (pipeline_s, bubble_s, np.full_like(stage_s, p2p_total), np.maximum(acts_first, acts_last))
-
-    data_parallel = {}  # ZeRO stage -> (communication, exposed, weights, gradients)
-    for z in sorted({c.zero for c in ctxs}):
-        comm, exposed = _data_parallel_s(replace(base, zero=z), state.weight * params, grad_bytes, stage_s, backward,
-                                         cluster, units)
-        data_parallel[z] = (comm, exposed, state.weight * params / (dp if z == 3 else 1),
-                            grad_bytes / (dp if z >= 2 else 1))
-
-    optimizer = {}      # (ZeRO stage, offload) -> (step time, optimizer-state memory)
-    for z, offload in sorted({(c.zero, c.offload) for c in ctxs}):
-        opt_params = params / (dp if z >= 1 else 1)
-        if offload:
-            optimizer_s = opt_params / prof.cpu_adam_params_per_s + 4 * opt_params / prof.pcie_bandwidth_bytes_per_s
-        else:
-            optimizer_s = opt_params * state.adam_moved / prof.memory_bytes_per_s
-        states = np.zeros_like(params) if offload else state.optimizer_bytes(z) * params / (dp if z >= 1 else 1)
-        optimizer[(z, offload)] = (optimizer_s, states)
-
-    def rows(table: dict, key, part: int) -> np.ndarray:
-        return np.stack([table[key(c)][part] for c in ctxs])
-
-    virtual, zero, zero_offload = (lambda c: c.virtual_stages), (lambda c: c.zero), (lambda c: (c.zero, c.offload))
-    time_s = rows(pipeline, virtual, 0) + rows(data_parallel, zero, 1) + rows(optimizer, zero_offload, 0)
-    weights, grads = rows(data_parallel, zero, 2), rows(data_parallel, zero, 3)
-    states, activations = rows(optimizer, zero_offload, 1), rows(pipeline, virtual, 3)
-    memory = weights + grads + states + activations + other
+    memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}
-    compute_s = m * (np.asarray(layer_time_s) + max(first.time_s, last.time_s))
     return {
         "iteration_time_s": time_s, "peak_memory_bytes": memory,
-        "parameters_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": states,
-        "activations_bytes": activations, "other_bytes": np.stack([other] * len(ctxs)),
-        "compute_s": np.stack([compute_s] * len(ctxs)),
-        "pipeline_bubble_s": rows(pipeline, virtual, 1), "pipeline_p2p_s": rows(pipeline, virtual, 2),
-        "data_parallel_comm_s": rows(data_parallel, zero, 0), "data_parallel_exposed_s": rows(data_parallel, zero, 1),
-        "optimizer_s": rows(optimizer, zero_offload, 0),
+        "parameters_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optimizer,
+        "activations_bytes": activations, "other_bytes": other,
+        "compute_s": m * (np.asarray(layer_time_s) + loose_time),
+        "pipeline_bubble_s": np.where(piped, (pp - 1) / v * (stage_s + p2p), 0.0),
+        "pipeline_p2p_s": np.where(piped, m * p2p, 0.0),
+        "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
     }
 
 
-def _data_parallel_s(ctx: Context, weight_bytes: np.ndarray, grad_bytes: np.ndarray, stage_s: np.ndarray,
-                     backward_s: np.ndarray, cluster: Cluster, units: int) -> tuple[np.ndarray, np.ndarray]:
-    """(data-parallel communication seconds, the part of it not hidden behind compute), per step.
+def in_flight(pp, micro_batches, virtual_stages):
+    """Micro-batches of activations stage 0 holds at its peak (numbers or arrays of them)."""
+    base = np.minimum(micro_batches, pp) * 1.0
+    interleaved = base * (1 + (pp - 1) / (pp * virtual_stages))
+    return np.where(pp == 1, 1.0, np.where(virtual_stages > 1, interleaved, base))
+
+
+def _data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndarray, weight_bytes: np.ndarray,
+                     grad_bytes: np.ndarray, stage_s: np.ndarray, backward_s: np.ndarray, cluster: Cluster,
+                     units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(data-parallel communication seconds, the part of it not hidden behind compute), per step and plan.
 
     ZeRO 0/1: one all-reduce of the gradients, behind the last micro-batch's backward. ZeRO 2: a
     reduce-scatter behind every micro-batch's backward and one all-gather of the updated weights.
     ZeRO 3: every micro-batch gathers the weights for its forward and again for its backward (behind
     the stage's compute) and reduce-scatters its gradients. Hiding needs a device that communicates
     beside computing (``overlaps_communication``): where the collective runs on the compute cores
-    (gloo on a CPU), all of it is exposed."""
-    dp, m = ctx.dp, ctx.micro_batches
-    if dp == 1:
-        return np.zeros_like(stage_s), np.zeros_like(stage_s)
-    if ctx.zero < 2:
-        comm = all_reduce_s(grad_bytes, dp, ctx.tp, cluster)
-        exposed = np.maximum(comm - backward_s, 0.0)
-        return comm, exposed if cluster.profile.overlaps_communication else comm
+    (gloo on a CPU), all of it is exposed. Collectives are priced per (dp, tp) group shape."""
+    comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
     copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
-    gather = all_gather_s(weight_bytes, dp, ctx.tp, cluster, units) + copy_s * weight_bytes
-    scatter = reduce_scatter_s(grad_bytes, dp, ctx.tp, cluster, units) + copy_s * grad_bytes
-    if ctx.zero == 3:
-        comm = m * (2 * gather + scatter)
-        exposed = m * (np.maximum(2 * gather - stage_s, 0.0) + np.maximum(scatter - backward_s, 0.0))
-    else:
-        comm = m * scatter + gather
-        exposed = m * np.maximum(scatter - backward_s, 0.0) + np.maximum(gather - stage_s, 0.0)
+    for d, t in sorted(set(zip(dp.tolist(), tp.tolist()))):
+        if d == 1:
+            continue
+        mesh = (dp == d) & (tp == t)
+        rows = mesh & (zero < 2)
+        if rows.any():
+            comm[rows] = all_reduce_s(grad_bytes[rows], d, t, cluster)
+            exposed[rows] = np.maximum(comm[rows] - backward_s[rows], 0.0)
+        rows = mesh & (zero >= 2)
+        if rows.any():
+            w, g, n = weight_bytes[rows], grad_bytes[rows], m[rows]
+            gather = all_gather_s(w, d, t, cluster, units[rows]) + copy_s * w
+            scatter = reduce_scatter_s(g, d, t, cluster, units[rows]) + copy_s * g
+            stage, back = stage_s[rows], backward_s[rows]
+            three = zero[rows] == 3
+            comm[rows] = np.where(three, n * (2 * gather + scatter), n * scatter + gather)
+            exposed[rows] = np.where(three, n * (np.maximum(2 * gather - stage, 0.0) + np.maximum(scatter - back, 0.0)),
+                                     n * np.maximum(scatter - back, 0.0) + np.maximum(gather - stage, 0.0))
     return comm, exposed if cluster.profile.overlaps_communication else comm
-
-
-def _boundary_bytes(model: ModelCost, ctx: Context) -> float:
-    """Activation sent between pipeline stages per micro-batch: the carried stream, split over the
-    tensor-parallel ranks (Megatron's scatter/gather optimisation, Narayanan et al. sec. 4.1)."""
-    carried = max((cost.space.carried_bytes for _, cost in model.blocks), default=0)
-    return carried * ctx.micro_batch / ctx.tp
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
@@ -355,5 +337,5 @@ def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     return parts
 
 
-__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "evaluate_many",
+__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "evaluate_rows",
            "in_flight", "state_bytes"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cost.layer import BlockCost
-from ..cost.model import Context, ModelCost, evaluate_many
+from ..cost.model import Context, ModelCost, evaluate_rows
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .pareto import ParetoSet, ParetoSets, combine, combine_sets, nondominated, union_sets
 
@@ -226,8 +226,9 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     builders = {(b, tp, size): Chain(model.blocks[b][1], layer_options(model.blocks[b][1], tp, space), tp, keys,
                                      space.eps, size) for (b, tp, size), keys in needs.items()}
     chains: dict[tuple, tuple[ParetoSet, list[list[LayerStrategy]]]] = {}
-    candidates = []      # (values (contexts x n, 2), contexts, counts (n, S), option lists)
-    n_candidates = 0
+    ctxs: list[Context] = []
+    stages = []          # per chain key in use: (stage set, option lists, per-plan backward and parameters)
+    ctx_stage = []       # per context: index into stages
     for dp, tp, pp, branches, mb, globals_ in choices:
         key = (tp, branches, mb, pp)
         if key not in chains:
@@ -238,33 +239,35 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
                 option_lists.append(layer_options(cost, tp, space))
             chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
                 (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
-        stage, option_lists = chains[key]
-        ctxs = [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
-                for v, z, off in _undominated(globals_, dp, pp)]
-        if not ctxs:
+        priced = [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
+                  for v, z, off in _undominated(globals_, dp, pp)]
+        if not priced:
             continue
-        backward = _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
-        params = _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
-        r = evaluate_many(model, ctxs, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params,
-                          totals_only=True)
-        values = np.stack([r["iteration_time_s"].ravel(), r["peak_memory_bytes"].ravel()], axis=1)
-        n_candidates += len(values)
-        candidates.append((values, ctxs, stage.counts, option_lists))
-    if not candidates:
+        stage, option_lists = chains[key]
+        stages.append((stage, option_lists, _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s"),
+                       _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")))
+        ctxs += priced
+        ctx_stage += [len(stages) - 1] * len(priced)
+    if not ctxs:
         return SearchResult([], time.perf_counter() - start, 0, {"chains": len(chains), "contexts": 0})
-    # one prune over every candidate (pruning each context's first gives the same front, ties included:
-    # of equal points the first one priced is kept either way)
-    all_values = np.concatenate([c[0] for c in candidates])
-    owner = np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(candidates)])
-    row = np.concatenate([np.arange(len(c[0])) for c in candidates])
+    # every candidate (context, stage point) priced in one call: rows of all stage sets, then their contexts
+    sizes = np.array([len(s[0]) for s in stages])
+    offsets = np.cumsum(sizes) - sizes
+    per_ctx = sizes[ctx_stage]
+    which = np.repeat(np.arange(len(ctxs)), per_ctx)
+    row = np.repeat(offsets[ctx_stage] - (np.cumsum(per_ctx) - per_ctx), per_ctx) + np.arange(len(which))
+    values = np.concatenate([s[0].values for s in stages])[row]
+    backward, params = (np.concatenate([s[k] for s in stages])[row] for k in (2, 3))
+    r = evaluate_rows(model, ctxs, which, values[:, 0], backward, values[:, 1], values[:, 2], params, totals_only=True)
+    all_values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
     points = []
     for k in front_by_time(all_values):
-        values, ctxs, counts, option_lists = candidates[owner[k]]
-        g, plan_row = divmod(int(row[k]), len(counts))
-        plan = _plan(model, devices, ctxs[g], counts[plan_row], option_lists)
-        points.append(FrontierPoint(plan, float(values[row[k], 0]), float(values[row[k], 1])))
-    return SearchResult(points, time.perf_counter() - start, n_candidates,
-                        {"chains": len(chains), "contexts": sum(len(c[1]) for c in candidates)})
+        c = which[k]
+        stage, option_lists = stages[ctx_stage[c]][:2]
+        plan = _plan(model, devices, ctxs[c], stage.counts[row[k] - offsets[ctx_stage[c]]], option_lists)
+        points.append(FrontierPoint(plan, float(all_values[k, 0]), float(all_values[k, 1])))
+    return SearchResult(points, time.perf_counter() - start, len(all_values),
+                        {"chains": len(chains), "contexts": len(ctxs)})
 
 
 def _undominated(globals_: list[tuple[int, int, bool]], dp: int, pp: int) -> list[tuple[int, int, bool]]:
