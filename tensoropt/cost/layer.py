@@ -59,6 +59,8 @@ class BlockCost:
         self.core = np.zeros(len(ops), dtype=bool)
         self.core[list(space.attention_core)] = True
         self._cache: dict[tuple, LayerCost] = {}
+        self._op_cache: dict[tuple, tuple] = {}
+        self._branch_nbytes = {b: float(sum(ops[r].outputs[0].nbytes for r in b.row)) for b in space.branches}
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -68,7 +70,7 @@ class BlockCost:
 
     def _branch_bytes(self, branch) -> float:
         """Bytes of the tensor a branch's all-reduce moves: its row linears' output."""
-        return float(sum(self.ops[r].outputs[0].nbytes for r in branch.row))
+        return self._branch_nbytes[branch]
 
     def tp_comm_s(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool, micro_batch: int) -> float:
         """Forward + backward tensor-parallel communication of one copy (tp ranks are adjacent)."""
@@ -91,12 +93,20 @@ class BlockCost:
             self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch)
         return self._cache[key]
 
+    def _ops(self, tp: int, tp_branches: tuple[str, ...], sp: bool, micro_batch: int):
+        """(forward s, backward s, saved bytes) per op and the tensor-parallel communication of one copy:
+        what every recomputation choice of a (tp, branches, sequence parallelism, micro-batch) shares."""
+        key = (tp, tp_branches, sp, micro_batch)
+        if key not in self._op_cache:
+            shard = self.shards(tp, tp_branches, sp)
+            fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
+            self._op_cache[key] = (fwd, bwd, self.arrays.saved_bytes * micro_batch / shard,
+                                   self.tp_comm_s(tp, tp_branches, sp, micro_batch))
+        return self._op_cache[key]
+
     def _layer(self, strategy, tp, tp_branches, micro_batch) -> LayerCost:
         sp = strategy.sequence_parallel and tp > 1
-        shard = self.shards(tp, tp_branches, sp)
-        fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
-        comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
-        saved = self.arrays.saved_bytes * micro_batch / shard
+        fwd, bwd, saved, comm = self._ops(tp, tp_branches, sp, micro_batch)
         all_saved = float(saved.sum())
         if strategy.recompute == "full":
             kept = self.space.carried_bytes * micro_batch / (tp if sp else 1)

@@ -216,40 +216,44 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True) -> SearchResult:
     start = time.perf_counter()
-    choices = list(contexts(model, devices, space))
+    blocks = range(len(model.blocks))
+    choices = [(dp, tp, pp, branches, mb, [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
+                                           for v, z, off in _undominated(globals_, dp, pp)])
+               for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
+    choices = [c for c in choices if c[-1]]
+    split = {(b, pp): space.groups(model.blocks[b][0].repeats // pp, model.blocks[b][0].repeats)
+             for b in blocks for pp in {c[2] for c in choices}}         # (groups, copies per group)
+    options = {(b, tp): layer_options(model.blocks[b][1], tp, space) for b in blocks for tp in {c[1] for c in choices}}
     # one chain per (block, tp, group size), with a Pareto set per (branches, micro-batch) it is needed for
     needs: dict[tuple[int, int, int], dict[tuple[tuple[str, ...], int], set[int]]] = {}
     for _, tp, pp, branches, mb, _ in choices:
-        for b, (block, _) in enumerate(model.blocks):
-            groups, size = space.groups(block.repeats // pp, block.repeats)
+        for b in blocks:
+            groups, size = split[(b, pp)]
             needs.setdefault((b, tp, size), {}).setdefault((branches, mb), set()).add(groups)
-    builders = {(b, tp, size): Chain(model.blocks[b][1], layer_options(model.blocks[b][1], tp, space), tp, keys,
-                                     space.eps, size) for (b, tp, size), keys in needs.items()}
-    chains: dict[tuple, tuple[ParetoSet, list[list[LayerStrategy]]]] = {}
+    builders = {(b, tp, size): Chain(model.blocks[b][1], options[(b, tp)], tp, keys, space.eps, size)
+                for (b, tp, size), keys in needs.items()}
+    per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb) -> per strategy: backward s, parameters
     ctxs: list[Context] = []
-    stages = []          # per chain key in use: (stage set, option lists, per-plan backward and parameters)
+    stages = []          # per (tp, branches, micro-batch, pp): (stage set, option lists, backward, parameters)
     ctx_stage = []       # per context: index into stages
-    for dp, tp, pp, branches, mb, globals_ in choices:
-        key = (tp, branches, mb, pp)
-        if key not in chains:
-            parts, option_lists = [], []
-            for b, (block, cost) in enumerate(model.blocks):
-                groups, size = space.groups(block.repeats // pp, block.repeats)
-                parts.append(builders[(b, tp, size)].set(groups, (branches, mb), doubling))
-                option_lists.append(layer_options(cost, tp, space))
-            chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
-                (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
-        priced = [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype)
-                  for v, z, off in _undominated(globals_, dp, pp)]
-        if not priced:
-            continue
-        stage, option_lists = chains[key]
-        stages.append((stage, option_lists, _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s"),
-                       _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")))
+    for _, tp, pp, branches, mb, priced in choices:
+        parts = [builders[(b, tp, split[(b, pp)][1])].set(split[(b, pp)][0], (branches, mb), doubling) for b in blocks]
+        option_lists = [options[(b, tp)] for b in blocks]
+        stage = _combine_blocks(parts, space.eps) if parts else \
+            ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64))
+        backward, params = np.zeros(len(stage)), np.zeros(len(stage))
+        for b, (_, counts) in zip(blocks, _split(stage.counts, option_lists)):
+            if (b, tp, branches, mb) not in per_option:
+                layers = [model.blocks[b][1].layer(o, tp, branches, mb) for o in options[(b, tp)]]
+                per_option[(b, tp, branches, mb)] = (np.array([c.backward_s for c in layers]),
+                                                     np.array([c.parameters for c in layers]))
+            backward += counts @ per_option[(b, tp, branches, mb)][0]
+            params += counts @ per_option[(b, tp, branches, mb)][1]
+        stages.append((stage, option_lists, backward, params))
         ctxs += priced
         ctx_stage += [len(stages) - 1] * len(priced)
     if not ctxs:
-        return SearchResult([], time.perf_counter() - start, 0, {"chains": len(chains), "contexts": 0})
+        return SearchResult([], time.perf_counter() - start, 0, {"chains": 0, "contexts": 0})
     # every candidate (context, stage point) priced in one call: rows of all stage sets, then their contexts
     sizes = np.array([len(s[0]) for s in stages])
     offsets = np.cumsum(sizes) - sizes
@@ -267,7 +271,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         plan = _plan(model, devices, ctxs[c], stage.counts[row[k] - offsets[ctx_stage[c]]], option_lists)
         points.append(FrontierPoint(plan, float(all_values[k, 0]), float(all_values[k, 1])))
     return SearchResult(points, time.perf_counter() - start, len(all_values),
-                        {"chains": len(chains), "contexts": len(ctxs)})
+                        {"chains": len(stages), "contexts": len(ctxs)})
 
 
 def _undominated(globals_: list[tuple[int, int, bool]], dp: int, pp: int) -> list[tuple[int, int, bool]]:
@@ -299,14 +303,6 @@ def _split(counts: np.ndarray, option_lists: list[list[LayerStrategy]]):
     for options in option_lists:
         yield options, counts[..., start:start + len(options)]
         start += len(options)
-
-
-def _per_option_sum(model, stage, option_lists, tp, branches, mb, attr) -> np.ndarray:
-    total = np.zeros(len(stage))
-    for (_, cost), (options, counts) in zip(model.blocks, _split(stage.counts, option_lists)):
-        per = np.array([getattr(cost.layer(o, tp, branches, mb), attr) for o in options])
-        total += counts @ per
-    return total
 
 
 def _plan(model: ModelCost, devices: int, ctx: Context, counts: np.ndarray, option_lists) -> Plan:
