@@ -142,11 +142,12 @@ def combine_all(pairs: list[tuple[ParetoSet, ParetoSet]], eps: float = 0.0) -> P
 def combine_sets(pairs: list[tuple[ParetoSets, ParetoSets]], eps: float = 0.0) -> ParetoSets:
     """Set by set, the union of the Minkowski sums of several pairs, pruned once (``combine_all`` for
     every set at once). Within a set the sums are listed pair by pair, each row of the first part
-    with every row of the second, as ``combine_all`` lists them."""
+    with every row of the second, as ``combine_all`` lists them; a set summed with itself skips the
+    sums (j, i) of j > i, which repeat the earlier (i, j) exactly (so are never the one kept)."""
     size = pairs[0][0].size
     values, group, left, right = [], [], [], []
     for a, b in pairs:
-        i, j = _pairs(a.group, b.lengths(), b.starts())
+        i, j = _pairs(a.group, b.lengths(), b.starts(), a is b)
         va, vb = a.values[i], b.values[j]
         values.append(np.concatenate([va[:, :2] + vb[:, :2], np.maximum(va[:, 2:], vb[:, 2:])], axis=1))
         group.append(a.group[i])
@@ -164,12 +165,16 @@ def combine_sets(pairs: list[tuple[ParetoSets, ParetoSets]], eps: float = 0.0) -
     return ParetoSets(values[keep], counts, group[keep], size)
 
 
-def _pairs(group_a: np.ndarray, lengths_b: np.ndarray, starts_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row of a, row of b) for every row of a with every row of b in the same group, a-major."""
-    reps = lengths_b[group_a]
-    i = np.repeat(np.arange(len(group_a)), reps)
+def _pairs(group_a: np.ndarray, lengths_b: np.ndarray, starts_b: np.ndarray,
+           itself: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(row of a, row of b) for every row of a with every row of b in the same group, a-major
+    (``itself``: a is b, and only j >= i)."""
+    rows = np.arange(len(group_a))
+    start = rows if itself else starts_b[group_a]
+    reps = starts_b[group_a] + lengths_b[group_a] - start
+    i = np.repeat(rows, reps)
     first = np.cumsum(reps) - reps
-    j = np.repeat(starts_b[group_a] - first, reps) + np.arange(len(i))
+    j = np.repeat(start - first, reps) + np.arange(len(i))
     return i, j
 
 
