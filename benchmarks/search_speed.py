@@ -36,6 +36,15 @@ SHALLOW = {"family": "gpt", "hidden_size": 12288, "num_layers": 12, "num_attenti
 # the reference: a 4-layer GPT on 8 devices (~25 ms on a 2-core CI machine)
 REFERENCE = ({"family": "gpt", "hidden_size": 64, "num_layers": 4, "num_attention_heads": 4, "ffn_hidden_size": 256,
               "seq_length": 64, "vocab_size": 256}, 8, 16)
+# where the time goes, from py-spy on the search (gpt3-175b on 1024 A100s); re-profile when it changes
+PROFILE = ("Profile (py-spy, gpt3-175b on 1024 x a100-80gb). Before issue 13 (f8f685f, 0.22 s here): composing "
+           "chains 38% (half of it pruning), one-step layer matrices 23% (a chain, layer matrix and all, was built "
+           "for every context and thrown away; pruning sets of 2-3 points cost 10%), pricing 21% (evaluate once per "
+           "global choice, the loose ops' arrays rebuilt per (tp, micro-batch, pp)), 2-D prunes per global choice "
+           "9%, the rest bookkeeping; numpy call overhead on small arrays, not arithmetic. After (0.06 s): chains of "
+           "a block and tp computed together for every (branches, micro-batch), all candidates priced in one call "
+           "and pruned once, per-op layer work shared by the recomputation choices: composing chains 63% (sorting "
+           "in the pruning 48%), layer costs 10%, pricing 9%, bookkeeping 11%.\n")
 # (model, devices, global batch, device profile, folded, pipeline stages)
 ROWS = [("gpt3-175b", 1024, 1536, "a100-80gb", True, None),
         ("gpt3-175b", 1024, 1536, "h100-80gb", True, None),
@@ -134,7 +143,7 @@ def report(reference: dict, rows: list[dict]) -> None:
              f"llama3-8b on 64: {verdict(all(r['search_median_s'] <= 0.25 for r in targets))}; ratio <= 1.3: "
              f"{verdict(ratio <= 1.3)}. Copies of a block form at most 16 equal groups per stage, one strategy each "
              "(search/ft.py): chains cost the same at any depth; what still grows is the number of pipeline splits "
-             "and the frontier's size.\n")
+             "and the frontier's size.\n\n" + PROFILE)
     write_results("search_speed", rows, "\n".join(lines) + "\n", notes, extra={"reference": reference})
 
 

@@ -174,19 +174,18 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     cluster, prof = model.cluster, model.cluster.profile
 
     # the numbers of each context, then of each plan
-    numbers = {}
+    ints, floats = [], []
     for c in ctxs:
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
         state = state_bytes(c.dtype)
-        numbers.setdefault("int", []).append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch,
-                                               c.zero, c.offload, state.weight, state.grad, state.adam_moved,
-                                               state.optimizer_bytes(c.zero)))
-        numbers.setdefault("float", []).append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                                                first.activation_bytes, last.activation_bytes))
-    ints, floats = np.array(numbers["int"], dtype=np.int64)[which].T, np.array(numbers["float"])[which].T
-    dp, tp, pp, v, m, mb, z, offload, weight, grad, adam_moved, optimizer_bytes = ints
+        ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
+                     state.weight, state.grad, state.adam_moved, state.optimizer_bytes(c.zero)))
+        floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
+                       first.activation_bytes, last.activation_bytes))
+    per_plan = np.array(ints, dtype=np.int64)[which].T
+    dp, tp, pp, v, m, mb, z, offload, weight, grad, adam_moved, optimizer_bytes = per_plan
+    loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
-    loose_time, loose_params, first_acts, last_acts = floats
 
     stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
     # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries

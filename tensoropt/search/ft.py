@@ -15,8 +15,14 @@ so its cost depends on the number of groups, not on the depth.
 
 Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
 which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload.
-Every candidate is priced by the same ``evaluate`` as ``tensoropt estimate``, and the non-dominated
-(time, peak memory) points form the frontier.
+Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
+``evaluate`` is the one-plan case), and the non-dominated (time, peak memory) points form the frontier.
+
+Speed: the work is numpy over many small sets, so it is done in few calls. The chains of one block
+and tp are computed together for every (branches, micro-batch) they are needed for (one Pareto set
+per key in one ``ParetoSets`` array; search/pareto.py), layer costs are cached per (strategy, tp,
+branches, micro-batch) on the block's cost, and all candidates are priced in one call and pruned
+once. Each of these gives the very floats the one-at-a-time computation gives (tests/test_pricing.py).
 """
 
 from __future__ import annotations
