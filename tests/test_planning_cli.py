@@ -133,13 +133,26 @@ def test_estimate_bad_operands_are_one_line(model, case):
 
 def test_frontier_bad_input(model, tmp_path):
     (tmp_path / "broken.json").write_text("{\"kind\": \"tensoropt.frontier\"")
-    cases = [(["--model", model, "--gpus", 8, "--mem", "40"], "give a size with a unit"),
+    cases = [(["--model", model, "--gpus", 8, "--mem", "40.5"], "give a size with a unit"),
              (["--model", model, "--gpus", "8-2"], "--gpus '8-2'"),
              (["--load", tmp_path / "broken.json"], "not a readable frontier file"),
              (["--gpus", 8], "give --model and --gpus, or --load")]
     for args, expected in cases:
         code, out = run("frontier", *args)
         assert code == 1 and expected in out and out.count("\n") == 1, out
+
+
+def test_a_plain_integer_is_a_byte_count(model, tmp_path):
+    """--mem 45936257537 is bytes, as in DeepSpeed configs and torch; a fraction still needs a unit."""
+    from tensoropt.cli.common import parse_bytes
+    assert parse_bytes("45936257537") == parse_bytes("45936257537B") == 45936257537
+    assert parse_bytes(" 1024 ") == parse_bytes("1KiB") and parse_bytes(512, "mem_per_gpu") == 512
+    code, out = frontier_json(model, "--out", tmp_path / "f.json")
+    points = json.loads(out)["points"]
+    budget = int(points[len(points) // 2]["peak_memory_bytes"])
+    chosen = [json.loads(run("frontier", "--load", tmp_path / "f.json", "--mem", mem, "--json")[1])["chosen"]
+              for mem in (str(budget), f"{budget}B")]
+    assert chosen[0] == chosen[1] and chosen[0]["peak_memory_bytes"] <= budget
 
 
 def test_no_plan_for_the_global_batch_is_one_line():

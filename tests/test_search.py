@@ -6,10 +6,11 @@ import pytest
 
 import tensoropt
 from tensoropt.cost.model import ModelCost, estimate
-from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.cost.profile import PROFILES_DIR, Cluster, load_profile
 from tensoropt.search.exhaustive import exhaustive_search
 from tensoropt.search.ft import SearchSpace, search
 
+CPU_PROFILE = str(PROFILES_DIR / "cpu-2core.json")      # measured collectives, no overlap, no fusion
 TINY_GPT = {"family": "gpt", "hidden_size": 64, "num_layers": 4, "num_attention_heads": 4,
             "ffn_hidden_size": 256, "seq_length": 64, "vocab_size": 256}
 
@@ -32,18 +33,20 @@ def test_ft_equals_exhaustive_enumeration(write_json, devices, per_node):
     np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
 
 
-def test_folded_search_equals_unfolded_search(write_json):
+@pytest.mark.parametrize("profile", ["h100-80gb", CPU_PROFILE])
+def test_folded_search_equals_unfolded_search(write_json, profile):
     cfg = {**TINY_GPT, "num_layers": 12}
-    model = _model(write_json, cfg, 8, 4)
+    model = _model(write_json, cfg, 8, 4, profile)
     space = SearchSpace(global_batch=16, eps=0.0)
     folded, unfolded = search(model, 8, space), search(model, 8, space, doubling=False)
     np.testing.assert_allclose(_front(folded), _front(unfolded), rtol=1e-12)
     assert [p.plan for p in folded.points] == [p.plan for p in unfolded.points]
 
 
-def test_frontier_points_are_sorted_non_dominated_and_priced_like_estimate(write_json):
-    model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 8, 4)
-    result = search(model, 8, SearchSpace(global_batch=32))
+@pytest.mark.parametrize("profile, dtype", [("h100-80gb", "bfloat16"), (CPU_PROFILE, "float32")])
+def test_frontier_points_are_sorted_non_dominated_and_priced_like_estimate(write_json, profile, dtype):
+    model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 8, 4, profile)
+    result = search(model, 8, SearchSpace(global_batch=32, dtype=dtype))
     front = _front(result)
     assert len(front) > 3
     assert np.all(np.diff(front[:, 0]) > 0) and np.all(np.diff(front[:, 1]) < 0)   # faster costs memory

@@ -61,6 +61,9 @@ def reduce_scatter_s(nbytes, size: int, stride: int, cluster: Cluster, units: in
     return _collective(nbytes, size, stride, cluster, "reduce_scatter", units)
 
 
-def p2p_s(nbytes: float, crosses_node: bool, cluster: Cluster) -> float:
-    link = cluster.profile.inter_node if crosses_node else cluster.profile.intra_node
-    return nbytes / link.effective_bytes_per_s + link.latency_s if nbytes > 0 else 0.0
+def p2p_s(nbytes, crosses_node, cluster: Cluster):
+    """Point-to-point send of ``nbytes`` (numbers, or numpy arrays with ``crosses_node`` per entry)."""
+    inter, intra = cluster.profile.inter_node, cluster.profile.intra_node
+    bandwidth = np.where(crosses_node, inter.effective_bytes_per_s, intra.effective_bytes_per_s)
+    latency = np.where(crosses_node, inter.latency_s, intra.latency_s)
+    return np.where(np.asarray(nbytes) > 0, nbytes / bandwidth + latency, 0.0)

@@ -59,6 +59,8 @@ class BlockCost:
         self.core = np.zeros(len(ops), dtype=bool)
         self.core[list(space.attention_core)] = True
         self._cache: dict[tuple, LayerCost] = {}
+        self._op_cache: dict[tuple, tuple] = {}
+        self._branch_nbytes = {b: float(sum(ops[r].outputs[0].nbytes for r in b.row)) for b in space.branches}
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -68,7 +70,7 @@ class BlockCost:
 
     def _branch_bytes(self, branch) -> float:
         """Bytes of the tensor a branch's all-reduce moves: its row linears' output."""
-        return float(sum(self.ops[r].outputs[0].nbytes for r in branch.row))
+        return self._branch_nbytes[branch]
 
     def tp_comm_s(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool, micro_batch: int) -> float:
         """Forward + backward tensor-parallel communication of one copy (tp ranks are adjacent)."""
@@ -91,12 +93,20 @@ class BlockCost:
             self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch)
         return self._cache[key]
 
+    def _ops(self, tp: int, tp_branches: tuple[str, ...], sp: bool, micro_batch: int):
+        """(forward s, backward s, saved bytes) per op and the tensor-parallel communication of one copy:
+        what every recomputation choice of a (tp, branches, sequence parallelism, micro-batch) shares."""
+        key = (tp, tp_branches, sp, micro_batch)
+        if key not in self._op_cache:
+            shard = self.shards(tp, tp_branches, sp)
+            fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
+            self._op_cache[key] = (fwd, bwd, self.arrays.saved_bytes * micro_batch / shard,
+                                   self.tp_comm_s(tp, tp_branches, sp, micro_batch))
+        return self._op_cache[key]
+
     def _layer(self, strategy, tp, tp_branches, micro_batch) -> LayerCost:
         sp = strategy.sequence_parallel and tp > 1
-        shard = self.shards(tp, tp_branches, sp)
-        fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
-        comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
-        saved = self.arrays.saved_bytes * micro_batch / shard
+        fwd, bwd, saved, comm = self._ops(tp, tp_branches, sp, micro_batch)
         all_saved = float(saved.sum())
         if strategy.recompute == "full":
             kept = self.space.carried_bytes * micro_batch / (tp if sp else 1)
@@ -130,26 +140,36 @@ class LooseCost:
     parameters: float
 
 
-def loose_cost(ops: tuple[Op, ...], tp: int, micro_batch: int, cluster: Cluster, vocab: int | None) -> LooseCost:
-    """Embedding, final norm, LM head and loss. With tp > 1 the vocabulary dimension is split
-    (Megatron's vocabulary-parallel embedding and cross-entropy): ops that read the embedding table
-    or produce vocabulary-sized tensors divide by tp, at the cost of one all-reduce of the hidden
-    state in the forward (embedding output) and one in the backward (head input gradient)."""
-    if not ops:
-        return LooseCost(0.0, 0.0, 0.0)
-    shard = np.ones(len(ops))
-    hidden_bytes = 0.0
-    if tp > 1 and vocab:
-        v = vocab
-        for i, op in enumerate(ops):
-            reads_table = any(r.kind == "param" and v in m.shape for m, r in zip(op.inputs, op.sources))
-            if reads_table or any(m.shape and m.shape[-1] == v for m in op.outputs + op.inputs):
-                shard[i] = tp
-            if op.kind == "embedding":
-                hidden_bytes = max(hidden_bytes, float(op.outputs[0].nbytes))
-    arrays = OpArrays.of(ops, cluster.profile)
-    fwd, bwd = op_times(arrays, shard, micro_batch, cluster.profile)
-    params = _param_elements(ops, range(len(ops))) / shard
-    comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, cluster) if hidden_bytes else 0.0
-    return LooseCost(float((fwd + bwd).sum()) + comm, float((arrays.saved_bytes * micro_batch / shard).sum()),
-                     float(params.sum()))
+class LooseOps:
+    """The ops before the first block (first stage) or after the last one (last stage), costed at any
+    (tp, micro-batch): their per-op arrays and vocabulary split are worked out once per model.
+
+    With tp > 1 the vocabulary dimension is split (Megatron's vocabulary-parallel embedding and
+    cross-entropy): ops that read the embedding table or produce vocabulary-sized tensors divide by
+    tp, at the cost of one all-reduce of the hidden state in the forward (embedding output) and one
+    in the backward (head input gradient)."""
+
+    def __init__(self, ops: tuple[Op, ...], cluster: Cluster, vocab: int | None) -> None:
+        self.ops, self.cluster = ops, cluster
+        self.vocab_split = np.zeros(len(ops), dtype=bool)   # ops that divide by tp
+        self.hidden_bytes = 0.0                              # the embedding's output: all-reduced when tp > 1
+        if vocab:
+            for i, op in enumerate(ops):
+                reads_table = any(r.kind == "param" and vocab in m.shape for m, r in zip(op.inputs, op.sources))
+                sized = any(m.shape and m.shape[-1] == vocab for m in op.outputs + op.inputs)
+                self.vocab_split[i] = reads_table or sized
+                if op.kind == "embedding":
+                    self.hidden_bytes = max(self.hidden_bytes, float(op.outputs[0].nbytes))
+        self.arrays = OpArrays.of(ops, cluster.profile) if ops else None
+        self.params = _param_elements(ops, range(len(ops)))
+
+    def cost(self, tp: int, micro_batch: int) -> LooseCost:
+        if not self.ops:
+            return LooseCost(0.0, 0.0, 0.0)
+        shard = np.where(self.vocab_split, float(tp), 1.0) if tp > 1 else np.ones(len(self.ops))
+        hidden_bytes = self.hidden_bytes if tp > 1 else 0.0
+        fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
+        comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, self.cluster) if hidden_bytes else 0.0
+        activations = float((self.arrays.saved_bytes * micro_batch / shard).sum())
+        return LooseCost(float((fwd + bwd).sum()) + comm, activations, float((self.params / shard).sum()))
+

@@ -35,7 +35,7 @@ from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.plan import BlockPlan, LayerStrategy, Plan
 from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from .layer import BlockCost, LooseCost, loose_cost
+from .layer import BlockCost, LooseCost, LooseOps
 from .profile import Cluster
 
 
@@ -98,6 +98,7 @@ class ModelCost:
         vocab = {op.inputs[0].shape[0] for op in graph.ops if op.kind == "embedding"}
         self.vocab = max(vocab) if vocab else None
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
+        self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
     @property
     def spaces(self) -> list[BlockSpace]:
@@ -106,8 +107,9 @@ class ModelCost:
     def tp_allowed(self, tp: int) -> bool:
         return tp == 1 or (bool(self.blocks) and all(s.tp_allowed(tp) for s in self.spaces))
 
-    def units_per_stage(self, pp: int) -> int:
-        """Communication units of sharded data parallelism on one stage: its block copies and the loose ops."""
+    def units_per_stage(self, pp):
+        """Communication units of sharded data parallelism on one stage: its block copies and the loose ops
+        (``pp`` a number or an array of them)."""
         return sum(b.repeats for b, _ in self.blocks) // pp + 1
 
     @property
@@ -121,12 +123,16 @@ class ModelCost:
 
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
         """(first stage, last stage) costs of the ops outside blocks."""
-        key = (tp, micro_batch, pp)
+        split = pp > 1                   # which stages hold them matters, not how many stages there are
+        key = (tp, micro_batch, split)
         if key not in self._loose:
-            first = loose_cost(self.head_ops + self.middle_ops + (self.tail_ops if pp == 1 else ()),
-                               tp, micro_batch, self.cluster, self.vocab)
-            last = loose_cost(self.tail_ops, tp, micro_batch, self.cluster, self.vocab) if pp > 1 else first
-            self._loose[key] = (first, last)
+            if split not in self._loose_ops:
+                self._loose_ops[split] = (
+                    LooseOps(self.head_ops + self.middle_ops + (() if split else self.tail_ops), self.cluster,
+                             self.vocab), LooseOps(self.tail_ops if split else (), self.cluster, self.vocab))
+            head, tail = self._loose_ops[split]
+            first = head.cost(tp, micro_batch)
+            self._loose[key] = (first, tail.cost(tp, micro_batch) if split else first)
         return self._loose[key]
 
 
@@ -161,96 +167,113 @@ class Context:
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights)
 
 
-def in_flight(ctx: Context) -> float:
-    """Micro-batches of activations stage 0 holds at its peak."""
-    if ctx.pp == 1:
-        return 1.0
-    base = float(min(ctx.micro_batches, ctx.pp))
-    return base * (1 + (ctx.pp - 1) / (ctx.pp * ctx.virtual_stages)) if ctx.virtual_stages > 1 else base
-
-
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
              parameters) -> dict[str, np.ndarray]:
     """Time and memory of plans from their per-stage layer sums (arrays, one entry per plan)."""
+    n = len(np.atleast_1d(layer_time_s))
+    return evaluate_rows(model, [ctx], np.zeros(n, dtype=np.int64), layer_time_s, layer_backward_s, activation_bytes,
+                         transient_bytes, parameters)
+
+
+def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, layer_time_s, layer_backward_s,
+                  activation_bytes, transient_bytes, parameters, totals_only: bool = False) -> dict[str, np.ndarray]:
+    """``evaluate`` of many plans at once, plan i under context ``ctxs[which[i]]`` (the search prices
+    all its candidates in one call). Every formula is applied element by element to per-plan arrays
+    of the context's numbers, so each plan gets the very floats it would get priced alone.
+    ``totals_only``: just iteration time and peak memory."""
     cluster, prof = model.cluster, model.cluster.profile
-    first, last = model.loose(ctx.tp, ctx.micro_batch, ctx.pp)
-    m, p, v = ctx.micro_batches, ctx.pp, ctx.virtual_stages
-    stage_s = np.asarray(layer_time_s, dtype=float) + max(first.time_s, last.time_s)
+
+    # the numbers of each context, then of each plan
+    ints, floats = [], []
+    for c in ctxs:
+        first, last = model.loose(c.tp, c.micro_batch, c.pp)
+        state = state_bytes(c.dtype, c.master_weights)
+        ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
+                     state.weight, state.grad, state.adam_moved, state.optimizer_bytes(c.zero)))
+        floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
+                       first.activation_bytes, last.activation_bytes))
+    per_plan = np.array(ints, dtype=np.int64)[which].T
+    dp, tp, pp, v, m, mb, z, offload, weight, grad, adam_moved, optimizer_bytes = per_plan
+    loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
+    offload = offload.astype(bool)
+
+    stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
     # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
-    if p > 1:
-        crosses = ctx.tp * ctx.dp >= cluster.devices_per_node
-        p2p = 2 * v * p2p_s(_boundary_bytes(model, ctx), crosses, cluster)
-        pipeline_s = (m + (p - 1) / v) * (stage_s + p2p)
-        bubble_s = (p - 1) / v * (stage_s + p2p)
-        p2p_total = m * p2p
-    else:
-        pipeline_s, bubble_s, p2p_total = m * stage_s, np.zeros_like(stage_s), 0.0
+    carried = max((cost.space.carried_bytes for _, cost in model.blocks), default=0)
+    p2p = 2 * v * p2p_s(carried * mb / tp, tp * dp >= cluster.devices_per_node, cluster)
+    piped = pp > 1
+    pipeline_s = np.where(piped, (m + (pp - 1) / v) * (stage_s + p2p), m * stage_s)
     # model states on stage 0 (the larger share of the tied embedding lives there too)
-    params = np.asarray(parameters, dtype=float) + max(first.parameters, last.parameters)
+    params = np.asarray(parameters, dtype=float) + loose_params
     backward = np.asarray(layer_backward_s, dtype=float)
-    dp, z, state = ctx.dp, ctx.zero, state_bytes(ctx.dtype, ctx.master_weights)
-    grad_bytes = state.grad * params
-    units = model.units_per_stage(p)
-    dp_comm, exposed = _data_parallel_s(ctx, state.weight * params, grad_bytes, stage_s, backward, cluster, units)
-    opt_params = params / (dp if z >= 1 else 1)
-    if ctx.offload:
-        optimizer_s = opt_params / prof.cpu_adam_params_per_s + 4 * opt_params / prof.pcie_bandwidth_bytes_per_s
-    else:
-        optimizer_s = opt_params * state.adam_moved / prof.memory_bytes_per_s
+    grad_bytes = grad * params
+    units = model.units_per_stage(pp)
+    dp_comm, exposed = _data_parallel_s(dp, tp, z, m, weight * params, grad_bytes, stage_s, backward, cluster, units)
+    opt_params = params / np.where(z >= 1, dp, 1)
+    optimizer_s = np.where(offload, opt_params / prof.cpu_adam_params_per_s + 4 * opt_params /
+                           prof.pcie_bandwidth_bytes_per_s, opt_params * adam_moved / prof.memory_bytes_per_s)
     time_s = pipeline_s + exposed + optimizer_s
 
-    weights = state.weight * params / (dp if z == 3 else 1)
-    grads = grad_bytes / (dp if z >= 2 else 1)
-    optimizer = np.zeros_like(params) if ctx.offload else state.optimizer_bytes(z) * params / (dp if z >= 1 else 1)
-    acts_first = in_flight(ctx) * (np.asarray(activation_bytes) + first.activation_bytes)
-    acts_last = np.asarray(activation_bytes) + last.activation_bytes if p > 1 else acts_first
+    weights = weight * params / np.where(z == 3, dp, 1)
+    grads = grad_bytes / np.where(z >= 2, dp, 1)
+    optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
+    acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
+    acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
     other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes
     memory = weights + grads + optimizer + activations + other
+    if totals_only:
+        return {"iteration_time_s": time_s, "peak_memory_bytes": memory}
     return {
         "iteration_time_s": time_s, "peak_memory_bytes": memory,
         "parameters_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optimizer,
         "activations_bytes": activations, "other_bytes": other,
-        "compute_s": m * (np.asarray(layer_time_s) + max(first.time_s, last.time_s)),
-        "pipeline_bubble_s": bubble_s, "pipeline_p2p_s": np.full_like(stage_s, p2p_total),
+        "compute_s": m * (np.asarray(layer_time_s) + loose_time),
+        "pipeline_bubble_s": np.where(piped, (pp - 1) / v * (stage_s + p2p), 0.0),
+        "pipeline_p2p_s": np.where(piped, m * p2p, 0.0),
         "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
     }
 
 
-def _data_parallel_s(ctx: Context, weight_bytes: np.ndarray, grad_bytes: np.ndarray, stage_s: np.ndarray,
-                     backward_s: np.ndarray, cluster: Cluster, units: int) -> tuple[np.ndarray, np.ndarray]:
-    """(data-parallel communication seconds, the part of it not hidden behind compute), per step.
+def in_flight(pp, micro_batches, virtual_stages):
+    """Micro-batches of activations stage 0 holds at its peak (numbers or arrays of them)."""
+    base = np.minimum(micro_batches, pp) * 1.0
+    interleaved = base * (1 + (pp - 1) / (pp * virtual_stages))
+    return np.where(pp == 1, 1.0, np.where(virtual_stages > 1, interleaved, base))
+
+
+def _data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndarray, weight_bytes: np.ndarray,
+                     grad_bytes: np.ndarray, stage_s: np.ndarray, backward_s: np.ndarray, cluster: Cluster,
+                     units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(data-parallel communication seconds, the part of it not hidden behind compute), per step and plan.
 
     ZeRO 0/1: one all-reduce of the gradients, behind the last micro-batch's backward. ZeRO 2: a
     reduce-scatter behind every micro-batch's backward and one all-gather of the updated weights.
     ZeRO 3: every micro-batch gathers the weights for its forward and again for its backward (behind
     the stage's compute) and reduce-scatters its gradients. Hiding needs a device that communicates
     beside computing (``overlaps_communication``): where the collective runs on the compute cores
-    (gloo on a CPU), all of it is exposed."""
-    dp, m = ctx.dp, ctx.micro_batches
-    if dp == 1:
-        return np.zeros_like(stage_s), np.zeros_like(stage_s)
-    if ctx.zero < 2:
-        comm = all_reduce_s(grad_bytes, dp, ctx.tp, cluster)
-        exposed = np.maximum(comm - backward_s, 0.0)
-        return comm, exposed if cluster.profile.overlaps_communication else comm
+    (gloo on a CPU), all of it is exposed. Collectives are priced per (dp, tp) group shape."""
+    comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
     copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
-    gather = all_gather_s(weight_bytes, dp, ctx.tp, cluster, units) + copy_s * weight_bytes
-    scatter = reduce_scatter_s(grad_bytes, dp, ctx.tp, cluster, units) + copy_s * grad_bytes
-    if ctx.zero == 3:
-        comm = m * (2 * gather + scatter)
-        exposed = m * (np.maximum(2 * gather - stage_s, 0.0) + np.maximum(scatter - backward_s, 0.0))
-    else:
-        comm = m * scatter + gather
-        exposed = m * np.maximum(scatter - backward_s, 0.0) + np.maximum(gather - stage_s, 0.0)
+    for d, t in sorted(set(zip(dp.tolist(), tp.tolist()))):
+        if d == 1:
+            continue
+        mesh = (dp == d) & (tp == t)
+        rows = mesh & (zero < 2)
+        if rows.any():
+            comm[rows] = all_reduce_s(grad_bytes[rows], d, t, cluster)
+            exposed[rows] = np.maximum(comm[rows] - backward_s[rows], 0.0)
+        rows = mesh & (zero >= 2)
+        if rows.any():
+            w, g, n = weight_bytes[rows], grad_bytes[rows], m[rows]
+            gather = all_gather_s(w, d, t, cluster, units[rows]) + copy_s * w
+            scatter = reduce_scatter_s(g, d, t, cluster, units[rows]) + copy_s * g
+            stage, back = stage_s[rows], backward_s[rows]
+            three = zero[rows] == 3
+            comm[rows] = np.where(three, n * (2 * gather + scatter), n * scatter + gather)
+            exposed[rows] = np.where(three, n * (np.maximum(2 * gather - stage, 0.0) + np.maximum(scatter - back, 0.0)),
+                                     n * np.maximum(scatter - back, 0.0) + np.maximum(gather - stage, 0.0))
     return comm, exposed if cluster.profile.overlaps_communication else comm
-
-
-def _boundary_bytes(model: ModelCost, ctx: Context) -> float:
-    """Activation sent between pipeline stages per micro-batch: the carried stream, split over the
-    tensor-parallel ranks (Megatron's scatter/gather optimisation, Narayanan et al. sec. 4.1)."""
-    carried = max((cost.space.carried_bytes for _, cost in model.blocks), default=0)
-    return carried * ctx.micro_batch / ctx.tp
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
@@ -323,5 +346,5 @@ def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     return parts
 
 
-__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "in_flight",
-           "state_bytes"]
+__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "evaluate_rows",
+           "in_flight", "state_bytes"]

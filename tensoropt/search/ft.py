@@ -15,8 +15,14 @@ so its cost depends on the number of groups, not on the depth.
 
 Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
 which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload.
-Every candidate is priced by the same ``evaluate`` as ``tensoropt estimate``, and the non-dominated
-(time, peak memory) points form the frontier.
+Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
+``evaluate`` is the one-plan case), and the non-dominated (time, peak memory) points form the frontier.
+
+Speed: the work is numpy over many small sets, so it is done in few calls. The chains of one block
+and tp are computed together for every (branches, micro-batch) they are needed for (one Pareto set
+per key in one ``ParetoSets`` array; search/pareto.py), layer costs are cached per (strategy, tp,
+branches, micro-batch) on the block's cost, and all candidates are priced in one call and pruned
+once. Each of these gives the very floats the one-at-a-time computation gives (tests/test_pricing.py).
 """
 
 from __future__ import annotations
@@ -29,11 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cost.layer import BlockCost
-from ..cost.model import Context, ModelCost, evaluate
+from ..cost.model import Context, ModelCost, evaluate_rows
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
-from .pareto import ParetoSet, combine, combine_all, nondominated, union
+from .pareto import ParetoSet, ParetoSets, combine, combine_sets, nondominated, union_sets
 
-Matrix = dict[tuple[bool, bool], ParetoSet]
+Matrix = dict[tuple[bool, bool], ParetoSets]
 
 
 @dataclass(frozen=True)
@@ -85,20 +91,24 @@ def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStr
     return [LayerStrategy(r, sp) for r in recompute for sp in sps]
 
 
-def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
-                  micro_batch: int, group: int = 1) -> Matrix:
-    """One step of the chain: a group of ``group`` consecutive copies running one strategy."""
-    change = cost.layout_change_s(tp, micro_batch)
+def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, keys: list[tuple[tuple[str, ...], int]],
+                  group: int = 1) -> Matrix:
+    """One step of the chain: a group of ``group`` consecutive copies running one strategy, one Pareto
+    set per (branches, micro-batch) key."""
     layouts = sorted({o.sequence_parallel for o in options})
     matrix: Matrix = {}
     for a in layouts:
         for b in layouts:
             rows = [i for i, o in enumerate(options) if o.sequence_parallel == b]
-            costs = [cost.layer(options[i], tp, branches, micro_batch) for i in rows]
-            values = np.array([[group * c.time_s + (change if a != b else 0.0), group * c.activation_bytes,
-                                c.transient_bytes] for c in costs])
-            counts = group * np.eye(len(options), dtype=np.int64)[rows]
-            matrix[(a, b)] = ParetoSet.single(values, counts)
+            values = []
+            for branches, micro_batch in keys:
+                change = cost.layout_change_s(tp, micro_batch)
+                costs = [cost.layer(options[i], tp, branches, micro_batch) for i in rows]
+                values += [[group * c.time_s + (change if a != b else 0.0), group * c.activation_bytes,
+                            c.transient_bytes] for c in costs]
+            counts = np.tile(group * np.eye(len(options), dtype=np.int64)[rows], (len(keys), 1))
+            matrix[(a, b)] = ParetoSets.of(np.array(values, dtype=float), counts,
+                                           np.repeat(np.arange(len(keys)), len(rows)), len(keys))
     return matrix
 
 
@@ -108,39 +118,70 @@ def _multiply(p: Matrix, q: Matrix, eps: float) -> Matrix:
     for a in layouts:
         for c in layouts:
             pairs = [(p[(a, b)], q[(b, c)]) for b in layouts if (a, b) in p and (b, c) in q]
-            if any(len(x) and len(y) for x, y in pairs):
-                out[(a, c)] = combine_all(pairs, eps)
+            if any(len(x.values) and len(y.values) for x, y in pairs):
+                out[(a, c)] = combine_sets(pairs, eps)
     return out
 
 
 class Chain:
-    """Pareto sets of k consecutive copies of one block for one (tp, branches, micro-batch), entered
-    and left with a replicated stream. Powers 2^i of the one-copy matrix are kept, so every pipeline
-    depth (k = copies / pp) costs only the products its binary digits need."""
+    """Pareto sets of k consecutive copies of one block for one tp and several (branches, micro-batch)
+    keys at once (one set per key, all held in one ``ParetoSets``), entered and left with a replicated
+    stream. Powers 2^i of the one-copy matrix are kept, so every pipeline depth (k = copies / pp)
+    costs only the products its binary digits need; each key is carried only as far as the chain
+    lengths it is needed for (``needs``: key -> the k asked of it)."""
 
-    def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int, branches: tuple[str, ...],
-                 micro_batch: int, eps: float = 0.0, group: int = 1) -> None:
-        self.eps = eps
-        self.change = cost.layout_change_s(tp, micro_batch)
-        self.powers = [_layer_matrix(cost, options, tp, branches, micro_batch, group)]
+    def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int,
+                 needs: dict[tuple[tuple[str, ...], int], set[int]], eps: float = 0.0, group: int = 1) -> None:
+        self.eps, self.keys = eps, {key: g for g, key in enumerate(needs)}
+        self.needs = list(needs.values())
+        self.change = np.array([cost.layout_change_s(tp, mb) for _, mb in needs], dtype=float)
+        self.powers = [_layer_matrix(cost, options, tp, list(needs), group)]
+        self._copies: dict[tuple[int, bool], ParetoSets] = {}
 
     def _power(self, i: int) -> Matrix:
         while len(self.powers) <= i:
-            self.powers.append(_multiply(self.powers[-1], self.powers[-1], self.eps))
+            wanted = np.array([max(ks).bit_length() > len(self.powers) for ks in self.needs])
+            half = _restrict(self.powers[-1], wanted)
+            self.powers.append(_multiply(half, half, self.eps))
         return self.powers[i]
 
-    def copies(self, k: int, doubling: bool = True) -> ParetoSet:
+    def copies(self, k: int, doubling: bool = True) -> ParetoSets:
+        """The sets of k copies (only the keys that asked for k are filled)."""
+        if (k, doubling) in self._copies:
+            return self._copies[(k, doubling)]
+        wanted = np.array([k in ks for ks in self.needs])
         result: Matrix | None = None
         if doubling:
             for i in range(k.bit_length()):
                 if k >> i & 1:
-                    result = self._power(i) if result is None else _multiply(result, self._power(i), self.eps)
+                    power = _restrict(self._power(i), wanted)
+                    result = power if result is None else _multiply(result, power, self.eps)
         else:
+            step = _restrict(self.powers[0], wanted)
             for _ in range(k):
-                result = self.powers[0] if result is None else _multiply(result, self.powers[0], self.eps)
-        exits = [ParetoSet(s.values + np.array([self.change if b else 0.0, 0.0, 0.0]), s.counts)
-                 for (a, b), s in result.items() if not a]
-        return union(exits, self.eps)
+                result = step if result is None else _multiply(result, step, self.eps)
+        exits = []
+        for (a, b), s in result.items():
+            if not a:
+                values = s.values.copy()
+                values[:, 0] += self.change[s.group] if b else 0.0
+                exits.append(ParetoSets(values, s.counts, s.group, s.size))
+        self._copies[(k, doubling)] = union_sets(exits, self.eps)
+        return self._copies[(k, doubling)]
+
+    def set(self, k: int, key: tuple[tuple[str, ...], int], doubling: bool = True) -> ParetoSet:
+        return self.copies(k, doubling).set(self.keys[key])
+
+
+def _restrict(matrix: Matrix, wanted: np.ndarray) -> Matrix:
+    """The matrix with only the wanted keys' sets (the others empty)."""
+    if wanted.all():
+        return matrix
+    out = {}
+    for ab, s in matrix.items():
+        rows = wanted[s.group]
+        out[ab] = ParetoSets(s.values[rows], s.counts[rows], s.group[rows], s.size)
+    return out
 
 
 def _combine_blocks(parts: list[ParetoSet], eps: float) -> ParetoSet:
@@ -182,46 +223,63 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True) -> SearchResult:
     start = time.perf_counter()
-    chains: dict[tuple, tuple[ParetoSet, list[list[LayerStrategy]]]] = {}
-    builders: dict[tuple, Chain] = {}
-    candidates = []      # (values (n, 2), ctx, counts (n, S), option lists)
-    n_candidates = 0
-    for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
-        key = (tp, branches, mb, pp)
-        if key not in chains:
-            parts, option_lists = [], []
-            for b, (block, cost) in enumerate(model.blocks):
-                options = layer_options(cost, tp, space)
-                groups, size = space.groups(block.repeats // pp, block.repeats)
-                builder = builders.setdefault((b, tp, branches, mb, size),
-                                              Chain(cost, options, tp, branches, mb, space.eps, size))
-                parts.append(builder.copies(groups, doubling))
-                option_lists.append(options)
-            chains[key] = (_combine_blocks(parts, space.eps), option_lists) if parts else \
-                (ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64)), [])
-        stage, option_lists = chains[key]
-        globals_ = _undominated(globals_, dp, pp)
-        backward = _per_option_sum(model, stage, option_lists, tp, branches, mb, "backward_s")
-        params = _per_option_sum(model, stage, option_lists, tp, branches, mb, "parameters")
-        for v, z, off in globals_:
-            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype, space.master_weights)
-            r = evaluate(model, ctx, stage.values[:, 0], backward, stage.values[:, 1], stage.values[:, 2], params)
-            values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
-            keep = _front_2d(values)
-            n_candidates += len(values)
-            candidates.append((values[keep], ctx, stage.counts[keep], option_lists))
-    if not candidates:
-        return SearchResult([], time.perf_counter() - start, 0, {"chains": len(chains), "contexts": 0})
-    all_values = np.concatenate([c[0] for c in candidates])
-    owner = np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(candidates)])
-    row = np.concatenate([np.arange(len(c[0])) for c in candidates])
+    blocks = range(len(model.blocks))
+    choices = [(dp, tp, pp, branches, mb, [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
+                                                   space.master_weights)
+                                           for v, z, off in _undominated(globals_, dp, pp)])
+               for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
+    choices = [c for c in choices if c[-1]]
+    split = {(b, pp): space.groups(model.blocks[b][0].repeats // pp, model.blocks[b][0].repeats)
+             for b in blocks for pp in {c[2] for c in choices}}         # (groups, copies per group)
+    options = {(b, tp): layer_options(model.blocks[b][1], tp, space) for b in blocks for tp in {c[1] for c in choices}}
+    # one chain per (block, tp, group size), with a Pareto set per (branches, micro-batch) it is needed for
+    needs: dict[tuple[int, int, int], dict[tuple[tuple[str, ...], int], set[int]]] = {}
+    for _, tp, pp, branches, mb, _ in choices:
+        for b in blocks:
+            groups, size = split[(b, pp)]
+            needs.setdefault((b, tp, size), {}).setdefault((branches, mb), set()).add(groups)
+    builders = {(b, tp, size): Chain(model.blocks[b][1], options[(b, tp)], tp, keys, space.eps, size)
+                for (b, tp, size), keys in needs.items()}
+    per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb) -> per strategy: backward s, parameters
+    ctxs: list[Context] = []
+    stages = []          # per (tp, branches, micro-batch, pp): (stage set, option lists, backward, parameters)
+    ctx_stage = []       # per context: index into stages
+    for _, tp, pp, branches, mb, priced in choices:
+        parts = [builders[(b, tp, split[(b, pp)][1])].set(split[(b, pp)][0], (branches, mb), doubling) for b in blocks]
+        option_lists = [options[(b, tp)] for b in blocks]
+        stage = _combine_blocks(parts, space.eps) if parts else \
+            ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64))
+        backward, params = np.zeros(len(stage)), np.zeros(len(stage))
+        for b, (_, counts) in zip(blocks, _split(stage.counts, option_lists)):
+            if (b, tp, branches, mb) not in per_option:
+                layers = [model.blocks[b][1].layer(o, tp, branches, mb) for o in options[(b, tp)]]
+                per_option[(b, tp, branches, mb)] = (np.array([c.backward_s for c in layers]),
+                                                     np.array([c.parameters for c in layers]))
+            backward += counts @ per_option[(b, tp, branches, mb)][0]
+            params += counts @ per_option[(b, tp, branches, mb)][1]
+        stages.append((stage, option_lists, backward, params))
+        ctxs += priced
+        ctx_stage += [len(stages) - 1] * len(priced)
+    if not ctxs:
+        return SearchResult([], time.perf_counter() - start, 0, {"chains": 0, "contexts": 0})
+    # every candidate (context, stage point) priced in one call: rows of all stage sets, then their contexts
+    sizes = np.array([len(s[0]) for s in stages])
+    offsets = np.cumsum(sizes) - sizes
+    per_ctx = sizes[ctx_stage]
+    which = np.repeat(np.arange(len(ctxs)), per_ctx)
+    row = np.repeat(offsets[ctx_stage] - (np.cumsum(per_ctx) - per_ctx), per_ctx) + np.arange(len(which))
+    values = np.concatenate([s[0].values for s in stages])[row]
+    backward, params = (np.concatenate([s[k] for s in stages])[row] for k in (2, 3))
+    r = evaluate_rows(model, ctxs, which, values[:, 0], backward, values[:, 1], values[:, 2], params, totals_only=True)
+    all_values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
     points = []
     for k in front_by_time(all_values):
-        values, ctx, counts, option_lists = candidates[owner[k]]
-        plan = _plan(model, devices, ctx, counts[row[k]], option_lists)
-        points.append(FrontierPoint(plan, float(values[row[k], 0]), float(values[row[k], 1])))
-    return SearchResult(points, time.perf_counter() - start, n_candidates,
-                        {"chains": len(chains), "contexts": len(candidates)})
+        c = which[k]
+        stage, option_lists = stages[ctx_stage[c]][:2]
+        plan = _plan(model, devices, ctxs[c], stage.counts[row[k] - offsets[ctx_stage[c]]], option_lists)
+        points.append(FrontierPoint(plan, float(all_values[k, 0]), float(all_values[k, 1])))
+    return SearchResult(points, time.perf_counter() - start, len(all_values),
+                        {"chains": len(stages), "contexts": len(ctxs)})
 
 
 def _undominated(globals_: list[tuple[int, int, bool]], dp: int, pp: int) -> list[tuple[int, int, bool]]:
@@ -253,14 +311,6 @@ def _split(counts: np.ndarray, option_lists: list[list[LayerStrategy]]):
     for options in option_lists:
         yield options, counts[..., start:start + len(options)]
         start += len(options)
-
-
-def _per_option_sum(model, stage, option_lists, tp, branches, mb, attr) -> np.ndarray:
-    total = np.zeros(len(stage))
-    for (_, cost), (options, counts) in zip(model.blocks, _split(stage.counts, option_lists)):
-        per = np.array([getattr(cost.layer(o, tp, branches, mb), attr) for o in options])
-        total += counts @ per
-    return total
 
 
 def _plan(model: ModelCost, devices: int, ctx: Context, counts: np.ndarray, option_lists) -> Plan:

@@ -9,6 +9,11 @@ is decided on values rounded up onto a relative grid of ratio (1 + eps), so any 
 within a factor (1 + eps) of a kept one in every objective (epsilon-dominance, Laumanns et al.,
 2002). Prunes compose: after d nested prunes a point of the exact frontier is within (1 + eps)^d of
 the result; FT nests about 2 log2(copies) + 4 of them.
+
+The search keeps many independent sets at once (one per tensor-parallel branch choice and
+micro-batch size): ``ParetoSets`` holds them in one array, rows grouped by set, and every operation
+works on all of them in a few numpy calls. Each set comes out exactly as it would alone (same
+points, same order), since sorting by set first keeps the order within a set.
 """
 
 from __future__ import annotations
@@ -31,44 +36,90 @@ class ParetoSet:
         return prune(np.atleast_2d(values).astype(float), np.atleast_2d(counts))
 
 
-def nondominated(values: np.ndarray) -> np.ndarray:
-    """Indices of the non-dominated rows of ``values`` (minimisation), duplicates kept once.
+@dataclass(frozen=True)
+class ParetoSets:
+    """``size`` Pareto sets in one array: rows sorted by ``group`` (the set each belongs to)."""
 
-    Exact: the third column is split into its distinct levels; a point is dominated iff a point
-    of its level or a lower one comes before it in (time, memory) order with memory <= its memory.
-    """
+    values: np.ndarray     # (n, 3)
+    counts: np.ndarray     # (n, S)
+    group: np.ndarray      # (n,) non-decreasing set index
+    size: int
+
+    @staticmethod
+    def of(values: np.ndarray, counts: np.ndarray, group: np.ndarray, size: int, eps: float = 0.0) -> ParetoSets:
+        """The non-dominated points of each set, from rows in any group order (order within a set kept)."""
+        keep = _keep(values, group, eps)
+        return ParetoSets(values[keep], counts[keep], group[keep], size)
+
+    def starts(self) -> np.ndarray:
+        return np.searchsorted(self.group, np.arange(self.size + 1))
+
+    def lengths(self) -> np.ndarray:
+        return np.bincount(self.group, minlength=self.size)
+
+    def set(self, g: int) -> ParetoSet:
+        lo, hi = np.searchsorted(self.group, [g, g + 1])
+        return ParetoSet(self.values[lo:hi], self.counts[lo:hi])
+
+
+def nondominated(values: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
+    """Indices of the non-dominated rows of ``values`` (minimisation) within each ``group`` (one group
+    if None), duplicates kept once, in (group, time, memory, transient) order.
+
+    Exact: a point is dominated iff a point of its group comes before it in (time, memory) order with
+    memory and transient <= its own. Per group the third column's distinct values are ranked (levels);
+    for each level, a running minimum of memory over the points at or below it finds the dominated
+    ones. Memory is compared through its rank, offset per group so the running minimum restarts at
+    each group; all levels of all groups are done in one pass."""
     n = len(values)
     if n <= 1:
         return np.arange(n)
-    idx = np.lexsort((values[:, 2], values[:, 1], values[:, 0]))   # by time, then memory, then transient
-    v = values[idx]
-    distinct = np.concatenate(([True], np.any(v[1:] != v[:-1], axis=1)))   # duplicates are adjacent now
-    v, idx = v[distinct], idx[distinct]
-    keep = np.zeros(len(v), dtype=bool)
-    levels = np.unique(v[:, 2])
-    for level in levels:
-        pool = v[:, 2] <= level                        # points that can dominate this level
-        mem = np.where(pool, v[:, 1], np.inf)
-        best_before = np.concatenate(([np.inf], np.minimum.accumulate(mem)[:-1]))
-        at_level = v[:, 2] == level
-        keep[at_level] = best_before[at_level] > v[at_level, 1]
-    return idx[keep]
+    group = np.zeros(n, dtype=np.int64) if group is None else np.asarray(group, dtype=np.int64)
+    idx = np.lexsort((values[:, 2], values[:, 1], values[:, 0], group))
+    v, g = values[idx], group[idx]
+    same = (v[1:] == v[:-1]) & (g[1:] == g[:-1])[:, None]
+    dup = same[:, 0] & same[:, 1] & same[:, 2]               # duplicates are adjacent now
+    if dup.any():
+        distinct = np.concatenate(([True], ~dup))
+        v, g, idx = v[distinct], g[distinct], idx[distinct]
+    level = _rank_in_group(v[:, 2], g)
+    mem_rank = np.unique(v[:, 1], return_inverse=True)[1].ravel().astype(np.int64)
+    key = mem_rank - g * (len(v) + 1)                        # any earlier group's key is larger
+    pool = np.where(level[None, :] <= np.arange(level.max() + 1)[:, None], key[None, :], np.iinfo(np.int64).max)
+    best = np.minimum.accumulate(pool, axis=1)
+    before = np.empty(len(v), dtype=np.int64)
+    before[0] = np.iinfo(np.int64).max
+    before[1:] = best[level[1:], np.arange(len(v) - 1)]
+    return idx[before > key]
 
 
-def _keep(values: np.ndarray, eps: float) -> np.ndarray:
+def _rank_in_group(x: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Dense rank of each value among the distinct values of its group (``group`` non-decreasing)."""
+    order = np.lexsort((x, group))
+    xs, gs = x[order], group[order]
+    new_value = np.concatenate(([True], (xs[1:] != xs[:-1]) | (gs[1:] != gs[:-1])))
+    new_group = np.concatenate(([True], gs[1:] != gs[:-1]))
+    dense = np.cumsum(new_value) - 1
+    rank = np.empty(len(x), dtype=np.int64)
+    rank[order] = dense - np.maximum.accumulate(np.where(new_group, dense, 0))
+    return rank
+
+
+def _keep(values: np.ndarray, group: np.ndarray | None, eps: float) -> np.ndarray:
     """Indices to keep. With eps > 0 dominance is decided on values rounded up to a (1 + eps) grid,
     but the kept points keep their exact values (so they still price exactly as ``estimate``)."""
     if eps > 0 and len(values):
         grid = np.log1p(eps)
         snapped = np.where(values > 0, np.exp(np.ceil(np.log(np.maximum(values, 1e-300)) / grid) * grid), values)
         # among points equal on the grid, the stable pass keeps the first: make it the exactly best
-        order = np.lexsort((values[:, 2], values[:, 1], values[:, 0]))
-        return order[nondominated(snapped[order])]
-    return nondominated(values)
+        keys = (values[:, 2], values[:, 1], values[:, 0]) + (() if group is None else (group,))
+        order = np.lexsort(keys)
+        return order[nondominated(snapped[order], None if group is None else group[order])]
+    return nondominated(values, group)
 
 
 def prune(values: np.ndarray, counts: np.ndarray, eps: float = 0.0) -> ParetoSet:
-    keep = _keep(values, eps)
+    keep = _keep(values, None, eps)
     return ParetoSet(values[keep], counts[keep])
 
 
@@ -83,21 +134,48 @@ def combine_all(pairs: list[tuple[ParetoSet, ParetoSet]], eps: float = 0.0) -> P
     pairs = [(a, b) for a, b in pairs if len(a) and len(b)]
     if not pairs:
         raise ValueError("no pair to combine")
-    blocks, owners = [], []
+    one = lambda s: ParetoSets(s.values, s.counts, np.zeros(len(s), dtype=np.int64), 1)   # noqa: E731
+    out = combine_sets([(one(a), one(b)) for a, b in pairs], eps)
+    return ParetoSet(out.values, out.counts)
+
+
+def combine_sets(pairs: list[tuple[ParetoSets, ParetoSets]], eps: float = 0.0) -> ParetoSets:
+    """Set by set, the union of the Minkowski sums of several pairs, pruned once (``combine_all`` for
+    every set at once). Within a set the sums are listed pair by pair, each row of the first part
+    with every row of the second, as ``combine_all`` lists them; a set summed with itself skips the
+    sums (j, i) of j > i, which repeat the earlier (i, j) exactly (so are never the one kept)."""
+    size = pairs[0][0].size
+    values, group, left, right = [], [], [], []
+    for a, b in pairs:
+        i, j = _pairs(a.group, b.lengths(), b.starts(), a is b)
+        va, vb = a.values[i], b.values[j]
+        values.append(np.concatenate([va[:, :2] + vb[:, :2], np.maximum(va[:, 2:], vb[:, 2:])], axis=1))
+        group.append(a.group[i])
+        left.append(i)
+        right.append(j)
+    values, group = np.concatenate(values), np.concatenate(group)
+    keep = _keep(values, group, eps)
+    # provenance of the kept sums only: which pair, and which row of each of its parts
+    pair = np.concatenate([np.full(len(i), k) for k, i in enumerate(left)])[keep]
+    left, right = np.concatenate(left)[keep], np.concatenate(right)[keep]
+    counts = np.empty((len(keep), pairs[0][0].counts.shape[1]), dtype=pairs[0][0].counts.dtype)
     for k, (a, b) in enumerate(pairs):
-        va, vb = a.values[:, None, :], b.values[None, :, :]
-        blocks.append(np.concatenate([va[..., :2] + vb[..., :2], np.maximum(va[..., 2:], vb[..., 2:])],
-                                     axis=2).reshape(-1, 3))
-        owners.append(np.full(len(a) * len(b), k))
-    values = np.concatenate(blocks)
-    keep = _keep(values, eps)
-    offsets = np.cumsum([0] + [len(v) for v in blocks])
-    counts = []
-    for k in keep:
-        a, b = pairs[owners_k := int(np.searchsorted(offsets, k, side="right") - 1)]
-        i, j = divmod(int(k - offsets[owners_k]), len(b))
-        counts.append(a.counts[i] + b.counts[j])
-    return ParetoSet(values[keep], np.array(counts))
+        mine = pair == k
+        counts[mine] = a.counts[left[mine]] + b.counts[right[mine]]
+    return ParetoSets(values[keep], counts, group[keep], size)
+
+
+def _pairs(group_a: np.ndarray, lengths_b: np.ndarray, starts_b: np.ndarray,
+           itself: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(row of a, row of b) for every row of a with every row of b in the same group, a-major
+    (``itself``: a is b, and only j >= i)."""
+    rows = np.arange(len(group_a))
+    start = rows if itself else starts_b[group_a]
+    reps = starts_b[group_a] + lengths_b[group_a] - start
+    i = np.repeat(rows, reps)
+    first = np.cumsum(reps) - reps
+    j = np.repeat(start - first, reps) + np.arange(len(i))
+    return i, j
 
 
 def union(sets: list[ParetoSet], eps: float = 0.0) -> ParetoSet:
@@ -105,3 +183,9 @@ def union(sets: list[ParetoSet], eps: float = 0.0) -> ParetoSet:
     if not sets:
         raise ValueError("union of no points")
     return prune(np.concatenate([s.values for s in sets]), np.concatenate([s.counts for s in sets]), eps)
+
+
+def union_sets(sets: list[ParetoSets], eps: float = 0.0) -> ParetoSets:
+    """Set by set, the union of several ``ParetoSets`` (rows of a set listed in the order of ``sets``)."""
+    return ParetoSets.of(np.concatenate([s.values for s in sets]), np.concatenate([s.counts for s in sets]),
+                         np.concatenate([s.group for s in sets]), sets[0].size, eps)
