@@ -283,17 +283,23 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
 
 
 def _undominated(globals_: list[tuple[int, int, bool]], dp: int, pp: int) -> list[tuple[int, int, bool]]:
-    """Drop ZeRO stages the cost model says are dominated, before pricing them.
+    """Drop ZeRO stages the cost model proves dominated, before pricing them.
 
-    With dp > 1, ZeRO 0, 1 and 2 move the same gradient bytes (all-reduce = reduce-scatter +
-    all-gather) while each higher stage keeps less state and steps the optimizer on fewer
-    parameters, so the highest allowed of them (2 without pipelines, 1 with) is never worse; with
-    dp = 1 every stage prices the same. The exhaustive reference does not prune: the tests that
-    compare it with FT check this is sound."""
+    - dp = 1: nothing is communicated and no stage divides anything, so every stage without offload
+      prices ZeRO 0's time with ZeRO 0's memory or more (ZeRO 1 and 2 add the optimizer's partition copy
+      when there is no master copy); with offload, every stage prices the same. ZeRO 0 (where allowed)
+      and the lowest offloading stage stand for all.
+    - dp > 1: ZeRO 1 communicates what ZeRO 0 does (one all-reduce of the gradients) and divides the
+      optimizer's states and step over dp: (K + copy) / dp <= K for dp >= 2 (the copy is 0 or half of K),
+      so ZeRO 0 goes where ZeRO 1 is allowed. ZeRO 2 is not comparable with them: it reduce-scatters
+      every micro-batch and gathers once, at each collective's own bandwidth (gloo's run at a third of
+      its all-reduce rate), so it can be slower; ZeRO 3 keeps the least.
+    The exhaustive reference does not prune: the tests that compare it with FT check this is sound."""
+    stages = {z for _, z, off in globals_ if not off}
     if dp == 1:
-        return [g for g in globals_ if g[1] == (1 if g[2] else 0)]
-    best = 1 if pp > 1 else 2
-    return [g for g in globals_ if g[1] >= best or g[1] == 3]
+        offloading = min((z for _, z, off in globals_ if off), default=None)
+        return [g for g in globals_ if (g[1] == offloading if g[2] else 0 not in stages or g[1] == 0)]
+    return [g for g in globals_ if not (g[1] == 0 and 1 in stages)]
 
 
 def _front_2d(values: np.ndarray) -> np.ndarray:
