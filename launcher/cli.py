@@ -24,8 +24,9 @@ from . import launch as L
               help="cuda (default where GPUs are visible; with --dry-run also where none are) or cpu: --gpus CPU "
                    "workers over gloo")
 @click.option("--profile", default=None,
-              help="device profile to plan with: a name in profiles/ or a path (default: the GPUs' datasheet profile, "
-                   "cpu-2core for --device cpu)")
+              help="device profile to plan with: a name in profiles/ or a path (default: this machine's measured "
+                   "profile of the device if `tensoropt profile` wrote one, else its datasheet profile, cpu-2core for "
+                   "--device cpu)")
 @click.option("--mem-per-gpu", default=None, help="memory per device to plan for (default: what is free)")
 @click.option("--objective", type=click.Choice(L.OBJECTIVES), default="fastest", show_default=True)
 @click.option("--plan", "plan_path", default=None, help="run this plan (a previous launch's plan.json)")

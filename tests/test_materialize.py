@@ -38,9 +38,7 @@ def materialised(cfg: TransformerConfig, build=tensoropt.meta_init) -> DecoderLM
     torch.manual_seed(0)
     with build():
         model = DecoderLM(cfg)
-    materializer = Materializer(model, init_weights)
-    materializer.allocate(model, CPU)
-    materializer.initialise(model, CPU)
+    Materializer(model, init_weights).materialize(model, CPU)
     return model
 
 
@@ -99,9 +97,7 @@ class Custom(nn.Module):
 
 
 def _materialise(model, init_fn=None):
-    materializer = Materializer(model, init_fn)
-    materializer.allocate(model, CPU)
-    materializer.initialise(model, CPU)
+    Materializer(model, init_fn).materialize(model, CPU)
 
 
 def test_what_nothing_initialises_is_named():

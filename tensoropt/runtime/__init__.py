@@ -81,9 +81,7 @@ def _alone(model: nn.Module, optimizer_fn, global_batch: int | None, materialize
     """The script run by hand: the model as the script made it, trained where its parameters are; a
     meta-built one materialised whole on this process's device."""
     if materializer is not None:
-        device = worker_device(None)
-        materializer.allocate(model, device)
-        materializer.initialise(model, device)
+        materializer.materialize(model, worker_device(None))
     first = next(iter(model.parameters()), None)
     optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
     return model, optimizer, Run(global_batch=global_batch or 0, model=model, optimizer=optimizer,

@@ -112,6 +112,12 @@ class Materializer:
             if params or buffers:
                 self.owners.append((name, module, params, buffers))
 
+    def materialize(self, module: nn.Module, device: torch.device) -> None:
+        """Give ``module`` (the model, or this rank's pipeline stage) storage for what this rank holds on
+        ``device`` and fill it with the model's initialisation (``allocate``, then ``initialise``)."""
+        self.allocate(module, device)
+        self.initialise(module, device)
+
     def allocate(self, module: nn.Module, device: torch.device) -> None:
         """Storage on ``device`` for every tensor ``module`` holds on this rank: uninitialised for meta
         tensors (only the local shard of a sharded one), a copy for real ones. Tied parameters stay tied

@@ -103,8 +103,7 @@ def place(module: nn.Module, device: torch.device, materializer: Materializer | 
     for this rank's part and the model's own initialisation, a real one is moved (only its shards, where
     FSDP2 or tensor parallelism already split it). Stops with one line if anything stays elsewhere."""
     if materializer is not None:
-        materializer.allocate(module, device)
-        materializer.initialise(module, device)
+        materializer.materialize(module, device)
     else:
         module.to(device)
     check_placement(module, device, "tensoropt.parallelize")
