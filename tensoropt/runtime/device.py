@@ -96,5 +96,4 @@ def to_device(batch, device: torch.device):
 
 
 __all__ = ["DEVICE_KINDS", "check_placement", "default_kind", "init_process_group", "local_tensor", "misplaced",
-           "on_device",
-           "to_device", "worker_device"]
+           "on_device", "to_device", "worker_device"]

@@ -80,6 +80,15 @@ def tied_parameters(module: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(group) for group in names.values() if len(group) > 1]
 
 
+def tie(module: nn.Module, names: list[str] | tuple[str, ...]) -> nn.Parameter:
+    """Register the parameter named ``names[0]`` under every other name too; returns it."""
+    param = module.get_parameter(names[0])
+    for name in names[1:]:
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, attr, param)
+    return param
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
@@ -126,10 +135,7 @@ class Materializer:
         was_meta = {name for name, t in _named_tensors(module).items() if t.is_meta}
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
         for names in tied:
-            first = module.get_parameter(names[0])
-            for name in names[1:]:
-                owner, _, attr = name.rpartition(".")
-                setattr(module.get_submodule(owner) if owner else module, attr, first)
+            tie(module, names)
         with torch.no_grad():          # buffers built for real that reached this module on meta (a pipeline's cut)
             for name, target in _named_tensors(module).items():
                 if name in was_meta and name in self.real_buffers:
@@ -202,4 +208,4 @@ class Materializer:
             self.init_fn(module)
 
 
-__all__ = ["InitFn", "Materializer", "has_meta_tensors", "meta_init", "script_name", "tied_parameters"]
+__all__ = ["InitFn", "Materializer", "has_meta_tensors", "meta_init", "script_name", "tie", "tied_parameters"]

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import TensorOptError
 from .device import to_device
-from .materialize import Materializer, tied_parameters
+from .materialize import Materializer, tie, tied_parameters
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, recomputed_modules, replace_module
 
@@ -179,11 +179,7 @@ def tie_within_stage(stage_module: nn.Module, tied: list[tuple[str, ...]], held:
         present = [name for name in group if name in held]
         if not present:
             continue
-        param = stage_module.get_parameter(present[0])
-        for name in present[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(stage_module.get_submodule(owner) if owner else stage_module, attr, param)
-        shared[index] = param
+        shared[index] = tie(stage_module, present)
     return shared
 
 

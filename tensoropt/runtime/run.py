@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TensorOptError
-from .device import check_placement, to_device
+from .device import check_placement, local_tensor, to_device
 
 Batch = torch.Tensor | tuple | Mapping
 # an engine's step: this rank's micro-batches in, the step's loss (mean over the whole batch) out
@@ -170,7 +170,6 @@ class Run:
     def device_report(self) -> dict:
         """Where this rank trained: its device, the devices its parameters sit on, and the most device
         memory it allocated (GPUs only; None on CPUs, where torch keeps no such count)."""
-        from .device import local_tensor
         params = self.model.parameters() if isinstance(self.model, torch.nn.Module) else ()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return {"device": str(self.device), "parameter_devices": sorted({str(local_tensor(p).device) for p in params}),
