@@ -17,7 +17,7 @@ from .graph.ir import OpGraph
 from .models import ModelSource, in_dtype, module_identity, resolve_model
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
-CAPTURE_VERSION = 5
+CAPTURE_VERSION = 6
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from ..errors import CaptureError
 from .ir import Op, OpGraph, Ref, TensorMeta
 from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
+from .views import FULL, footprint
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -62,6 +63,7 @@ class _Record:
     forward_flops: int
     requires_grad: bool
     grad_operands: int
+    input_views: tuple[tuple[int, ...], ...]
 
 
 class _GpuKernels(TorchFunctionMode):
@@ -142,12 +144,16 @@ class _Tracer(TorchDispatchMode):
         attrs += [(k, t) for k, v in sorted(kwargs.items())
                   if not isinstance(v, torch.Tensor) and (t := _attr_value(v)) is not None]
         index = len(self.records)
+        sources = [self.ref(t) for t in in_tensors]
+        views = tuple(footprint(t, self.records[r.index].out_tensors[r.slot]) if r.kind == "op" else FULL
+                      for t, r in zip(in_tensors, sources))
         self.records.append(_Record(
             func=func, module_path=self.module_stack[-1] if self.module_stack else "",
-            in_tensors=in_tensors, sources=[self.ref(t) for t in in_tensors], out_tensors=out_tensors,
+            in_tensors=in_tensors, sources=sources, out_tensors=out_tensors,
             attrs=tuple(attrs),
             forward_flops=forward_flops(func, kind, args, kwargs, out, out_tensors, in_tensors),
             requires_grad=requires_grad, grad_operands=grad_operands,
+            input_views=views if any(views) else (),
         ))
         for slot, t in enumerate(out_tensors):
             self.origin[id(t)] = Ref("op", index, slot)
@@ -264,5 +270,5 @@ def _build_op(index: int, rec: _Record, saved_slots: list[int]) -> Op:
         backward_flops=backward_flops(kind, rec.forward_flops, rec.grad_operands, rec.requires_grad),
         bytes_read=sum(m.nbytes for m in inputs), bytes_written=sum(m.nbytes for m in outputs),
         saved_bytes=sum(outputs[s].nbytes for s in saved_slots),
-        requires_grad=rec.requires_grad,
+        requires_grad=rec.requires_grad, input_views=rec.input_views,
     )

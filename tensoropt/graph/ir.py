@@ -104,6 +104,9 @@ class Op:
     bytes_written: int = 0
     saved_bytes: int = 0
     requires_grad: bool = False       # whether its output takes part in backward
+    # per input, which features of its producer's output it reads when it reads a view of it (see
+    # ``graph.views``): () for all of them in order; empty tuple for an op whose inputs all read so
+    input_views: tuple[tuple[int, ...], ...] = ()
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -119,7 +122,11 @@ class Op:
         """
         param_metas = tuple(m for m, r in zip(self.inputs, self.sources) if r.kind == "param")
         return (self.target, self.kind, self.inputs, self.outputs, self.attrs, param_metas,
-                tuple(r.kind for r in self.sources), self.requires_grad)
+                tuple(r.kind for r in self.sources), self.requires_grad, self.input_views)
+
+    def input_view(self, k: int) -> tuple[int, ...]:
+        """Which features of its producer's output input ``k`` reads (``graph.views``); () for all."""
+        return self.input_views[k] if self.input_views else ()
 
     def key(self) -> str:
         """A stable text key of what the op computes (overload, input shapes/dtypes, attributes):
@@ -139,7 +146,7 @@ class Op:
             "forward_flops": self.forward_flops, "backward_flops": self.backward_flops,
             "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
             "saved_bytes": self.saved_bytes, "requires_grad": self.requires_grad,
-        }
+        } | ({"input_views": [list(v) for v in self.input_views]} if self.input_views else {})
 
     @staticmethod
     def from_json(d: dict) -> Op:
@@ -152,6 +159,7 @@ class Op:
             forward_flops=int(d["forward_flops"]), backward_flops=int(d["backward_flops"]),
             bytes_read=int(d["bytes_read"]), bytes_written=int(d["bytes_written"]),
             saved_bytes=int(d["saved_bytes"]), requires_grad=bool(d["requires_grad"]),
+            input_views=tuple(tuple(int(x) for x in v) for v in d.get("input_views", ())),
         )
 
 

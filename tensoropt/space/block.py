@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..graph.fold import common_scope
 from ..graph.ir import Op
+from .fused import FeatureLayout, feature_layout
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Branch:
     row: tuple[int, ...]
     inner: tuple[int, ...]       # ops between column and row linears (sharded by heads/features)
     max_tp: int                  # every TP degree must divide this (heads, kv heads, features)
+    layouts: tuple[FeatureLayout, ...] = ()   # per column linear, how its output features are read
 
     @property
     def ops(self) -> tuple[int, ...]:
@@ -40,6 +42,7 @@ class BlockSpace:
     stream: tuple[int, ...]          # ops outside every branch
     attention_core: tuple[int, ...]  # ops with an s x s output: what selective recomputation drops
     carried_bytes: int               # bytes entering the block from the previous copy (its checkpoint)
+    refused: tuple[tuple[str, str], ...] = ()   # (branch, why) of branches that cannot be sharded
 
     def tp_allowed(self, tp: int) -> bool:
         return tp == 1 or (bool(self.branches) and all(b.max_tp % tp == 0 for b in self.branches))
@@ -104,20 +107,26 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
     for i in range(n):
         if sharded[i] or role[i] == "row":
             groups.setdefault(find(i), []).append(i)
-    branches = []
+    branches, refused = [], []
     for root, members in groups.items():
         cols = tuple(i for i in members if role[i] == "column")
         rows = tuple(i for i in members if role[i] == "row")
         if not rows or root in escaped or conflicts.intersection(members):
             continue
         inner = tuple(i for i in members if not role[i])
-        branches.append(Branch(_branch_name(ops, cols + rows), cols, rows, inner,
-                               _max_tp(ops, cols, rows, inner, seq_len)))
+        name = _branch_name(ops, cols + rows)
+        layouts = [feature_layout(ops, c, _out_features(ops[c])) for c in cols]
+        if why := next((f"{ops[c].module_path or 'a linear'}: {lay}" for c, lay in zip(cols, layouts)
+                        if isinstance(lay, str)), None):
+            refused.append((name, why))
+            continue
+        branches.append(Branch(name, cols, rows, inner, _max_tp(ops, cols, rows, inner, seq_len, layouts),
+                               tuple(layouts)))
     branches.sort(key=lambda b: b.column[0])
     in_branch = {i for b in branches for i in b.ops}
     stream = tuple(i for i in range(n) if i not in in_branch)
     core = tuple(sorted({i for b in branches for i in _attention_core(ops, b)}))
-    return BlockSpace(tuple(branches), stream, core, carried_bytes)
+    return BlockSpace(tuple(branches), stream, core, carried_bytes, tuple(sorted(refused)))
 
 
 def _attention_core(ops: tuple[Op, ...], branch: Branch) -> set[int]:
@@ -164,14 +173,23 @@ def _branch_name(ops: tuple[Op, ...], linears: tuple[int, ...]) -> str:
     return scope.rsplit(".", 1)[-1] if scope else f"branch{linears[0]}"
 
 
-def _max_tp(ops, cols, rows, inner, seq_len: int | None) -> int:
-    """The gcd of everything a TP degree must divide: column output features, row input features,
-    and the heads of (batch, heads, seq, dim) tensors the branch computes (key/value heads too)."""
-    sizes = [_weight(ops[c]).shape[1] if _is_transposed(ops[c]) else _weight(ops[c]).shape[0] for c in cols]
+def _max_tp(ops, cols, rows, inner, seq_len: int | None, layouts=()) -> int:
+    """The gcd of everything a TP degree must divide: column output features, row input features, the
+    segments and groups of fused outputs, and the heads of (batch, heads, seq, dim) tensors the branch
+    computes or reads from its own sharded values (key/value heads too)."""
+    sizes = [_out_features(ops[c]) for c in cols]
     sizes += [_weight(ops[r]).shape[0] if _is_transposed(ops[r]) else _weight(ops[r]).shape[1] for r in rows]
-    sizes += [m.shape[1] for i in inner for m in ops[i].outputs      # outputs: the sharded values
-              if seq_len and len(m.shape) == 4 and m.shape[2] == seq_len]
+    sizes += [u for layout in layouts for u in layout.units]
+    sharded = set(cols) | set(inner)
+    heads = [m for i in inner for m in ops[i].outputs]
+    heads += [m for i in inner for m, r in zip(ops[i].inputs, ops[i].sources)
+              if r.kind == "local" and r.index in sharded]
+    sizes += [m.shape[1] for m in heads if seq_len and len(m.shape) == 4 and m.shape[2] == seq_len]
     return math.gcd(*sizes) if sizes else 1
+
+
+def _out_features(op: Op) -> int:
+    return _weight(op).shape[1] if _is_transposed(op) else _weight(op).shape[0]
 
 
 def _is_transposed(op: Op) -> bool:
