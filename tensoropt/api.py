@@ -15,9 +15,10 @@ from .graph.capture import trace_module
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
 from .models import ModelSource, in_dtype, module_identity, resolve_model
+from .space.tp_check import check_tensor_parallel, with_tp_checks
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
-CAPTURE_VERSION = 6
+CAPTURE_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,15 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
 
     module, inputs = build()
     graph = trace_module(module, inputs, label)
-    seconds = time.perf_counter() - start
     src = identity["source"]
-    graph = replace(graph, fingerprint=key, metadata=tuple(sorted({
-        "source": label, "torch": torch.__version__, "trace_seconds": f"{seconds:.6f}",
+    graph = replace(graph, metadata=tuple(sorted({
+        **dict(graph.metadata), "source": label, "torch": torch.__version__,
         "batch_size": str(src.get("batch_size") or ""), "seq_len": str(src.get("seq_len") or ""),
     }.items())))
+    graph = with_tp_checks(graph, check_tensor_parallel(module, inputs, graph))
+    seconds = time.perf_counter() - start
+    graph = replace(graph, fingerprint=key,
+                    metadata=tuple(sorted((dict(graph.metadata) | {"trace_seconds": f"{seconds:.6f}"}).items())))
     if store is not None:
         store.store(key, graph)
     return Captured(graph, seconds, seconds, False)

@@ -34,6 +34,7 @@ from ..graph.fold import Block, FoldedGraph
 from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.plan import BlockPlan, LayerStrategy, Plan
+from ..space.tp_check import tp_checks
 from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from .layer import BlockCost, LooseCost, LooseOps
 from .profile import Cluster
@@ -89,7 +90,8 @@ class ModelCost:
         self.graph, self.folded, self.cluster = graph, folded, cluster
         seq_len = int(graph.meta("seq_len") or 0) or None
         self.blocks: list[tuple[Block, BlockCost]] = [
-            (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b)), cluster)) for b in folded.blocks]
+            (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster))
+            for b in folded.blocks]
         first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
         last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
@@ -120,6 +122,21 @@ class ModelCost:
     @property
     def branch_names(self) -> tuple[str, ...]:
         return tuple(sorted({b.name for s in self.spaces for b in s.branches}))
+
+    @property
+    def refused_branches(self) -> dict[str, str]:
+        """{branch: why} of the column -> row branches tensor parallelism must leave replicated."""
+        return {name: why for s in self.spaces for name, why in s.refused}
+
+    def check_branches(self, tp_branches: tuple[str, ...]) -> None:
+        """A one-line error for a plan that shards a branch this model does not have or cannot shard."""
+        for name in tp_branches:
+            if name in self.refused_branches:
+                raise ValueError(f"tensor parallelism cannot shard branch {name!r} of this model: "
+                                 f"{self.refused_branches[name]}")
+            if name not in self.branch_names:
+                raise ValueError(f"this model has no tensor-parallel branch {name!r} (its branches: "
+                                 f"{', '.join(self.branch_names) or 'none'})")
 
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
         """(first stage, last stage) costs of the ops outside blocks."""
@@ -309,6 +326,8 @@ class Estimate:
 
 def estimate(model: ModelCost, plan: Plan) -> Estimate:
     """The what-if of one plan."""
+    if plan.tp > 1:
+        model.check_branches(plan.tp_branches)
     ctx = Context.of(plan)
     stage = _stage_counts(model, plan)
     time = back = acts = transient = params = 0.0

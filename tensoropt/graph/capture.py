@@ -97,6 +97,11 @@ class _GpuKernels(TorchFunctionMode):
         return out[0]
 
 
+def gpu_kernels() -> TorchFunctionMode:
+    """The routing capture runs a forward under (see the module docstring), for code that re-runs parts of it."""
+    return _GpuKernels()
+
+
 class _Tracer(TorchDispatchMode):
     """Records ops as they are dispatched (below autograd) and where each input came from."""
 

@@ -107,6 +107,7 @@ def _resume(run: Run, engine: str) -> Run:
 def _capture_and_exit(model, example_inputs, global_batch) -> None:
     from ..graph.cache import write_json_atomic
     from ..graph.capture import trace_module
+    from ..space.tp_check import check_tensor_parallel, with_tp_checks
     if example_inputs is None or not global_batch:
         raise TensorOptError("tensoropt.parallelize needs example_inputs (one micro-batch) and global_batch for "
                              "the launcher to capture the model")
@@ -115,6 +116,7 @@ def _capture_and_exit(model, example_inputs, global_batch) -> None:
     graph = trace_module(model, inputs, type(model).__name__, {
         "batch_size": str(first.shape[0]), "seq_len": str(first.shape[1]) if first.dim() > 1 else "",
         "global_batch": str(global_batch), "sources": json.dumps(_user_sources())})
+    graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
     write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
     raise _Captured(0)
 

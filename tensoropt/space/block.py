@@ -60,8 +60,13 @@ def _activation_inputs(op: Op) -> list[int]:
     return [r.index for r in op.sources if r.kind == "local"]
 
 
-def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int = 0) -> BlockSpace:
+def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int = 0,
+                  checks: dict | None = None) -> BlockSpace:
     """Branches, stream and attention core of a block template (sources coded local/prev).
+
+    ``checks`` are the capture-time runs of each branch on one rank's share (``space.tp_check``:
+    {branch: {"max_tp": m} | {"refused": why}}): a refused branch stays replicated, a checked one is
+    planned up to its checked degree. None (a graph captured without them) plans what the data flow allows.
 
     Tensors are labelled as Megatron-LM treats them: the stream (replicated) starts at the
     block's inputs; a linear reading the stream is column-parallel and its output is sharded; a
@@ -115,13 +120,19 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
             continue
         inner = tuple(i for i in members if not role[i])
         name = _branch_name(ops, cols + rows)
-        layouts = [feature_layout(ops, c, _out_features(ops[c])) for c in cols]
+        layouts = [feature_layout(ops, c, out_features(ops[c])) for c in cols]
         if why := next((f"{ops[c].module_path or 'a linear'}: {lay}" for c, lay in zip(cols, layouts)
                         if isinstance(lay, str)), None):
             refused.append((name, why))
             continue
-        branches.append(Branch(name, cols, rows, inner, _max_tp(ops, cols, rows, inner, seq_len, layouts),
-                               tuple(layouts)))
+        max_tp = _max_tp(ops, cols, rows, inner, seq_len, layouts)
+        if checks is not None:
+            checked = checks.get(name, {"refused": "it was not run on one rank's share at capture"})
+            if "refused" in checked:
+                refused.append((name, checked["refused"]))
+                continue
+            max_tp = math.gcd(max_tp, int(checked["max_tp"]))
+        branches.append(Branch(name, cols, rows, inner, max_tp, tuple(layouts)))
     branches.sort(key=lambda b: b.column[0])
     in_branch = {i for b in branches for i in b.ops}
     stream = tuple(i for i in range(n) if i not in in_branch)
@@ -177,8 +188,8 @@ def _max_tp(ops, cols, rows, inner, seq_len: int | None, layouts=()) -> int:
     """The gcd of everything a TP degree must divide: column output features, row input features, the
     segments and groups of fused outputs, and the heads of (batch, heads, seq, dim) tensors the branch
     computes or reads from its own sharded values (key/value heads too)."""
-    sizes = [_out_features(ops[c]) for c in cols]
-    sizes += [_weight(ops[r]).shape[0] if _is_transposed(ops[r]) else _weight(ops[r]).shape[1] for r in rows]
+    sizes = [out_features(ops[c]) for c in cols]
+    sizes += [in_features(ops[r]) for r in rows]
     sizes += [u for layout in layouts for u in layout.units]
     sharded = set(cols) | set(inner)
     heads = [m for i in inner for m in ops[i].outputs]
@@ -188,11 +199,28 @@ def _max_tp(ops, cols, rows, inner, seq_len: int | None, layouts=()) -> int:
     return math.gcd(*sizes) if sizes else 1
 
 
-def _out_features(op: Op) -> int:
-    return _weight(op).shape[1] if _is_transposed(op) else _weight(op).shape[0]
+def out_features(op: Op) -> int:
+    """A linear's output features."""
+    return _weight(op).shape[1] if is_transposed(op) else _weight(op).shape[0]
 
 
-def _is_transposed(op: Op) -> bool:
-    """Linears reach ATen as x @ W^T: the weight input then has shape (in, out)."""
+def in_features(op: Op) -> int:
+    """A linear's input features."""
+    return _weight(op).shape[0] if is_transposed(op) else _weight(op).shape[1]
+
+
+def is_transposed(op: Op) -> bool:
+    """Whether the product reads its weight as an (in, out) matrix: ``nn.Linear`` reaches ATen as x @ W^T
+    (a transposed view of its (out, in) weight), ``transformers``' ``Conv1D`` as x @ W of its stored (in, out)
+    weight; which of the two a module is, the runtime reads from the module."""
     x = next(m for m, r in zip(op.inputs, op.sources) if r.kind != "param")
     return _weight(op).shape[0] == x.shape[-1]
+
+
+def owner_module(op: Op, scope: str) -> str:
+    """The module owning a linear's 2-D weight, relative to the block copy ``scope``: the weight's owner
+    rather than the op's module, since a weight, not a call, is what gets sharded."""
+    weight = next(r.name for m, r in zip(op.inputs, op.sources) if r.kind == "param" and len(m.shape) == 2)
+    owner = weight.rpartition(".")[0]
+    prefix = scope + "." if scope else ""
+    return owner[len(prefix):] if owner.startswith(prefix) else owner

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from ..graph.fold import FoldedGraph, fold
 from ..graph.ir import Op, OpGraph
-from .block import analyse_block
+from .block import Branch, analyse_block, owner_module
+from .tp_check import tp_checks
 
 TP_LAYOUT_KEY = "tp_layout"
 
@@ -31,21 +32,19 @@ def tp_layout(graph: OpGraph, folded: FoldedGraph | None = None) -> dict[str, li
     out: dict[str, list[dict]] = {}
     for block in folded.blocks:
         scope = block.occurrences[0].scope          # the template carries the first copy's names
-        branches = [{"branch": b.name, "column": [_owner(block.ops[i], scope) for i in b.column],
-                     "row": [_owner(block.ops[i], scope) for i in b.row], "max_tp": b.max_tp}
-                    for b in analyse_block(block.ops, seq_len).branches]
+        space = analyse_block(block.ops, seq_len, checks=tp_checks(graph, block.name))
+        branches = [_branch(b, block.ops, scope) for b in space.branches]
         if branches:
             out[block.name] = branches
     return out
 
 
-def _owner(op: Op, scope: str) -> str:
-    """The module owning the linear's 2-D weight, relative to the block copy ``scope``: the weight's
-    owner rather than the op's module, since a weight, not a call, is what gets sharded."""
-    weight = next(r.name for m, r in zip(op.inputs, op.sources) if r.kind == "param" and len(m.shape) == 2)
-    owner = weight.rpartition(".")[0]
-    prefix = scope + "." if scope else ""
-    return owner[len(prefix):] if owner.startswith(prefix) else owner
+def _branch(branch: Branch, ops: tuple[Op, ...], scope: str) -> dict:
+    out = {"branch": branch.name, "column": [owner_module(ops[i], scope) for i in branch.column],
+           "row": [owner_module(ops[i], scope) for i in branch.row], "max_tp": branch.max_tp}
+    segments = {owner_module(ops[i], scope): list(layout.segments)
+                for i, layout in zip(branch.column, branch.layouts) if layout.kind == "segments"}
+    return out | ({"segments": segments} if segments else {})
 
 
 __all__ = ["TP_LAYOUT_KEY", "tp_layout"]

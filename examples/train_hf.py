@@ -1,0 +1,70 @@
+"""Train a Hugging Face model this project did not write, built from a small config (nothing downloaded), on
+synthetic data; alone or under ``tensoropt launch examples/train_hf.py --device cpu --gpus 2 -- --arch phi3``.
+
+Both architectures fuse projections, which is what makes tensor parallelism over them delicate:
+
+- ``phi3`` (``Phi3ForCausalLM``): ``qkv_proj`` is ``[q | k | v]``, sliced at widths the code computes from the
+  config (``num_heads * head_dim``): on one rank's share those slices are wrong, so TensorOpt never shards
+  attention; ``gate_up_proj`` is ``[gate | up]`` taken by ``chunk(2)``, which it shards by segments (each rank
+  holds its part of gate and of up).
+- ``gpt2`` (``GPT2LMHeadModel``): every projection is a ``Conv1D`` (weight stored (in, out)); ``c_attn`` is
+  split at ``n_embd`` (never sharded), the MLP's ``c_fc -> c_proj`` is.
+
+Dropout is 0 and the model float32, so every plan reproduces the losses of this script run alone.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import transformers  # noqa: E402
+
+import tensoropt  # noqa: E402
+
+CONFIGS = {
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+    "gpt2": dict(n_embd=64, n_layer=4, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2,
+                 attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+}
+
+
+def build(arch: str, seq_len: int) -> torch.nn.Module:
+    positions = {"phi3": "max_position_embeddings", "gpt2": "n_positions"}[arch]
+    config = transformers.AutoConfig.for_model(arch, **CONFIGS[arch], **{positions: seq_len}, use_cache=False)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", choices=sorted(CONFIGS), default="phi3")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--out", default=None, help="write the per-step losses (JSON) here")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = build(args.arch, args.seq_len)
+    tokens = torch.randint(0, model.config.vocab_size, (args.steps, args.global_batch, args.seq_len),
+                           generator=torch.Generator().manual_seed(1))
+    example = {"input_ids": tokens[0, :1], "labels": tokens[0, :1]}   # HF shifts the labels itself
+    model, _, run = tensoropt.parallelize(model, lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                          example_inputs=example, global_batch=args.global_batch)
+    losses = []
+    for step in range(run.start_step, args.steps):
+        losses.append(run.train_step({"input_ids": tokens[step], "labels": tokens[step]}))
+        if run.rank == 0:
+            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+    if run.rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}, f)
+    run.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Run each tensor-parallel branch on one rank's share of features, on fake tensors, while the model is captured.
+
+The block analysis (``space.block``, ``space.fused``) reads *which* features each op takes from a column linear.
+It cannot read *how the model's code computes* its split points: ``qkv.chunk(3, -1)`` and
+``qkv.split(qkv.shape[-1] // 3, -1)`` take their sizes from the tensor and work on a rank's share, while
+nanoGPT's ``qkv.split(self.n_embd, -1)`` or Phi-3's ``qkv[..., :num_heads * head_dim]`` hard-code the full
+width: on a share they crash (``not enough values to unpack``) or, worse, slice the wrong features. So while
+the model is still at hand, each branch of each unique block is run, in its first copy, the way one of
+``tp`` ranks runs it: every column linear returns ``1/tp`` of its output features, every row linear must
+receive ``1/tp`` of its input features (then runs on an input of full width, so the rest of the block runs
+unchanged). Shapes only: fake tensors, nothing allocated, no values. A branch whose code fails, or hands a
+row linear the wrong width, at a degree, is never planned at that degree (nor at its multiples); the result
+is kept in the graph's metadata (``TP_CHECKS_META``) and read by the block analysis, so the search, the cost
+model and the launcher's layout all see the same branches.
+
+Values are checked by the runtime before training (``runtime.tensor_parallel``): the sharded block's output
+against the unsharded block's on a small real input.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..graph.fold import fold
+from ..graph.ir import Op, OpGraph
+from .block import analyse_block, in_features, out_features, owner_module
+
+TP_CHECKS_META = "tp_checks"     # graph metadata: {block: {branch: {"max_tp": m} | {"refused": why}}}
+MAX_CHECKED_TP = 64              # degrees above this are never planned (no node holds more devices)
+
+
+class _Reached(Exception):
+    """Stops the model's forward once every block's first copy has been entered."""
+
+
+class _WrongWidth(Exception):
+    pass
+
+
+def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, graph: OpGraph) -> dict:
+    """{block: {branch: {"max_tp": m} | {"refused": why}}} for every branch of every unique block of ``graph``
+    (``model``'s captured graph, run on ``example_inputs``); {} when no block has a branch."""
+    seq_len = int(graph.meta("seq_len") or 0) or None
+    targets = {}
+    for block in fold(graph).blocks:
+        branches = analyse_block(block.ops, seq_len).branches
+        if branches:
+            targets[block.name] = (block.occurrences[0].scope, block.ops, branches)
+    if not targets:
+        return {}
+    modules = dict(model.named_modules())
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    scopes = {scope for scope, _, _ in targets.values() if scope in modules}
+    inputs = first_copy_inputs(model, example_inputs, scopes, fake_mode)
+    out: dict[str, dict] = {}
+    for name, (scope, ops, branches) in targets.items():
+        out[name] = {}
+        for branch in branches:
+            if scope not in inputs:
+                out[name][branch.name] = {"refused": f"the block's copies ({scope or 'the model itself'}) are not "
+                                                     "modules the runtime can shard"}
+                continue
+            out[name][branch.name] = _check_branch(modules[scope], inputs[scope], ops, scope, branch, fake_mode)
+    return out
+
+
+def with_tp_checks(graph: OpGraph, checks: dict) -> OpGraph:
+    """``graph`` with the checks recorded in its metadata."""
+    from dataclasses import replace
+    meta = dict(graph.metadata) | {TP_CHECKS_META: json.dumps(checks, sort_keys=True)}
+    return replace(graph, metadata=tuple(sorted(meta.items())))
+
+
+def tp_checks(graph: OpGraph, block: str) -> dict | None:
+    """The recorded checks of ``block``'s branches; None for a graph captured without them (planned as analysed)."""
+    text = graph.meta(TP_CHECKS_META)
+    return None if text is None else json.loads(text).get(block, {})
+
+
+def linear_kind(module: nn.Module) -> str | None:
+    """"linear" (``nn.Linear``: weight (out, in), x @ W^T), "conv1d" (``transformers``' ``Conv1D``: weight
+    (in, out), x @ W), or None for a module the runtime cannot shard."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+            and getattr(module, "nf", None) == weight.shape[1]:
+        return "conv1d"
+    return None
+
+
+def first_copy_inputs(model: nn.Module, example_inputs, scopes: set[str], fake_mode) -> dict[str, tuple]:
+    """(args, kwargs) each module in ``scopes`` is first called with, from one fake forward of the model,
+    stopped once all were reached (a forward up to the first block costs next to nothing)."""
+    from ..graph.capture import gpu_kernels
+    seen: dict[str, tuple] = {}
+
+    def record(scope, _module, args, kwargs):
+        seen.setdefault(scope, (args, _without_caches(kwargs)))
+        if len(seen) == len(scopes):
+            raise _Reached
+    handles = [model.get_submodule(s).register_forward_pre_hook(
+        lambda m, a, k, s=s: record(s, m, a, k), with_kwargs=True) for s in scopes]
+    try:
+        with fake_mode, gpu_kernels():
+            fakes = ({k: _fake(fake_mode, v) for k, v in example_inputs.items()} if isinstance(example_inputs, Mapping)
+                     else tuple(_fake(fake_mode, v) for v in example_inputs))
+            model(**fakes) if isinstance(fakes, Mapping) else model(*fakes)
+    except _Reached:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _fake(fake_mode, value):
+    return fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+
+def _without_caches(kwargs: dict) -> dict:
+    """Key/value caches (Hugging Face ``Cache`` objects) grow with every call: the checks run a block many
+    times, so they run it without one, as training does."""
+    return {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
+
+
+def _check_branch(copy: nn.Module, inputs: tuple, ops: tuple[Op, ...], scope: str, branch, fake_mode) -> dict:
+    """The largest degree m dividing the branch's ``max_tp`` whose divisors all run as one rank's share."""
+    failed: dict[int, str] = {}
+    for tp in _degrees(branch.max_tp):
+        if any(tp % bad == 0 for bad in failed):
+            continue
+        problem = _run_share(copy, inputs, ops, scope, branch, tp, fake_mode)
+        if problem:
+            failed[tp] = problem
+    good = [m for m in _degrees(branch.max_tp) if not any(m % bad == 0 for bad in failed)]
+    if not good:
+        tp, why = min(failed.items())
+        return {"refused": f"on one of {tp} tensor-parallel ranks {why}"}
+    return {"max_tp": max(good)}
+
+
+def _degrees(max_tp: int) -> list[int]:
+    return [d for d in range(2, min(max_tp, MAX_CHECKED_TP) + 1) if max_tp % d == 0]
+
+
+def _run_share(copy: nn.Module, inputs: tuple, ops: tuple[Op, ...], scope: str, branch, tp: int,
+               fake_mode) -> str | None:
+    """Why ``copy`` does not run branch ``branch`` as one of ``tp`` ranks, or None when it does."""
+    columns = {owner_module(ops[i], scope): out_features(ops[i]) for i in branch.column}
+    rows = {owner_module(ops[i], scope): in_features(ops[i]) for i in branch.row}
+    called: set[str] = set()
+
+    def share_of_output(name, features):
+        def hook(_module, _args, output):
+            called.add(name)
+            return output.narrow(-1, 0, features // tp)
+        return hook
+
+    def whole_input(name, features):
+        def hook(_module, args):
+            called.add(name)
+            x = args[0]
+            if x.shape[-1] != features // tp:
+                raise _WrongWidth(f"{scope}.{name} receives {x.shape[-1]} input features where one rank holds "
+                                  f"{features // tp} of {features}")
+            return (x.repeat(*[1] * (x.dim() - 1), tp), *args[1:])
+        return hook
+    try:
+        kinds = {n: linear_kind(copy.get_submodule(n)) for n in (*columns, *rows)}
+    except AttributeError as exc:
+        return f"a linear is not a submodule of its block ({exc})"
+    if unknown := [f"{n} is a {type(copy.get_submodule(n)).__name__}" for n, kind in kinds.items() if kind is None]:
+        return f"{'; '.join(unknown)}: the runtime shards nn.Linear and transformers' Conv1D modules"
+    try:
+        handles = [copy.get_submodule(n).register_forward_hook(share_of_output(n, f)) for n, f in columns.items()]
+        handles += [copy.get_submodule(n).register_forward_pre_hook(whole_input(n, f)) for n, f in rows.items()]
+    except AttributeError as exc:
+        return f"a linear is not a submodule of its block ({exc})"
+    names = {id(m): f"{scope}.{n}" if n else scope for n, m in copy.named_modules()}
+    stack: list[str] = []
+    handles.append(nn.modules.module.register_module_forward_pre_hook(
+        lambda m, _a: stack.append(names.get(id(m), type(m).__name__))))
+
+
+    def leave(_module, _args, _output) -> None:
+        stack.pop()
+    handles.append(nn.modules.module.register_module_forward_hook(leave))
+    args, kwargs = inputs
+    try:
+        with fake_mode:
+            copy(*args, **kwargs)
+    except _WrongWidth as exc:
+        return str(exc)
+    except Exception as exc:  # the model's own code failing on a share is the finding, not an error here
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"the code of {stack[-1] if stack else scope} fails: {type(exc).__name__}: {text}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    if missing := sorted((set(columns) | set(rows)) - called):
+        return f"{', '.join(missing)} is not called as a module (the runtime shards modules)"
+    return None
+
+
+__all__ = ["MAX_CHECKED_TP", "TP_CHECKS_META", "check_tensor_parallel", "linear_kind", "tp_checks", "with_tp_checks"]
