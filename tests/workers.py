@@ -1,5 +1,6 @@
 """Helpers for the tests that start real worker processes through ``tensoropt launch``."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 from conftest import EXAMPLES
 
-from tensoropt.space.plan import Plan
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 GPT_SCRIPT = str(EXAMPLES / "train_gpt.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}       # two workers, two cores: one thread each
@@ -25,10 +26,21 @@ def losses_alone(script, out, *args, steps: int = 3) -> list[float]:
     return json.loads(out.read_text())["losses"]
 
 
-def dry_run_plan(script, run_dir, devices: int = 2) -> Plan:
+def dry_run_plan(script, run_dir, devices: int = 2, *script_args) -> Plan:
     """The plan the launcher chooses for ``devices`` CPU workers (nothing started): a starting point
     that tests edit into the plans they run with ``--plan``."""
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--run-dir", run_dir, "--dry-run",
-                           cwd=run_dir)
+                           "--", *script_args, cwd=run_dir)
     assert result.returncode == 0, result.stderr[-2000:]
     return Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
+
+
+def tp2(plan: Plan, branches: tuple[str, ...], micro_batch: int, full_recompute: int = 0) -> Plan:
+    """dp1 x tp2 of a one-block model's plan; a global batch of 8 in micro-batches of ``micro_batch``, the first
+    ``full_recompute`` copies recomputed."""
+    (block,) = plan.blocks
+    copies = sum(n for _, n in block.strategies)
+    strategies = tuple((LayerStrategy(r), n) for r, n in (("full", full_recompute), ("none", copies - full_recompute))
+                       if n)
+    return dataclasses.replace(plan, dp=1, tp=2, pp=1, virtual_stages=1, zero=0, offload=False, tp_branches=branches,
+                               micro_batch=micro_batch, global_batch=8, blocks=(BlockPlan(block.block, strategies),))

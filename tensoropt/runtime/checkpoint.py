@@ -60,6 +60,14 @@ def _state(model: nn.Module, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _in_model_order(state: dict, model: nn.Module) -> dict:
+    """What DCP reads and writes: ``state`` with fused projections held in another feature order by this run
+    (``feature_order``) as chunks in the model's own order, so checkpoints reshard onto any plan."""
+    from .feature_order import feature_orders, in_model_order_chunks
+    orders = feature_orders(model)
+    return {key: in_model_order_chunks(value, orders) for key, value in state.items()} if orders else state
+
+
 def save(directory: Path, step: int, model: nn.Module, optimizer) -> None:
     """Write the state after ``step`` as ``directory/step-N`` and make it the latest (all ranks call)."""
     import torch.distributed.checkpoint as dcp
@@ -69,7 +77,7 @@ def save(directory: Path, step: int, model: nn.Module, optimizer) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(partial))
+    dcp.save(_in_model_order(_state(model, optimizer), model), checkpoint_id=str(partial))
     if os.environ.get(CRASH_ENV) == str(step):
         os._exit(17)                                                   # a worker dies after writing its shards
     _barrier()
@@ -93,6 +101,6 @@ def load(directory: Path, model: nn.Module, optimizer) -> int:
         return 0
     step, path = latest
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(_in_model_order(state, model), checkpoint_id=str(path))     # fills ``state``'s tensors in place
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return step

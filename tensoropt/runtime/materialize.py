@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from .feature_order import feature_orders, in_run_order
 
 InitFn = Callable[[nn.Module], object]
 # prefixes the engines' wrappers put into parameter names; a tensor is found under the script's own name
@@ -94,10 +95,13 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _deliver(value: torch.Tensor, target: torch.Tensor | None) -> None:
-    """Copy this rank's part of the full ``value`` into ``target`` (a DTensor's local shard, or all of it)."""
+def _deliver(value: torch.Tensor, target: torch.Tensor | None, order: tuple | None = None) -> None:
+    """Copy this rank's part of the full ``value`` into ``target`` (a DTensor's local shard, or all of it); ``order``
+    (dim, order): the run holds the tensor's features in another order (``feature_order``)."""
     if target is None or target is value:
         return
+    if order is not None:
+        value = in_run_order(value, *order)
     if _is_dtensor(target):
         from torch.distributed.tensor import distribute_tensor
         # src_data_rank=None: every rank cuts its own shard from its own (identical) full value, no messages
@@ -146,6 +150,7 @@ class Materializer:
         """Run every module's initialisation at full size and keep, in ``rank_module`` (the model or this
         rank's pipeline stage, after ``allocate``), the part this rank holds."""
         targets = _named_tensors(rank_module)
+        orders = feature_orders(rank_module)
         owners_left = Counter(id(store[attr]) for _, module, params, buffers in self.owners
                               for store, attr in self._slots(module, params, buffers))
         live: dict[int, torch.Tensor] = {}      # full values of tensors that more modules own (tied weights)
@@ -171,7 +176,7 @@ class Materializer:
                     continue
                 live.pop(key, None)
                 for fqn in names.pop(key):
-                    _deliver(result, targets.get(fqn))
+                    _deliver(result, targets.get(fqn), orders.get(fqn))
                 if not written.pop(key):
                     unwritten.append(f"{name}.{attr}" if name else attr)
         if unwritten:

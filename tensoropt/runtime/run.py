@@ -179,7 +179,12 @@ class Run:
         """The whole model's parameters, gathered on every rank (CPU tensors), under the script's own
         parameter names: for saving a final model or comparing runs."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+        from .feature_order import feature_orders, in_model_order
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        for name, (dim, order) in feature_orders(self.model).items():    # fused projections: the model's order
+            state[name] = in_model_order(state[name], dim, order)
+        return state
 
     def close(self) -> None:
         """End the run: wait for every rank, then leave the process group.

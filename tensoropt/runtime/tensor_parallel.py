@@ -27,21 +27,33 @@ from ..space.tp_layout import TP_LAYOUT_KEY
 from .torch_engine import block_modules
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh) -> None:
-    """Shard, in place, the linears of the plan's tensor-parallel branches over ``tp_mesh``."""
-    from torch.distributed.tensor.parallel import parallelize_module
+def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example_inputs=None) -> None:
+    """Shard, in place, the linears of the plan's tensor-parallel branches over ``tp_mesh``, after checking on
+    a small real input that the sharded blocks compute what the whole ones do (``tp_guard``)."""
     tp = tp_mesh.size()
+    blocks = {}
     for block, branches in sharded_branches(plan).items():
         check_degree(block, branches, tp)
-        plan_of_copy = styles(branches)
         copies = block_modules(model, {"blocks": [{"block": block}]})
         if not copies:
             raise TensorOptError(f"the plan shards block {block!r} over {tp} devices, but no module of this model "
                                  "matches that name: the plan was made for another model")
         for name in copies:
-            copy = model.get_submodule(name)
-            check_linears(copy, name, plan_of_copy, tp)
-            parallelize_module(copy, tp_mesh, plan_of_copy)
+            check_linears(model.get_submodule(name), name, branches, tp)
+        blocks[block] = (copies, branches)
+    if example_inputs is not None:
+        from .tp_guard import check_sharded_blocks
+        check_sharded_blocks(model, example_inputs, {b: (c[0], br) for b, (c, br) in blocks.items()}, tp_mesh,
+                             device)
+    for copies, branches in blocks.values():
+        for name in copies:
+            shard_copy(model.get_submodule(name), branches, tp_mesh)
+
+
+def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh) -> None:
+    """Shard one copy of a block: its branches' column and row linears, as the layout describes them."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    parallelize_module(copy, tp_mesh, styles(copy, branches, tp_mesh.size()))
 
 
 def sharded_branches(plan: dict) -> dict[str, list[dict]]:
@@ -72,33 +84,40 @@ def check_degree(block: str, branches: list[dict], tp: int) -> None:
                                  f"{branch['branch']!r} in block {block!r}: tp must divide {branch['max_tp']}")
 
 
-def styles(branches: list[dict]) -> dict:
-    """``parallelize_module``'s plan for one block copy: module name -> Colwise/RowwiseParallel."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def styles(copy: nn.Module, branches: list[dict], tp: int) -> dict:
+    """``parallelize_module``'s plan for one block copy: module name -> its column or row style."""
+    from .tp_styles import column_style, row_style
     out = {}
     for branch in branches:
-        out |= {name: ColwiseParallel() for name in branch["column"]}
-        out |= {name: RowwiseParallel() for name in branch["row"]}
+        segments = branch.get("segments", {})
+        out |= {name: column_style(copy.get_submodule(name), segments.get(name), tp) for name in branch["column"]}
+        out |= {name: row_style(copy.get_submodule(name)) for name in branch["row"]}
     return out
 
 
-def check_linears(copy: nn.Module, copy_name: str, plan_of_copy: dict, tp: int) -> None:
-    """Every module to shard must be an ``nn.Linear`` whose sharded dimension ``tp`` divides:
-    ``parallelize_module`` would otherwise fail deep inside DTensor, or shard unevenly."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-    for name, style in plan_of_copy.items():
-        try:
-            module = copy.get_submodule(name)
-        except AttributeError:
-            raise TensorOptError(f"{copy_name} has no module {name!r} to shard: the plan was made for another "
-                                 "model") from None
-        if not isinstance(module, nn.Linear):
-            raise TensorOptError(f"tensor parallelism shards nn.Linear modules, but {copy_name}.{name} is a "
-                                 f"{type(module).__name__}: plan this model without tensor parallelism")
-        features = module.out_features if isinstance(style, ColwiseParallel) else module.in_features
-        if features % tp:
-            raise TensorOptError(f"{copy_name}.{name} has {features} features, which do not split over {tp} "
-                                 "tensor-parallel devices")
+def check_linears(copy: nn.Module, copy_name: str, branches: list[dict], tp: int) -> None:
+    """Every module to shard must be an ``nn.Linear`` or a ``Conv1D`` whose sharded features (each segment's, for a
+    fused projection) ``tp`` divides: ``parallelize_module`` would otherwise fail deep inside DTensor, or shard
+    unevenly."""
+    from ..space.tp_check import linear_kind
+    for branch in branches:
+        segments = branch.get("segments", {})
+        for name, role in [(n, "column") for n in branch["column"]] + [(n, "row") for n in branch["row"]]:
+            try:
+                module = copy.get_submodule(name)
+            except AttributeError:
+                raise TensorOptError(f"{copy_name} has no module {name!r} to shard: the plan was made for another "
+                                     "model") from None
+            kind = linear_kind(module)
+            if kind is None:
+                raise TensorOptError(f"tensor parallelism shards nn.Linear and Conv1D modules, but {copy_name}.{name} "
+                                     f"is a {type(module).__name__}: plan this model with --tp 1")
+            out_dim, in_dim = (1, 0) if kind == "conv1d" else (0, 1)
+            features = module.weight.shape[out_dim if role == "column" else in_dim]
+            parts = segments.get(name, [features]) if role == "column" else [features]
+            if sum(parts) != features or any(p % tp for p in parts):
+                raise TensorOptError(f"{copy_name}.{name} has {features} features ({'+'.join(map(str, parts))}), "
+                                     f"which do not split over {tp} tensor-parallel devices")
 
 
 __all__ = ["apply_tensor_parallel", "sharded_branches"]

@@ -69,7 +69,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
         else None
     if tp > 1:
         from .tensor_parallel import apply_tensor_parallel
-        apply_tensor_parallel(model, plan, mesh["tp"])
+        apply_tensor_parallel(model, plan, mesh["tp"], device, example_inputs)
     apply_recompute(model, plan)
     before_micro_batch = None
     if plan["zero"] >= 2:

@@ -1,0 +1,87 @@
+"""How one linear is sharded for tensor parallelism: ``nn.Linear`` and ``transformers``' ``Conv1D``, and fused
+projections whose output features the model reads as segments.
+
+``torch``'s ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` only, and split output features into
+contiguous blocks. Two cases need more:
+
+- ``Conv1D`` (GPT-2 in ``transformers``) stores its weight as (in, out) and computes ``x @ W + b``: output
+  features are the weight's dim 1, input features dim 0. Under these styles it runs on DTensors as
+  ``nn.Linear`` does (its ``view`` to ``nf`` features sees the global shape).
+- A fused projection read as segments (``[q | k | v]`` by ``chunk(3)``, ``[gate | up]`` by ``chunk(2)``) must
+  give rank r the r-th part of *every* segment, as Megatron-LM lays out its fused QKV. Its output features are
+  put in that order (``space.fused.segment_order``) and then split contiguously: the rank computes
+  ``[q_r | k_r | v_r]`` and the model's own ``chunk`` finds its share of each segment. The order is recorded
+  on the module (``runtime.feature_order``) for everything that moves whole values in or out of the run.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from ..space.fused import segment_order
+from ..space.tp_check import linear_kind
+from .feature_order import FEATURE_ORDER
+
+
+class Columns(ColwiseParallel):
+    """Output features split over the ranks (dim 1 of a ``Conv1D`` weight), in ``order`` where one is given."""
+
+    def __init__(self, transposed: bool, order: torch.Tensor | None) -> None:
+        super().__init__()
+        self.transposed, self.order = transposed, order
+
+    def _partition(self, _name: str, module: nn.Module, mesh) -> None:
+        orders = {}
+        for name, param in list(module.named_parameters(recurse=False)):
+            dim = 1 if self.transposed and name == "weight" else 0
+            value = param.detach()
+            if self.order is not None:
+                value = value.index_select(dim, self.order.to(value.device))
+                orders[name] = (dim, self.order)
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(value, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+        if orders:
+            setattr(module, FEATURE_ORDER, orders)
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        return distribute_module(module, mesh, self._partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, (Replicate(),)),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class ConvRows(RowwiseParallel):
+    """``RowwiseParallel`` for a ``Conv1D``: its (in, out) weight split on dim 0, its bias replicated."""
+
+    def _partition(self, _name: str, module: nn.Module, mesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if name == "weight" else Replicate()
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        return distribute_module(module, mesh, self._partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, (Shard(-1),)),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def column_style(module: nn.Module, segments: list[int] | None, tp: int) -> ColwiseParallel:
+    """The style that shards ``module``'s output features over ``tp`` ranks (``segments``: its fused layout)."""
+    transposed = linear_kind(module) == "conv1d"
+    if not transposed and not segments:
+        return ColwiseParallel()
+    return Columns(transposed, torch.tensor(segment_order(tuple(segments), tp)) if segments else None)
+
+
+def row_style(module: nn.Module) -> RowwiseParallel:
+    """The style that shards ``module``'s input features (the ranks' partial outputs are summed)."""
+    return ConvRows() if linear_kind(module) == "conv1d" else RowwiseParallel()
+
+
+__all__ = ["Columns", "ConvRows", "column_style", "row_style"]
