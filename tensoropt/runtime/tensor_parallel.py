@@ -94,7 +94,8 @@ def check_linears(copy: nn.Module, copy_name: str, plan_of_copy: dict, tp: int) 
                                  "model") from None
         if not isinstance(module, nn.Linear):
             raise TensorOptError(f"tensor parallelism shards nn.Linear modules, but {copy_name}.{name} is a "
-                                 f"{type(module).__name__}: plan this model without tensor parallelism")
+                                 f"{type(module).__name__}: plan this model without tensor parallelism "
+                                 "(tensoropt launch --tp 1)")
         features = module.out_features if isinstance(style, ColwiseParallel) else module.in_features
         if features % tp:
             raise TensorOptError(f"{copy_name}.{name} has {features} features, which do not split over {tp} "
