@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from tensoropt.cli.common import parse_bytes
+from tensoropt.cli.common import limit_options, parse_bytes
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import choose_engine
 from tensoropt.search.ft import FrontierPoint
@@ -47,13 +47,17 @@ from . import launch as L
               help="elastic: give up when fewer devices remain")
 @click.option("--resources", "resources_file", default=None,
               help='elastic: JSON file {"gpus": N} with the devices available now (watched while the job runs)')
+@limit_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, nnodes, node_rank, master_addr,
            master_port, gpus_per_node, dry_run, run_dir, no_cache, elastic, checkpoint_dir, checkpoint_every, min_gpus,
-           resources_file, script_args):
+           resources_file, script_args, limits):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
+    if plan_path and limits:
+        raise TensorOptError(f"--plan runs the plan given; {limits.flags()} limit the search for one: drop one or "
+                             "the other")
     if elastic:
         _check_elastic(checkpoint_dir, plan_path, engine, nnodes)
     devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None, profile,
@@ -62,7 +66,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     if elastic and not dry_run:
         from .elastic import ElasticOptions, run_elastic
         options = ElasticOptions(Path(checkpoint_dir), checkpoint_every, min_gpus,
-                                 Path(resources_file) if resources_file else None, objective)
+                                 Path(resources_file) if resources_file else None, objective, limits)
         run_elastic(script, list(script_args), graph, devices, options, Path(run_dir), click.echo)
         return
     world = devices.count * nnodes
@@ -76,9 +80,8 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
                                  f"have {devices.memory_bytes / 2**30:.2f} GiB" +
                                  (f"; {devices.note}" if devices.note else ""))
     else:
-        point, engine, why, n = L.plan_for(graph, devices, per_node, objective, "torch" if elastic else engine,
-                                           pipeline=not elastic)   # as elastic.py
-        why += f" (objective {objective}, {n} frontier points)"
+        point, engine, why, _ = L.plan_for(graph, devices, per_node, objective, "torch" if elastic else engine,
+                                           pipeline=not elastic, limits=limits)   # as elastic.py
     if checkpoint_dir and engine != "torch":
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
                              f"on {engine}: add --engine torch")

@@ -28,6 +28,7 @@ from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
 from tensoropt.runtime.checkpoint import latest_step
 from tensoropt.runtime.run import RUN_DIR_ENV
+from tensoropt.search.limits import NO_LIMITS, Limits
 
 from . import launch as L
 
@@ -42,6 +43,7 @@ class ElasticOptions:
     min_gpus: int
     resources_file: Path | None
     objective: str
+    limits: Limits = NO_LIMITS       # the user's limits on the space, kept by every re-plan
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
             raise TensorOptError(f"elastic: {event}; {count} devices left, fewer than --min-gpus {options.min_gpus}: "
                                  "giving up")
         now = dataclasses.replace(devices, count=count, memory_bytes=min(have.memory_bytes, oom_cap))
-        point, engine, why, _ = L.plan_for(graph, now, count, options.objective, "torch", pipeline=False)
+        point, engine, why, _ = L.plan_for(graph, now, count, options.objective, "torch", pipeline=False,
+                                           limits=options.limits)
         step = latest_step(options.checkpoint_dir)
         echo(f"elastic: {event}; plan {previous} -> {point.plan.summary()} on {count} devices of "
              f"{now.memory_bytes / 2**30:.1f} GiB; resuming from step {step}")

@@ -22,6 +22,7 @@ from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
+from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan
 from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
 
@@ -90,37 +91,47 @@ def master_weights(engine: str) -> bool:
 
 
 def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str | None = None,
-                   pipeline: bool = True) -> list[tuple[FrontierPoint, str]]:
+                   pipeline: bool = True, limits: Limits = NO_LIMITS) -> list[tuple[FrontierPoint, str]]:
     """The frontier of plans an engine can run: one search per engine (``engine`` alone if given),
     merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins.
     ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
     are not resharded yet); so does a model whose forward returns more than the loss tensor (a Hugging
-    Face output), which the pipeline engine cannot split."""
+    Face output), which the pipeline engine cannot split. The user's ``limits`` narrow each engine's
+    part of the space; an engine whose part they empty is not searched."""
     pipeline = pipeline and graph.meta("output", "tensor") == "tensor"
     global_batch, dtype = int(graph.meta("global_batch") or 0), training_dtype(graph)
     model = cost_model(graph, devices, per_node)
     candidates = []                          # in ENGINES order: of two equal points the first is kept
     for name in [engine] if engine else ENGINES:
-        space = ENGINE_SPACES[name] | ({} if pipeline else {"pipeline_stages": (1,)})
-        result = search(model, devices.count, SearchSpace(global_batch=global_batch, dtype=dtype,
-                                                          master_weights=master_weights(name), **space))
+        part = ENGINE_SPACES[name] | ({} if pipeline else {"pipeline_stages": (1,)})
+        space = limits.restrict(SearchSpace(global_batch=global_batch, dtype=dtype,
+                                            master_weights=master_weights(name), **part))
+        if space is None:
+            continue
+        result = search(model, devices.count, space)
         candidates += [(p, name) for p in result.points if not unsupported(p.plan.to_json(), name)]
     values = np.array([[p.iteration_time_s, p.peak_memory_bytes] for p, _ in candidates]).reshape(-1, 2)
     return [candidates[i] for i in front_by_time(values)]
 
 
 def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, engine: str | None = None,
-             pipeline: bool = True) -> tuple[FrontierPoint, str, str, int]:
-    """(point, engine, why, frontier size) for the devices found."""
-    front = runnable_front(graph, devices, per_node, engine, pipeline)
+             pipeline: bool = True, limits: Limits = NO_LIMITS) -> tuple[FrontierPoint, str, str, int]:
+    """(point, engine, why, frontier size) for the devices found, within the user's ``limits``."""
+    front = runnable_front(graph, devices, per_node, engine, pipeline, limits)
+    global_batch = int(graph.meta("global_batch") or 0)
+    if not front and limits:
+        raise TensorOptError(f"no plan the runtime can apply on {devices.count} devices respects {limits.flags()} "
+                             f"(global batch {global_batch}" + (f", engine {engine}" if engine else "")
+                             + "): relax the limits")
     if not front:
-        global_batch = int(graph.meta("global_batch") or 0)
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
                              f"{devices.count} devices: make it a multiple of {devices.count}")
     try:
         best, why = choose([p for p, _ in front], devices.memory_bytes, objective)
     except TensorOptError as exc:
-        raise TensorOptError(f"{exc}; {devices.note}" if devices.note else str(exc)) from None
+        notes = [str(exc), f"searched within {limits.flags()}" if limits else "", devices.note or ""]
+        raise TensorOptError("; ".join(n for n in notes if n)) from None
+    why += f" (objective {objective}, {len(front)} frontier points" + (f"; {limits.describe()})" if limits else ")")
     return best, next(e for p, e in front if p is best), why, len(front)
 
 

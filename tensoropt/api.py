@@ -14,7 +14,7 @@ from .graph.cache import GraphCache, fingerprint
 from .graph.capture import trace_module
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
-from .models import ModelSource, in_dtype, module_identity, resolve_model
+from .models import ModelSource, example_shape, in_dtype, module_identity, resolve_model
 from .space.tp_check import check_tensor_parallel, with_tp_checks
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
@@ -44,15 +44,19 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
     ``model`` is a ``--model`` string (preset, JSON config, ``file.py:function``) or an
     ``nn.Module`` with ``example_inputs`` (a tuple of positional or a dict of keyword arguments).
     ``dtype`` (``float32``...) captures a ``--model`` in that precision instead of its own (bf16 for the
-    built-in and Hugging Face models).
+    built-in and Hugging Face models). For a module, ``seq_len`` states its sequence length (default: read
+    from ``example_inputs``, see ``models.example_shape``); the graph records it, and head counts then
+    limit tensor parallelism.
     """
     start = time.perf_counter()
     if isinstance(model, nn.Module):
         if example_inputs is None:
             raise TypeError("capture(module) needs example_inputs")
         label = name or type(model).__name__
+        batch, seq = example_shape(example_inputs)
         identity = {"capture_version": CAPTURE_VERSION, "torch": torch.__version__,
-                    "source": {"kind": "module", **module_identity(model, example_inputs)}}
+                    "source": {"kind": "module", **module_identity(model, example_inputs),
+                               "batch_size": batch, "seq_len": seq_len or seq}}
         build = lambda: (model, example_inputs)   # noqa: E731
     else:
         source = resolve_model(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from ..cost.profile import Cluster, DeviceProfile, load_profile
 from ..errors import TensorOptError
 from ..graph.fold import FoldedGraph, fold
 from ..graph.ir import OpGraph
+from ..search.limits import Limits
+from ..space.plan import RECOMPUTE
 
 _UNITS = {"": None, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -84,3 +87,56 @@ def model_options(func):
                         help="device profile: a name in profiles/ or a path to a profile JSON")(func)
     func = click.option("--gpus-per-node", type=int, default=8, show_default=True)(func)
     return func
+
+
+def limit_options(func):
+    """The limits on the search space shared by ``frontier`` and ``launch``: the command receives them as one
+    ``limits`` argument (a ``Limits``; bad values are a one-line error, see ``parse_limits``)."""
+    @functools.wraps(func)
+    def command(*args, limit_tp, limit_max_tp, limit_pp, limit_zero, limit_recompute, no_offload, **kwargs):
+        limits = parse_limits(limit_tp, limit_max_tp, limit_pp, limit_zero, limit_recompute, no_offload)
+        return func(*args, limits=limits, **kwargs)
+    options = [
+        ("--tp", "allowed tensor-parallel degrees, e.g. 1 (none) or 2,4"),
+        ("--max-tp", "largest tensor-parallel degree allowed"),
+        ("--pp", "allowed pipeline stage counts, e.g. 1 (none) or 2,4"),
+        ("--zero", "allowed ZeRO stages (0-3), e.g. 2,3"),
+        ("--recompute", f"allowed recomputation strategies ({', '.join(RECOMPUTE)}), e.g. none"),
+    ]
+    command = click.option("--no-offload", is_flag=True, help="never offload the optimizer to the host")(command)
+    for flag, text in reversed(options):
+        command = click.option(flag, f"limit_{flag[2:].replace('-', '_')}", default=None, help=text)(command)
+    return command
+
+
+def parse_limits(tp: str | None, max_tp: str | None, pp: str | None, zero: str | None, recompute: str | None,
+                 no_offload: bool) -> Limits:
+    """The limits the flags give (lists are comma-separated); every bad value named in one line."""
+    problems: list[str] = []
+    some = "positive integers, e.g. 1 or 2,4"
+    tps = _numbers(tp, "--tp", some, problems)
+    most = _numbers(max_tp, "--max-tp", "one positive integer, e.g. 4", problems, single=True)
+    pps = _numbers(pp, "--pp", some, problems)
+    zeros = _numbers(zero, "--zero", "ZeRO stages 0-3, e.g. 0 or 2,3", problems, low=0, high=3)
+    strategies = tuple(dict.fromkeys(x.strip() for x in recompute.split(","))) if recompute is not None else None
+    if strategies is not None and not set(strategies) <= set(RECOMPUTE):
+        problems.append(f"--recompute {recompute!r}: give strategies among {', '.join(RECOMPUTE)}, e.g. none,full")
+    limits = Limits(tps, most[0] if most else None, pps, zeros, not no_offload, strategies)
+    if problems:
+        raise TensorOptError("; ".join(problems))
+    return limits
+
+
+def _numbers(text: str | None, flag: str, example: str, problems: list[str], low: int = 1, high: int | None = None,
+             single: bool = False) -> tuple[int, ...] | None:
+    """Sorted distinct integers in ``text`` (``2,4``), None when not given; a bad value joins ``problems``."""
+    if text is None:
+        return None
+    try:
+        values = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        values = ()
+    if not values or values[0] < low or (high is not None and values[-1] > high) or (single and "," in text):
+        problems.append(f"{flag} {text!r}: give {example}")
+        return None
+    return values

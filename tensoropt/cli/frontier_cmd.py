@@ -15,8 +15,9 @@ from ..errors import TensorOptError
 from ..frontier import Frontier, load_frontier, plot_frontier
 from ..graph.cache import write_json_atomic
 from ..search.ft import SearchSpace, search
+from ..search.limits import NO_LIMITS, Limits
 from ..search.pareto import nondominated
-from .common import load, model_options, parse_bytes, parse_gpus
+from .common import limit_options, load, model_options, parse_bytes, parse_gpus
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 
@@ -24,13 +25,17 @@ DEFAULT_GLOBAL_BATCH = 512
 
 
 def run_search(model: str, gpus: list[int], per_node: int, device: str, global_batch: int, seq_len: int | None,
-               no_fold: bool) -> Frontier:
+               no_fold: bool, limits: Limits = NO_LIMITS) -> Frontier:
     loaded = load(model, device, seq_len)
     start = time.perf_counter()
     points = []
-    for n in gpus:
+    space = limits.restrict(SearchSpace(global_batch=global_batch))
+    for n in gpus if space is not None else ():
         cost = loaded.model_cost(n, per_node)
-        points += search(cost, n, SearchSpace(global_batch=global_batch), doubling=not no_fold).points
+        points += search(cost, n, space, doubling=not no_fold).points
+    if not points and limits:
+        raise TensorOptError(f"no plan for {model} on {gpus} devices respects {limits.flags()} with --global-batch "
+                             f"{global_batch}: relax the limits")
     if not points:
         raise TensorOptError(f"no plan runs {model} on {gpus} devices with --global-batch {global_batch}: "
                              "make the global batch a multiple of the data-parallel degrees you allow")
@@ -39,8 +44,9 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
     if not fitting:
         least = min(p.peak_memory_bytes for p in points)
         raise TensorOptError(f"no plan for {model} on {gpus} x {loaded.profile.name} fits the device's "
-                             f"{binary_bytes(capacity)}; the least memory any plan needs is {binary_bytes(least)} "
-                             "(add devices or pick a larger device profile)")
+                             f"{binary_bytes(capacity)}; the least memory any plan needs is {binary_bytes(least)}"
+                             + (f" within {limits.flags()}" if limits else "")
+                             + " (add devices or pick a larger device profile)")
     points = fitting                      # a plan the devices cannot hold is not a plan
     values = np.array([[p.iteration_time_s, p.peak_memory_bytes, p.plan.devices] for p in points])
     keep = sorted(nondominated(values), key=lambda i: (values[i, 0], values[i, 1]))
@@ -85,18 +91,22 @@ def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--out", "out_path", default=None, help="save the frontier (JSON) for later queries")
 @click.option("--load", "load_path", default=None, help="answer from a saved frontier instead of searching")
+@limit_options
 def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_fold, plot_path, as_json, out_path,
-             load_path):
+             load_path, limits):
     """Search the Pareto frontier of plans (iteration time vs peak memory per device)."""
     limit = parse_bytes(mem) if mem is not None else None
     if load_path:
+        if limits:
+            raise TensorOptError(f"{limits.flags()} limit a search; a saved frontier was searched without them: "
+                                 "drop --load and search with --model and --gpus")
         result = load_frontier(load_path)
     else:
         if not model or not gpus:
             raise TensorOptError("give --model and --gpus, or --load FILE.json")
         if global_batch < 1 or gpus_per_node < 1:
             raise TensorOptError("--global-batch and --gpus-per-node must be positive integers")
-        result = run_search(model, parse_gpus(gpus), gpus_per_node, device, global_batch, seq_len, no_fold)
+        result = run_search(model, parse_gpus(gpus), gpus_per_node, device, global_batch, seq_len, no_fold, limits)
     chosen = result.fastest_within(limit) if limit is not None else None
     if out_path:
         write_json_atomic(Path(out_path), result.to_json(chosen))

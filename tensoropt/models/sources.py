@@ -12,6 +12,7 @@ decides the captured graph, so the capture cache can be keyed by it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -20,7 +21,7 @@ import os
 import sys
 import types
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -109,12 +110,16 @@ class HuggingFaceSource(ModelSource):
     """A Hugging Face ``config.json``, built with ``AutoModelForCausalLM.from_config``."""
 
     DEFAULT_SEQ_LEN_CAP = 4096
+    # where configs state how many positions the model has: most families, then GPT-2 style (n_ctx is its
+    # older name for the same length)
+    POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
 
     def __init__(self, name: str, config: dict[str, Any]) -> None:
         self.name, self.config = name, config
 
     def _seq_len(self, seq_len: int | None) -> int:
-        return seq_len or min(int(self.config.get("max_position_embeddings", 2048)), self.DEFAULT_SEQ_LEN_CAP)
+        positions = next((self.config[k] for k in self.POSITION_KEYS if self.config.get(k)), 2048)
+        return seq_len or min(int(positions), self.DEFAULT_SEQ_LEN_CAP)
 
     def identity(self, batch_size, seq_len):
         import transformers
@@ -146,22 +151,50 @@ class FileSource(ModelSource):
     """``path/to/file.py:function`` returning ``(model, example_inputs)``.
 
     The function runs with the meta device as the default device, so a model built with default
-    arguments allocates no memory. If it accepts ``batch_size`` / ``seq_len`` they are passed on.
+    arguments allocates no memory, and with the file's folder on ``sys.path``, so the file can import its
+    neighbours. If it accepts ``batch_size`` / ``seq_len`` they are passed on. Its sequence length is the
+    ``seq_len`` it was given, or its ``seq_len`` parameter's int default, or else read from the example
+    inputs (``example_shape``).
     """
 
     def __init__(self, path: Path, function: str) -> None:
         self.path, self.function, self.name = path, function, f"{path.name}:{function}"
         self._built: dict[tuple, tuple[nn.Module, tuple | dict]] = {}
 
-    def _call(self, batch_size, seq_len):
+    def _call(self, batch_size, seq_len) -> tuple[nn.Module, tuple | dict, int | None]:
+        """(model, example_inputs, stated sequence length or None), built once per (batch, seq)."""
         key = (batch_size, seq_len)
         if key in self._built:
             return self._built[key]
-        module = self._load_module()
-        fn = getattr(module, self.function, None)
+        with importable(self.path.resolve().parent):   # the builder may import its neighbours
+            fn = self._function()
+            kwargs = self._arguments(fn, batch_size, seq_len)
+            try:
+                with torch.device("meta"):
+                    result = fn(**kwargs)
+            except Exception as exc:
+                raise ModelSpecError(f"{self.name} raised {type(exc).__name__}: {exc}") from exc
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+            raise ModelSpecError(f"{self.name} must return (model, example_inputs), got {type(result).__name__}")
+        model, inputs = result
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, (tuple, list, Mapping)):
+            raise ModelSpecError(f"{self.name}: example_inputs must be a tensor, a tuple or a dict, "
+                                 f"got {type(inputs).__name__}")
+        stated = kwargs.get("seq_len", _int_default(fn, "seq_len"))
+        self._built[key] = (model, inputs if isinstance(inputs, Mapping) else tuple(inputs), stated)
+        return self._built[key]
+
+    def _function(self):
+        fn = getattr(self._load_module(), self.function, None)
         if not callable(fn):
             raise ModelSpecError(f"{self.path} has no function {self.function!r}; "
                                  "write FILE.py:FUNCTION with a function that returns (model, example_inputs)")
+        return fn
+
+    def _arguments(self, fn, batch_size: int | None, seq_len: int | None) -> dict[str, int]:
+        """``--batch-size`` / ``--seq-len`` as keywords of the function; one it does not take is an error."""
         accepted = inspect.signature(fn).parameters
         kwargs = {}
         for flag, key_name, value in (("--batch-size", "batch_size", batch_size), ("--seq-len", "seq_len", seq_len)):
@@ -171,21 +204,7 @@ class FileSource(ModelSource):
                 raise ModelSpecError(f"{self.name} does not take {key_name}; drop {flag} or add a "
                                      f"{key_name} parameter to {self.function}()")
             kwargs[key_name] = value
-        try:
-            with torch.device("meta"):
-                result = fn(**kwargs)
-        except Exception as exc:
-            raise ModelSpecError(f"{self.name} raised {type(exc).__name__}: {exc}") from exc
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
-            raise ModelSpecError(f"{self.name} must return (model, example_inputs), got {type(result).__name__}")
-        model, inputs = result
-        if isinstance(inputs, torch.Tensor):
-            inputs = (inputs,)
-        if not isinstance(inputs, (tuple, list, Mapping)):
-            raise ModelSpecError(f"{self.name}: example_inputs must be a tensor, a tuple or a dict, "
-                                 f"got {type(inputs).__name__}")
-        self._built[key] = (model, inputs if isinstance(inputs, Mapping) else tuple(inputs))
-        return self._built[key]
+        return kwargs
 
     def _load_module(self) -> types.ModuleType:
         """Execute the file from its current source. Not through the import system: its bytecode
@@ -204,12 +223,47 @@ class FileSource(ModelSource):
         return module
 
     def identity(self, batch_size, seq_len):
-        model, inputs = self._call(batch_size, seq_len)
+        model, inputs, stated = self._call(batch_size, seq_len)
+        batch, seq = example_shape(inputs)
         return {"kind": "file", "file_sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
-                "function": self.function, "module": module_identity(model, inputs)}
+                "function": self.function, "module": module_identity(model, inputs),
+                "batch_size": batch, "seq_len": stated or seq}
 
     def build(self, batch_size, seq_len):
-        return self._call(batch_size, seq_len)
+        return self._call(batch_size, seq_len)[:2]
+
+
+@contextlib.contextmanager
+def importable(folder: Path) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` for the duration, as ``python folder/file.py`` would have it, so a
+    builder file can import the modules beside it; ``sys.path`` is restored afterwards."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def _int_default(fn, name: str) -> int | None:
+    """The default of ``fn``'s parameter ``name`` when it is an int (how a builder states its length)."""
+    param = inspect.signature(fn).parameters.get(name)
+    default = param.default if param is not None else None
+    return default if isinstance(default, int) and not isinstance(default, bool) else None
+
+
+def example_shape(inputs: tuple | Mapping) -> tuple[int | None, int | None]:
+    """(batch size, sequence length) of one example batch: dims 0 and 1 of the first tensor input with at
+    least 2 dims (the first tensor if none has). The sequence is read only from token ids (batch, seq) or
+    embeddings (batch, seq, features); an image (batch, channels, height, width) has none. One rule for
+    every source (``tensoropt.capture``, builder files, the launcher's capture of a script): the sequence
+    length lets head counts limit tensor parallelism (``space.block``)."""
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    first = next((t for t in tensors if t.dim() >= 2), tensors[0] if tensors else None)
+    if first is None or first.dim() == 0:
+        return None, None
+    return int(first.shape[0]), int(first.shape[1]) if first.dim() in (2, 3) else None
 
 
 def in_dtype(model: nn.Module, inputs: tuple | Mapping, dtype: str | None) -> tuple[nn.Module, tuple | Mapping]:

@@ -111,10 +111,11 @@ def _capture_and_exit(model, example_inputs, global_batch) -> None:
     if example_inputs is None or not global_batch:
         raise TensorOptError("tensoropt.parallelize needs example_inputs (one micro-batch) and global_batch for "
                              "the launcher to capture the model")
+    from ..models import example_shape
     inputs = example_inputs if isinstance(example_inputs, (tuple, Mapping)) else (example_inputs,)
-    first = next(v for v in (inputs.values() if isinstance(inputs, Mapping) else inputs) if isinstance(v, torch.Tensor))
+    batch, seq = example_shape(inputs)
     graph = trace_module(model, inputs, type(model).__name__, {
-        "batch_size": str(first.shape[0]), "seq_len": str(first.shape[1]) if first.dim() > 1 else "",
+        "batch_size": str(batch or ""), "seq_len": str(seq or ""),
         "global_batch": str(global_batch), "sources": json.dumps(_user_sources())})
     graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
     write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())

@@ -232,6 +232,8 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     split = {(b, pp): space.groups(model.blocks[b][0].repeats // pp, model.blocks[b][0].repeats)
              for b in blocks for pp in {c[2] for c in choices}}         # (groups, copies per group)
     options = {(b, tp): layer_options(model.blocks[b][1], tp, space) for b in blocks for tp in {c[1] for c in choices}}
+    # a block with no strategy left (only selective recomputation allowed, and it keeps no scores) has no plan
+    choices = [c for c in choices if all(options[(b, c[1])] for b in blocks)]
     # one chain per (block, tp, group size), with a Pareto set per (branches, micro-batch) it is needed for
     needs: dict[tuple[int, int, int], dict[tuple[tuple[str, ...], int], set[int]]] = {}
     for _, tp, pp, branches, mb, _ in choices:

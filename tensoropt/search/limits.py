@@ -1,0 +1,70 @@
+"""Limits the user puts on the search space (``--tp``, ``--max-tp``, ``--pp``, ``--zero``, ``--no-offload``,
+``--recompute`` of ``tensoropt frontier`` and ``tensoropt launch``).
+
+A limit narrows a ``SearchSpace``; it never widens one. The launcher searches one space per engine
+(each engine's part of the space), so the limits are intersected with each part, and a part they
+empty is not searched at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .ft import SearchSpace
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the user allows; None (or True for ``offload``) leaves that dimension as the space has it."""
+
+    tensor_parallel: tuple[int, ...] | None = None   # allowed tp degrees (1: no tensor parallelism)
+    max_tp: int | None = None
+    pipeline_stages: tuple[int, ...] | None = None   # allowed pipeline stage counts
+    zero_stages: tuple[int, ...] | None = None
+    offload: bool = True                             # False: never offload the optimizer
+    recompute: tuple[str, ...] | None = None         # allowed recomputation strategies
+
+    def _parts(self) -> list[tuple[str, str]]:
+        """(flag, words) of each limit given."""
+        def listed(values):
+            return ",".join(map(str, values))
+        parts = [("--tp", "tp", self.tensor_parallel), ("--max-tp", "tp <=", self.max_tp and (self.max_tp,)),
+                 ("--pp", "pp", self.pipeline_stages), ("--zero", "ZeRO", self.zero_stages),
+                 ("--recompute", "recompute", self.recompute)]
+        out = [(f"{flag} {listed(v)}", f"{words} {listed(v)}") for flag, words, v in parts if v]
+        return out + ([("--no-offload", "no offload")] if not self.offload else [])
+
+    def __bool__(self) -> bool:
+        return bool(self._parts())
+
+    def flags(self) -> str:
+        """The limits as the flags that gave them (``--tp 1 --no-offload``), for error messages."""
+        return " ".join(flag for flag, _ in self._parts())
+
+    def describe(self) -> str:
+        """The limits in words (``limited to tp 1, no offload``), for the reasons a plan was chosen."""
+        return "limited to " + ", ".join(words for _, words in self._parts()) if self else ""
+
+    def restrict(self, space: SearchSpace) -> SearchSpace | None:
+        """``space`` with every limit applied, or None when a limit leaves one of its dimensions empty."""
+        tp = _allowed(space.tensor_parallel, self.tensor_parallel, self.max_tp)
+        pp = _allowed(space.pipeline_stages, self.pipeline_stages, None)
+        zero = _allowed(space.zero_stages, self.zero_stages, None)
+        recompute = tuple(r for r in space.recompute if self.recompute is None or r in self.recompute)
+        if any(values == () for values in (tp, pp, zero, recompute)):
+            return None
+        return dataclasses.replace(space, tensor_parallel=tp, pipeline_stages=pp, zero_stages=zero,
+                                   recompute=recompute, offload=space.offload and self.offload)
+
+
+def _allowed(current: tuple[int, ...] | None, wanted: tuple[int, ...] | None,
+             most: int | None) -> tuple[int, ...] | None:
+    """The values both allow (None: no restriction on either side); ``most`` caps them."""
+    if current is None and wanted is None:
+        return None if most is None else tuple(range(1, most + 1))
+    values = current if wanted is None else tuple(v for v in wanted if current is None or v in current)
+    return tuple(v for v in values if most is None or v <= most)
+
+
+NO_LIMITS = Limits()
