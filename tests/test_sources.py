@@ -15,7 +15,8 @@ from tensoropt.cli import cli
 from tensoropt.models import example_shape, resolve_model
 
 # GPT-2 XL's attention shape (25 heads of 64 over 1600 features), 2 layers, with separate q/k/v linears whose
-# outputs are viewed as heads: only the (batch, heads, seq, dim) tensors show that tp must divide 25
+# outputs are viewed as heads (the head count taken from the tensor, as Hugging Face models do: hard-coded, the
+# attention could not be sharded at all): only the (batch, heads, seq, dim) tensors show that tp must divide 25
 GPT2_XL_BUILDER = '''
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,8 @@ class Block(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         h = self.norm1(x)
-        q, k, v = (lin(h).view(b, s, HEADS, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, HIDDEN)
+        q, k, v = (lin(h).view(b, s, -1, HIDDEN // HEADS).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
         x = x + self.proj(a)
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 

@@ -112,14 +112,14 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
     for i in range(n):
         if sharded[i] or role[i] == "row":
             groups.setdefault(find(i), []).append(i)
-    branches, refused = [], []
+    candidates = []
     for root, members in groups.items():
         cols = tuple(i for i in members if role[i] == "column")
         rows = tuple(i for i in members if role[i] == "row")
-        if not rows or root in escaped or conflicts.intersection(members):
-            continue
-        inner = tuple(i for i in members if not role[i])
-        name = _branch_name(ops, cols + rows)
+        if rows and root not in escaped and not conflicts.intersection(members):
+            candidates.append((cols, rows, tuple(i for i in members if not role[i])))
+    branches, refused = [], []
+    for (cols, rows, inner), name in zip(candidates, _branch_names(ops, [c + r for c, r, _ in candidates])):
         layouts = [feature_layout(ops, c, out_features(ops[c])) for c in cols]
         if why := next((f"{ops[c].module_path or 'a linear'}: {lay}" for c, lay in zip(cols, layouts)
                         if isinstance(lay, str)), None):
@@ -178,10 +178,18 @@ def _downstream(forward: dict[int, set[int]], start: int) -> set[int]:
     return seen
 
 
-def _branch_name(ops: tuple[Op, ...], linears: tuple[int, ...]) -> str:
-    """The innermost module holding all of a branch's linears (``attn``, ``mlp``)."""
-    scope = common_scope([ops[i] for i in linears])
-    return scope.rsplit(".", 1)[-1] if scope else f"branch{linears[0]}"
+def _branch_names(ops: tuple[Op, ...], linears: list[tuple[int, ...]]) -> list[str]:
+    """A name per branch: the innermost module holding all of its linears (``attn``, ``mlp``; branches of
+    same-named modules share it, e.g. both attentions of a two-layer block, and a plan shards them together),
+    or, where that module is the block itself (linears straight in a layer), its linears' own names
+    (``q+k+v+proj``)."""
+    out = []
+    for group in linears:
+        name = common_scope([ops[i] for i in group]).rsplit(".", 1)[-1]
+        if not name or name.isdigit():
+            name = "+".join(dict.fromkeys(owner_module(ops[i], "").rsplit(".", 1)[-1] for i in group))
+        out.append(name)
+    return out
 
 
 def _max_tp(ops, cols, rows, inner, seq_len: int | None, layouts=()) -> int:

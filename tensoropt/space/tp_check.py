@@ -20,6 +20,7 @@ against the unsharded block's on a small real input.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 
 import torch
@@ -65,8 +66,16 @@ def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, gra
                 out[name][branch.name] = {"refused": f"the block's copies ({scope or 'the model itself'}) are not "
                                                      "modules the runtime can shard"}
                 continue
-            out[name][branch.name] = _check_branch(modules[scope], inputs[scope], ops, scope, branch, fake_mode)
+            result = _check_branch(modules[scope], inputs[scope], ops, scope, branch, fake_mode)
+            out[name][branch.name] = _stricter(out[name].get(branch.name), result)
     return out
+
+
+def _stricter(a: dict | None, b: dict) -> dict:
+    """Two branches of one name (same-named modules, sharded together): what both allow."""
+    if a is None or "refused" in a:
+        return a or b
+    return b if "refused" in b else {"max_tp": math.gcd(a["max_tp"], b["max_tp"])}
 
 
 def with_tp_checks(graph: OpGraph, checks: dict) -> OpGraph:
