@@ -17,11 +17,11 @@ from workers import ENV, dry_run_plan, losses_alone, tensoropt_cli, tp2
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 FUSED, HF = str(REPO / "tests" / "train_fused.py"), str(EXAMPLES / "train_hf.py")
 
-CASES = {   # name: (script, its arguments, the branches the launcher's layout shards)
-    "qkv-chunk+gate-up": (FUSED, ("--attention", "chunk", "--mlp", "gate-up"), ("attn", "mlp")),
-    "qkv-per-head": (FUSED, ("--attention", "interleaved",), ("attn", "mlp")),
-    "phi3": (HF, ("--arch", "phi3", "--steps", "3"), ("mlp",)),
-    "gpt2-conv1d": (HF, ("--arch", "gpt2", "--steps", "3"), ("mlp",)),
+CASES = {   # name: (script, its arguments, the branches tensor parallelism may shard)
+    "qkv-chunk+gate-up": (FUSED, ("--attention", "chunk", "--mlp", "gate-up"), {"attn", "mlp"}),
+    "qkv-per-head": (FUSED, ("--attention", "interleaved",), {"attn", "mlp"}),
+    "phi3": (HF, ("--arch", "phi3", "--steps", "3"), {"mlp"}),
+    "gpt2-conv1d": (HF, ("--arch", "gpt2", "--steps", "3"), {"mlp"}),
 }
 
 
@@ -34,14 +34,16 @@ def launch(script, plan, tmp_path, *args, checkpoint_dir=None) -> subprocess.Com
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_fused_projections_train_under_tp2_to_the_losses_alone(tmp_path, case):
+def test_fused_projections_train_under_the_launchers_tp2_plan_to_the_losses_alone(tmp_path, case):
+    """``launch --tp 2``: the launcher's own choice among the tensor-parallel plans it offers for the model."""
     script, args, shardable = CASES[case]
     alone = losses_alone(script, tmp_path / "alone.json", *args)
-    plan = tp2(dry_run_plan(script, tmp_path, 2, *args), shardable, micro_batch=4)
-    result = launch(script, plan, tmp_path, *args, "--out", tmp_path / "out.json")
+    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", 2, "--tp", 2, "--run-dir", tmp_path / "run",
+                           "--", *args, "--out", tmp_path / "out.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    written = json.loads((tmp_path / "run" / "plan.json").read_text())["tp_layout"]
-    assert sorted(b["branch"] for branches in written.values() for b in branches) == sorted(shardable)
+    written = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert written["tp"] == 2 and set(written["tp_branches"]) <= shardable
+    assert {b["branch"] for branches in written["tp_layout"].values() for b in branches} == shardable
     np.testing.assert_allclose(json.loads((tmp_path / "out.json").read_text())["losses"], alone, rtol=2e-5)
 
 
@@ -87,7 +89,7 @@ def test_checkpoints_of_reordered_projections_reshard_onto_other_plans(tmp_path)
     alone = losses_alone(FUSED, tmp_path / "alone.json", *args, steps=4)
     sharded = tp2(dry_run_plan(FUSED, tmp_path, 2, *args), ("attn", "mlp"), micro_batch=4)
     fsdp = dataclasses.replace(sharded, dp=2, tp=1, zero=3, tp_branches=(), micro_batch=2)
-    for first, second in ((sharded, fsdp), (fsdp, sharded)):
+    for first, second in ((sharded, fsdp), (fsdp, sharded)):      # both fused projections sharded by segments
         directory = tmp_path / f"ckpt-{first.tp}"
         losses = []
         for plan, steps in ((first, 2), (second, 4)):
