@@ -161,8 +161,10 @@ class _Recorder(TorchDispatchMode):
                         self._note(t, argument.alias_info)
         try:
             return func(*args, **kwargs)
-        except DataDependentOutputException:     # a value read for control flow (.item(), bool): zero
-            return False
+        except DataDependentOutputException:
+            if func is torch.ops.aten._local_scalar_dense.default:   # .item(), bool(): read as zero
+                return False
+            raise
 
     def _note(self, t: torch.Tensor, alias_info) -> None:
         storage = _storage_id(t)
