@@ -7,8 +7,8 @@ step, driven the way the plan's engine needs; it moves the batch to the device).
 deterministic, so a launched run's losses can be compared with this script run by hand.
 
 ``--meta`` builds the model on the meta device (``tensoropt.meta_init()``: no memory for parameters); each
-worker then gets storage for its own shard only, initialised by ``init_weights`` module by module, the same
-values under every plan as this script run alone with ``--meta``.
+worker then gets storage for its own shard only, initialised as ``model.apply(init_weights)`` on the model
+built for real: the same values under every plan as this script run alone, with ``--meta`` or without.
 """
 
 import argparse

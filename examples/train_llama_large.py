@@ -8,9 +8,10 @@ models are built, on the meta device.
 
 ``tensoropt.meta_init()`` builds the parameters on the meta device (nothing allocated; buffers such as the
 rotary tables are computed for real, they are small). ``tensoropt.parallelize`` shards the meta model as
-the plan says and then gives each worker storage for its own shard only, on its GPU, initialised module
-by module with ``init_weights``. ``--no-meta`` builds the model for real on the host instead, which
-only small models survive (every worker would hold all 138 GB of a 70B model in bf16).
+the plan says and then gives each worker storage for its own shard only, on its GPU, initialised to the
+values ``--no-meta`` gives: ``--no-meta`` builds the model for real on the host instead (its constructor
+applies ``init_weights``), which only small models survive (every worker would hold all 138 GB of a 70B
+model in bf16).
 """
 
 import argparse

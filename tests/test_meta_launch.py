@@ -1,12 +1,14 @@
 """Models built on the meta device, launched: real 2-worker CPU trainings whose workers shard the meta model
-and materialise only their part, against the same script run alone (materialised whole, same seed); and the
-launcher's capture of a 70B-parameter script, which must never allocate its weights."""
+and materialise only their part, against the same script run alone (materialised whole, same seed); the
+initialisation a meta-built model gets under each plan, against the script run alone with the model built for
+real; and the launcher's capture of a 70B-parameter script, which must never allocate its weights."""
 
 import dataclasses
 import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 LARGE = str(EXAMPLES / "train_llama_large.py")
+INIT_SCRIPT = str(Path(__file__).parent / "init_parity.py")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,58 @@ def test_meta_built_model_trains_as_materialised_by_hand(chosen, alone, tmp_path
     assert (data["device"], data["parameter_devices"]) == ("cpu", ["cpu"])
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["device"] == "cpu"
     np.testing.assert_allclose(data["losses"], alone, rtol=2e-5)
+
+
+INIT_PLANS = {   # name: changes to the 2-worker plan of init_parity.py (global batch 4)
+    "ddp": dict(dp=2, tp=1, pp=1, zero=0, micro_batch=2, tp_branches=(), blocks=_blocks("none", 4)),
+    "fsdp2-zero3": dict(dp=2, tp=1, pp=1, zero=3, micro_batch=2, tp_branches=(), blocks=_blocks("full", 4)),
+    "tp2": dict(dp=1, tp=2, pp=1, zero=0, micro_batch=4, tp_branches=("attn", "mlp"), blocks=_blocks("none", 4)),
+    "pipeline2": dict(dp=1, tp=1, pp=2, zero=0, micro_batch=2, tp_branches=(), blocks=_blocks("none", 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def init_plan(tmp_path_factory):
+    return dry_run_plan(INIT_SCRIPT, tmp_path_factory.mktemp("init-dry"))
+
+
+@pytest.fixture(scope="module")
+def init_reference(tmp_path_factory) -> Path:
+    """init_parity.py run alone with its models built for real, then ``model.apply(init_fn)``."""
+    out = tmp_path_factory.mktemp("init-alone") / "ref"
+    subprocess.run([sys.executable, INIT_SCRIPT, "--out", out], check=True, env=ENV, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("name", INIT_PLANS)
+def test_meta_built_models_get_the_values_of_apply_on_the_models_built_for_real(init_plan, init_reference, tmp_path,
+                                                                                name):
+    """Both of init_parity.py's initialisations (GPT-2's parent-scaled c_proj, a whole-model init_weights()
+    from the root) on each rank of each plan: every parameter a rank holds, gathered, equals the script run
+    alone with the model built for real, exactly, and so does the buffer the whole-model init replaces; together
+    the ranks hold them all (a pipeline stage holds its own). Where a rank does not hold every tensor whole, the
+    whole-model init works on a full-size copy, said in one line on rank 0."""
+    plan = dataclasses.replace(init_plan, virtual_stages=1, offload=False, **INIT_PLANS[name])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt_cli("launch", INIT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", "torch",
+                           "--run-dir", tmp_path / "run", "--", "--meta", "--out", tmp_path / "got", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "tensoropt: init_fn(" in line]
+    if name == "ddp":
+        assert said == []                         # each rank holds every tensor whole: computed in place
+    else:
+        assert len(said) == 1 and said[0].endswith("more than one block copy of the plan (0.2 MiB)"), said
+    for init in ("gpt2", "titan"):
+        expected = dict(np.load(f"{init_reference}.{init}.0.npz"))
+        held = set()
+        for rank in (0, 1):
+            got = dict(np.load(tmp_path / f"got.{init}.{rank}.npz"))
+            assert got.keys() <= expected.keys()
+            for key, value in got.items():
+                np.testing.assert_array_equal(value, expected[key], err_msg=f"{init} rank {rank} {key}")
+            held |= got.keys()
+        assert held == expected.keys(), (init, sorted(expected.keys() - held))
 
 
 CAPTURE = textwrap.dedent("""

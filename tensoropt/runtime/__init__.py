@@ -18,8 +18,8 @@ The one call a training script makes, and the one call per step::
   the model there; ``train_step`` moves every micro-batch to the device.
 
 A model built on the meta device (``tensoropt.meta_init()`` or ``torch.device("meta")``) is sharded first
-and only then given storage, this rank's shard only, initialised by the model's own ``reset_parameters``
-and the script's ``init_fn`` (see ``materialize``). Run alone, it is materialised whole on this process's
+and only then given storage, this rank's shard only, initialised to the values of the model built for real
+and then ``model.apply(init_fn)`` (see ``materialize``). Run alone, it is materialised whole on this process's
 device (a GPU where one is visible).
 """
 
@@ -52,8 +52,9 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
                 init_fn: InitFn | None = None) -> tuple[nn.Module, object, Run]:
     """Return (model, optimizer, Run) for the plan this process runs under (see module doc).
 
-    ``init_fn(module)`` initialises a model built on the meta device, one module at a time (after the
-    module's own ``reset_parameters()``), as ``model.apply(init_fn)`` would; models built for real need none.
+    ``init_fn(module)`` initialises a model built on the meta device as ``model.apply(init_fn)`` would on the
+    model built for real (after every module's ``reset_parameters()``, see ``materialize``); models built for
+    real need none.
     """
     if os.environ.get(CAPTURE_ENV):
         _capture_and_exit(model, example_inputs, global_batch)

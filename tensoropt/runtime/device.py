@@ -82,6 +82,14 @@ def check_placement(module: nn.Module, device: torch.device, where: str) -> None
                              "the model where tensoropt.parallelize put it (do not move it after the call)")
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new tensor on ``device`` can still take: the GPU's free memory, or the host's available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+    return psutil.virtual_memory().available
+
+
 def to_device(batch, device: torch.device):
     """Every tensor of a batch (a tensor, tuple, list or mapping of them) on ``device``."""
     if isinstance(batch, torch.Tensor):
@@ -95,5 +103,5 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-__all__ = ["DEVICE_KINDS", "check_placement", "default_kind", "init_process_group", "local_tensor", "misplaced",
-           "on_device", "to_device", "worker_device"]
+__all__ = ["DEVICE_KINDS", "check_placement", "default_kind", "free_memory_bytes", "init_process_group",
+           "local_tensor", "misplaced", "on_device", "to_device", "worker_device"]

@@ -4,34 +4,47 @@ A script builds a large model without memory, under ``torch.device("meta")`` or 
 (parameters on meta, buffers computed for real: rotary tables and masks keep their values). The engine
 shards the meta model (tensor parallelism, FSDP2, a pipeline stage), ``Materializer.allocate`` gives every
 tensor this rank holds storage on its device (``to_empty`` for meta tensors, a move for real ones), and
-``Materializer.initialise`` fills it with the model's own initialisation.
+``Materializer.initialise`` fills it with the values the script run alone would give the model built for
+real and then ``model.apply(init_fn)``: two passes over the random number stream,
 
-Initialisation is the model's, module by module: ``module.reset_parameters()`` where a module defines it
-(what every torch layer runs in its constructor), then ``init_fn(module)`` if the script gives one (the
-function a script would ``model.apply``), for each module in ``model.modules()`` order. It runs on a
-full-size scratch copy of that module's own tensors, and each rank keeps the slice it holds. Every rank
-runs every module's initialisation, also for modules held by other ranks (pipeline stages), so the random
-number streams stay aligned and a parameter gets the same values under every plan, on every rank count,
-as the same script run alone. DTensor's random ops would instead draw each shard from its own rank's
-generator on CPUs (``torch.distributed.tensor._random``: sharding-consistent on CUDA only) and compute
-fan-in from whatever shape they see. The price is a transient buffer the size of the largest module's own
-parameters (LLaMA-2 70B: one 8192 x 28672 linear, 0.44 GiB in bf16), never the whole model.
+1. "construction": each module's ``reset_parameters()``, children before their parent (the order torch
+   layers draw in their constructors; a parent such as ``MoE`` builds its children, then resets itself);
+2. "apply": ``init_fn(module)`` for every module in ``nn.Module.apply`` order (children before their
+   parent, so a parent may re-initialise its children's tensors, as GPT-2's scaled ``c_proj`` does).
 
-A parameter or buffer that came from the meta device and that no initialisation wrote is an error naming
+What each call reads and writes is found when the ``Materializer`` is made, before the engine touches the
+model, by running every call once on fake tensors (``init_trace``). A tensor is then computed at full size
+on this rank's device from the first call that touches it to the last, and each rank keeps its slice
+(``_deliver``); where the rank holds it whole it is computed in place. Pass 2 starts a tensor from its
+pass-1 value by replaying the ``reset_parameters()`` calls that wrote it from the generator states
+recorded before each in pass 1, so the transient full-size copies are those of the tensors one call
+touches (and of tied weights between their calls), never the model. Every rank runs every call, also for
+tensors other ranks hold (pipeline stages), so the random streams stay aligned and a parameter gets the
+same values under every plan, on every rank count, as the same script run alone. DTensor's random ops
+would instead draw each shard from its own rank's generator on CPUs (``torch.distributed.tensor._random``:
+sharding-consistent on CUDA only) and compute fan-in from whatever shape they see.
+
+An ``init_fn`` call that touches more than one block copy of the plan (a torchtitan-style whole-model
+``init_weights()`` called from the root) works on a full-size copy of all it touches, said in one line on
+rank 0; a copy that does not fit the device's free memory is a one-line error.
+
+A parameter or buffer that came from the meta device and that no initialisation writes is an error naming
 it: training on uninitialised memory is never silent.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from .device import free_memory_bytes, on_device
 from .feature_order import feature_orders, in_run_order
+from .init_trace import Call, Tracked, restore, trace_calls, track_tensors
 
 InitFn = Callable[[nn.Module], object]
 # prefixes the engines' wrappers put into parameter names; a tensor is found under the script's own name
@@ -112,18 +125,29 @@ def _deliver(value: torch.Tensor, target: torch.Tensor | None, order: tuple | No
 
 
 class Materializer:
-    """What a meta-built model needs initialised, recorded before the engine re-wraps it (see module doc)."""
+    """What a meta-built model needs initialised and how, found before the engine re-wraps it (module doc)."""
 
     def __init__(self, model: nn.Module, init_fn: InitFn | None = None) -> None:
         self.init_fn = init_fn
-        # values of buffers built for real (tensoropt.meta_init): a stage cut from the model on meta needs them
-        self.real_buffers = {script_name(n): b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
-        self.owners: list[tuple[str, nn.Module, tuple[str, ...], tuple[str, ...]]] = []
-        for name, module in model.named_modules():
-            params = tuple(n for n, p in module._parameters.items() if p is not None and p.is_meta)
-            buffers = tuple(n for n, b in module._buffers.items() if b is not None and b.is_meta)
-            if params or buffers:
-                self.owners.append((name, module, params, buffers))
+        self.tracked: list[Tracked] = track_tensors(model, script_name)
+        resets, self.inits = trace_calls(model, self.tracked, init_fn)
+        # a reset that touches only tensors built for real already ran, at construction
+        self.resets: list[Call] = [c for c in resets if any(self.tracked[k].real is None for k in c.touches)]
+        # values of tensors built for real (tensoropt.meta_init): a stage cut from the model on meta needs them
+        self.real = {name: t.real for t in self.tracked if t.real is not None for name in t.names}
+        # bytes of the plan's largest block copy, set by the engine: an init_fn call touching more is reported
+        self.block_bytes: int | None = None
+        self._check_initialised()
+
+    def _check_initialised(self) -> None:
+        written = set().union(*(c.writes for c in self.resets + self.inits))
+        unwritten = [t.names[0] for i, t in enumerate(self.tracked) if t.real is None and i not in written]
+        if unwritten:
+            more = f" and {len(unwritten) - 3} more" if len(unwritten) > 3 else ""
+            raise TensorOptError(
+                f"{', '.join(unwritten[:3])}{more} came from the meta device and nothing initialised them: give "
+                "tensoropt.parallelize an init_fn(module) that sets them (or a reset_parameters() on their "
+                "module), or build buffers under tensoropt.meta_init(), which keeps their values")
 
     def materialize(self, module: nn.Module, device: torch.device) -> None:
         """Give ``module`` (the model, or this rank's pipeline stage) storage for what this rank holds on
@@ -140,77 +164,184 @@ class Materializer:
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
         for names in tied:
             tie(module, names)
-        with torch.no_grad():          # buffers built for real that reached this module on meta (a pipeline's cut)
+        with torch.no_grad():          # tensors built for real that reached this module on meta (a pipeline's cut)
             for name, target in _named_tensors(module).items():
-                if name in was_meta and name in self.real_buffers:
-                    target.copy_(self.real_buffers[name])
+                if name in was_meta and name in self.real:
+                    target.copy_(self.real[name])
 
     @torch.no_grad()
     def initialise(self, rank_module: nn.Module, device: torch.device) -> None:
-        """Run every module's initialisation at full size and keep, in ``rank_module`` (the model or this
-        rank's pipeline stage, after ``allocate``), the part this rank holds."""
+        """Run the construction pass, then the apply pass (module doc), and keep in ``rank_module`` (the
+        model or this rank's pipeline stage, after ``allocate``) the part this rank holds."""
         targets = _named_tensors(rank_module)
         orders = feature_orders(rank_module)
-        owners_left = Counter(id(store[attr]) for _, module, params, buffers in self.owners
-                              for store, attr in self._slots(module, params, buffers))
-        live: dict[int, torch.Tensor] = {}      # full values of tensors that more modules own (tied weights)
-        names: dict[int, list[str]] = {}         # every name a tensor has, delivered once its last owner is done
-        written: dict[int, bool] = {}
-        unwritten: list[str] = []
-        for name, module, params, buffers in self.owners:
-            slots = self._slots(module, params, buffers)
-            originals = [store[attr] for store, attr in slots]
-            works = [self._working_copy(store, attr, live, device) for store, attr in slots]
-            versions = [w._version for w in works]
-            self._run_init(module)
-            for (store, attr), original, work, version in zip(slots, originals, works, versions):
-                result, key = store[attr], id(original)
-                store[attr] = original
-                if result is not work and original is work:
-                    original.copy_(result)               # the init replaced a tensor the rank holds whole
-                names.setdefault(key, []).append(f"{name}.{attr}" if name else attr)
-                written[key] = written.get(key, False) or result is not work or work._version != version
-                owners_left[key] -= 1
-                if owners_left[key]:
-                    live[key] = result                   # its next owner initialises this same full value
-                    continue
-                live.pop(key, None)
-                for fqn in names.pop(key):
-                    _deliver(result, targets.get(fqn), orders.get(fqn))
-                if not written.pop(key):
-                    unwritten.append(f"{name}.{attr}" if name else attr)
-        if unwritten:
-            more = f" and {len(unwritten) - 3} more" if len(unwritten) > 3 else ""
+        homes = self._homes(targets, device)
+        self._check_memory(homes, device)
+        states = self._construction_pass(targets, orders, homes, device)
+        self._run(self.inits, lambda keys: self._construct(keys, homes, device, states),
+                  lambda k, value: self._deliver_all(k, value, targets, orders))
+
+    def _homes(self, targets: dict[str, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+        """The tensors this rank holds whole, on ``device``, under all the names it holds: computed in place."""
+        homes = {}
+        for k, t in enumerate(self.tracked):
+            held = {id(targets[n]): targets[n] for n in t.names if n in targets}
+            if t.real is None and len(held) == 1:
+                home = next(iter(held.values()))
+                if not _is_dtensor(home) and home.shape == t.shape and on_device(home, device):
+                    homes[k] = home
+        return homes
+
+    def _fresh(self, k: int, device: torch.device, home: torch.Tensor | None = None) -> torch.Tensor:
+        """A tensor's starting value: its value built for real, else ``home`` or a new full-size one."""
+        t = self.tracked[k]
+        if t.real is not None:
+            return t.real.to(device, copy=True)
+        return home if home is not None else torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    def _construction_pass(self, targets: dict[str, torch.Tensor], orders: dict[str, tuple],
+                           homes: dict[int, torch.Tensor], device: torch.device) -> list[list[torch.Tensor]]:
+        """Pass 1: every reset, delivering what the apply pass leaves alone; the generator states before each."""
+        applied = {k for call in self.inits for k in call.touches}
+        states: list[list[torch.Tensor]] = []
+
+        def finish(k: int, value: torch.Tensor) -> None:
+            if self.tracked[k].real is None and k not in applied:
+                self._deliver_all(k, value, targets, orders)
+        self._run(self.resets, lambda keys: {k: self._fresh(k, device, homes.get(k)) for k in keys}, finish,
+                  before=lambda i: states.append(_rng_state(device)))
+        return states
+
+    def _construct(self, keys: list[int], homes: dict[int, torch.Tensor], device: torch.device,
+                   states: list[list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """The pass-1 values of ``keys``, for the apply pass: the resets that wrote them (and those that wrote
+        what these read) replayed from their recorded generator states; the apply stream is left as it was."""
+        values = {k: self._fresh(k, device, homes.get(k)) for k in keys}
+        needed, chosen = {k for k in keys if self.tracked[k].real is None}, []
+        for i in reversed(range(len(self.resets))):
+            if needed.intersection(self.resets[i].touches):
+                chosen.append(i)
+                needed.update(self.resets[i].touches)
+        if not chosen:
+            return values
+        chosen.reverse()
+        owned = {k: v for k, v in values.items() if self.tracked[k].real is None}
+        stream = _rng_state(device)
+        try:
+            replayed = self._run([self.resets[i] for i in chosen], lambda ks: {k: self._fresh(k, device) for k in ks},
+                                 lambda k, value: None, before=lambda j: _set_rng_state(states[chosen[j]], device),
+                                 live=owned)
+        finally:
+            _set_rng_state(stream, device)
+        return values | replayed
+
+    def _run(self, calls: list[Call], fresh: Callable[[list[int]], dict[int, torch.Tensor]],
+             finish: Callable[[int, torch.Tensor], None], before: Callable[[int], None] | None = None,
+             live: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+        """Run ``calls`` in order on full-size values: a tensor gets its value from ``fresh`` at the first call
+        that touches it and goes to ``finish`` after the last; those given in ``live`` stay and are returned."""
+        live = dict(live or {})
+        owned = set(live)
+        last = {k: i for i, call in enumerate(calls) for k in call.touches}
+        for i, call in enumerate(calls):
+            missing = [k for k in call.touches if k not in live]
+            if missing:
+                live.update(fresh(missing))
+            if before is not None:
+                before(i)
+            self._call(call, live)
+            for k in call.touches:
+                if last[k] == i and k not in owned:
+                    finish(k, live.pop(k))
+        return {k: live[k] for k in owned}
+
+    def _call(self, call: Call, live: dict[int, torch.Tensor]) -> None:
+        """One call with the full-size values registered in the model's slots; a tensor the call assigns
+        (``module.weight = ...``) becomes the value."""
+        saved = []
+        for k in call.touches:
+            live[k] = self.tracked[k].wrap(live[k])
+            saved += self.tracked[k].put(live[k])
+        try:
+            call.run()
+            for k in call.touches:
+                live[k] = self.tracked[k].get()
+        finally:
+            restore(saved)
+
+    def _deliver_all(self, k: int, value: torch.Tensor, targets: dict[str, torch.Tensor],
+                     orders: dict[str, tuple]) -> None:
+        for name in self.tracked[k].names:
+            _deliver(value, targets.get(name), orders.get(name))
+
+    def _check_memory(self, homes: dict[int, torch.Tensor], device: torch.device) -> None:
+        """Say in one line when an init_fn call needs more than a block copy at full size; stop with one line
+        when the full-size values would not fit the device."""
+        def scratch_bytes(keys) -> int:
+            return sum(self.tracked[k].nbytes for k in keys if k not in homes)
+        peak = max(_peak_live(calls, lambda k: scratch_bytes([k])) for calls in (self.resets, self.inits))
+        widest = max(self.inits, key=lambda c: scratch_bytes(c.touches), default=None)
+        wide = widest is not None and scratch_bytes(widest.touches) > max((t.nbytes for t in self.tracked), default=0)
+        if wide and self.block_bytes is not None and scratch_bytes(widest.touches) > self.block_bytes \
+                and _rank() == 0:
+            print(f"tensoropt: init_fn({widest.name or 'the model'}) initialises {len(widest.touches)} tensors at "
+                  f"once: each rank computes them on a full-size copy of {_size(peak)}, more than one block copy of "
+                  f"the plan ({_size(self.block_bytes)})", file=sys.stderr, flush=True)
+        free = free_memory_bytes(device)
+        if peak <= free:
+            return
+        if wide:
             raise TensorOptError(
-                f"{', '.join(unwritten[:3])}{more} came from the meta device and nothing initialised them: give "
-                "tensoropt.parallelize an init_fn(module) that sets them (or a reset_parameters() on their "
-                "module), or build buffers under tensoropt.meta_init(), which keeps their values")
+                f"init_fn({widest.name or 'the model'}) needs a full-size copy of {_size(peak)} on {device}, which "
+                f"has {_size(free)} free: pass an init_fn that initialises each module's own tensors (call a "
+                "layer's init from the layer, not the whole model's from its root)")
+        largest = max(self.tracked, key=lambda t: t.nbytes)
+        raise TensorOptError(
+            f"initialising the model needs full-size copies of {_size(peak)} on {device} at once ({largest.names[0]} "
+            f"alone is {_size(largest.nbytes)}), which has {_size(free)} free: each rank computes a tensor whole "
+            "before it keeps its slice, so plan for devices with more memory")
 
-    @staticmethod
-    def _slots(module: nn.Module, params: tuple[str, ...], buffers: tuple[str, ...]) -> list[tuple[dict, str]]:
-        return [(module._parameters, p) for p in params] + [(module._buffers, b) for b in buffers]
 
-    @staticmethod
-    def _working_copy(store: dict, attr: str, live: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The tensor the initialisation writes: the rank's own tensor where it holds it whole, else a
-        full-size scratch (registered in its place until the module is done)."""
-        current = store[attr]
-        if not current.is_meta and not _is_dtensor(current):
-            return current
-        scratch = live.get(id(current))
-        if scratch is None:
-            scratch = torch.empty(current.shape, dtype=current.dtype, device=device)
-        if isinstance(current, nn.Parameter):
-            scratch = nn.Parameter(scratch, requires_grad=current.requires_grad)
-        store[attr] = scratch
-        return scratch
+def _peak_live(calls: list[Call], size: Callable[[int], int]) -> int:
+    """The most bytes of tensors alive at once when ``calls`` run (``Materializer._run``), ``size`` bytes each."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, call in enumerate(calls):
+        for k in call.touches:
+            first.setdefault(k, i)
+            last[k] = i
+    change = [0] * (len(calls) + 1)
+    for k, i in first.items():
+        change[i] += size(k)
+        change[last[k] + 1] -= size(k)
+    peak = alive = 0
+    for delta in change:
+        alive += delta
+        peak = max(peak, alive)
+    return peak
 
-    def _run_init(self, module: nn.Module) -> None:
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        if self.init_fn is not None:
-            self.init_fn(module)
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    """The states of the generators an initialisation on ``device`` may draw from: the CPU's, and the device's."""
+    states = [torch.get_rng_state()]
+    if device.type != "cpu":
+        states.append(torch.get_device_module(device).get_rng_state(device))
+    return states
+
+
+def _set_rng_state(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type != "cpu":
+        torch.get_device_module(device).set_rng_state(states[1], device)
 
 
 __all__ = ["InitFn", "Materializer", "has_meta_tensors", "meta_init", "script_name", "tie", "tied_parameters"]

@@ -26,6 +26,13 @@ def block_modules(model: nn.Module, plan: dict) -> list[str]:
     return out
 
 
+def largest_block_bytes(model: nn.Module, plan: dict) -> int:
+    """Bytes of the parameters and buffers of the plan's largest block copy (on meta too: no memory read)."""
+    sizes = [sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+             for m in map(model.get_submodule, block_modules(model, plan))]
+    return max(sizes, default=0)
+
+
 def recomputed_modules(model: nn.Module, plan: dict) -> list[str]:
     """The block copies the plan recomputes in full: on each pipeline stage, the stage's first copies
     of each block, as many as its strategies say (strategies carry copy counts per stage)."""
@@ -61,6 +68,8 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
     if world != plan["devices"]:
         raise TensorOptError(f"plan {plan['summary']} is for {plan['devices']} devices but {world} workers were "
                              "started")
+    if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
+        materializer.block_bytes = largest_block_bytes(model, plan)
     if plan["pp"] > 1:
         from .pipeline import apply_pipeline
         return apply_pipeline(model, optimizer_fn, plan, device, materializer, example_inputs)
