@@ -35,7 +35,7 @@ def check_sharded_blocks(model: nn.Module, example_inputs, first_copies: dict[st
     from ..space.tp_check import first_copy_inputs
     inputs = example_inputs if isinstance(example_inputs, (tuple, Mapping)) else (example_inputs,)
     found = first_copy_inputs(model, inputs, {name for name, _ in first_copies.values()},
-                              FakeTensorMode(allow_non_fake_inputs=True))
+                              FakeTensorMode(allow_non_fake_inputs=True), device)
     for block, (name, branches) in first_copies.items():
         if name not in found:
             raise TensorOptError(f"the model's forward never calls {name}, the first copy of block {block!r} the plan "

@@ -103,9 +103,12 @@ def linear_kind(module: nn.Module) -> str | None:
     return None
 
 
-def first_copy_inputs(model: nn.Module, example_inputs, scopes: set[str], fake_mode) -> dict[str, tuple]:
+def first_copy_inputs(model: nn.Module, example_inputs, scopes: set[str], fake_mode,
+                      device: torch.device | None = None) -> dict[str, tuple]:
     """(args, kwargs) each module in ``scopes`` is first called with, from one fake forward of the model,
-    stopped once all were reached (a forward up to the first block costs next to nothing)."""
+    stopped once all were reached (a forward up to the first block costs next to nothing). With ``device``,
+    every parameter, buffer and input is a fake tensor on ``device`` for that forward: a model built on meta
+    whose buffers were built for real (``tensoropt.meta_init``) mixes devices otherwise."""
     from ..graph.capture import gpu_kernels
     seen: dict[str, tuple] = {}
 
@@ -117,9 +120,16 @@ def first_copy_inputs(model: nn.Module, example_inputs, scopes: set[str], fake_m
         lambda m, a, k, s=s: record(s, m, a, k), with_kwargs=True) for s in scopes]
     try:
         with fake_mode, gpu_kernels():
-            fakes = ({k: _fake(fake_mode, v) for k, v in example_inputs.items()} if isinstance(example_inputs, Mapping)
-                     else tuple(_fake(fake_mode, v) for v in example_inputs))
-            model(**fakes) if isinstance(fakes, Mapping) else model(*fakes)
+            if isinstance(example_inputs, Mapping):
+                args, kwargs = (), {k: _fake(fake_mode, v, device) for k, v in example_inputs.items()}
+            else:
+                args, kwargs = tuple(_fake(fake_mode, v, device) for v in example_inputs), {}
+            if device is None:
+                model(*args, **kwargs)
+            else:
+                named = [*model.named_parameters(), *model.named_buffers()]   # tied: once; functional_call ties
+                states = {name: _fake(fake_mode, t, device) for name, t in named}
+                torch.func.functional_call(model, states, args, kwargs)
     except _Reached:
         pass
     finally:
@@ -128,8 +138,12 @@ def first_copy_inputs(model: nn.Module, example_inputs, scopes: set[str], fake_m
     return seen
 
 
-def _fake(fake_mode, value):
-    return fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+def _fake(fake_mode, value, device: torch.device | None = None):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if device is None:
+        return fake_mode.from_tensor(value)
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)   # under fake_mode
 
 
 def _without_caches(kwargs: dict) -> dict:
