@@ -13,6 +13,7 @@ built for real: the same values under every plan as this script run alone, with 
 
 import argparse
 import contextlib
+import functools
 import json
 import time
 
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--meta", action="store_true", help="build on the meta device; workers materialise shards")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--foreach", action="store_true",
+                        help="AdamW's foreach kernels, CUDA's default (the CPU's is one tensor at a time)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -48,8 +51,8 @@ def main() -> None:
                            generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[..., :-1], tokens[..., 1:]                 # predict the next token
     example = (inputs[0, :1], targets[0, :1])                          # one sample, for the planner
-    model, optimizer, run = tensoropt.parallelize(model, lambda p: torch.optim.AdamW(p, lr=1e-3),
-                                                  example_inputs=example, global_batch=args.global_batch,
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3, foreach=args.foreach or None)   # called on the parameters
+    model, optimizer, run = tensoropt.parallelize(model, adamw, example_inputs=example, global_batch=args.global_batch,
                                                   init_fn=init_weights)   # used for tensors built on meta only
     losses, step_times = [], []
     for step in range(run.start_step, args.steps):                    # a resumed run starts at its checkpoint

@@ -20,13 +20,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 GPT, LLAMA = str(EXAMPLES / "train_gpt.py"), str(EXAMPLES / "train_llama_hf.py")
 
 
-def launch(script, plan: Plan, tmp_path) -> dict:
+def launch(script, plan: Plan, tmp_path, *script_args) -> dict:
     """``tensoropt launch --plan`` for 3 steps; the losses rank 0 wrote."""
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     out = tmp_path / "losses.json"
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", plan.devices, "--plan", path, "--engine",
-                           "torch", "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, cwd=tmp_path)
+                           "torch", "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, *script_args,
+                           cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tensor parallel 2" in result.stdout
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
@@ -37,11 +38,12 @@ def launch(script, plan: Plan, tmp_path) -> dict:
 
 
 def test_gpt_tp2_matches_one_process(tmp_path):
-    """Both branches sharded, 2 micro-batches accumulated, 2 of 4 layers recomputed."""
-    alone = losses_alone(GPT, tmp_path / "alone.json")
+    """Both branches sharded, 2 micro-batches accumulated, 2 of 4 layers recomputed; AdamW's foreach kernels
+    (CUDA's default), which refuse a parameter list mixing the sharded linears' DTensors and the plain norms."""
+    alone = losses_alone(GPT, tmp_path / "alone.json", "--foreach")
     (tmp_path / "dry").mkdir()
     plan = tp2(dry_run_plan(GPT, tmp_path / "dry"), ("attn", "mlp"), micro_batch=4, full_recompute=2)
-    launched = launch(GPT, plan, tmp_path)
+    launched = launch(GPT, plan, tmp_path, "--foreach")
     np.testing.assert_allclose(launched["losses"], alone, rtol=2e-5)
 
 
@@ -55,11 +57,12 @@ def test_hugging_face_llama_gqa_tp2_matches_one_process(tmp_path):
 
 
 def test_gpt_tp2_with_fsdp2_over_dp2_matches_one_process(tmp_path):
-    """A 2 x 2 mesh: tensor parallelism inside, FSDP2 (ZeRO 3) over the data-parallel axis; 4 workers."""
-    alone = losses_alone(GPT, tmp_path / "alone.json")
+    """A 2 x 2 mesh: tensor parallelism inside, FSDP2 (ZeRO 3) over the data-parallel axis; 4 workers; foreach
+    AdamW over DTensors of two meshes (the sharded linears on dp x tp, the rest on dp)."""
+    alone = losses_alone(GPT, tmp_path / "alone.json", "--foreach")
     (tmp_path / "dry").mkdir()
     plan = tp2(dry_run_plan(GPT, tmp_path / "dry", devices=4), ("attn", "mlp"), micro_batch=2, full_recompute=1)
-    launched = launch(GPT, dataclasses.replace(plan, dp=2, zero=3), tmp_path)
+    launched = launch(GPT, dataclasses.replace(plan, dp=2, zero=3), tmp_path, "--foreach")
     np.testing.assert_allclose(launched["losses"], alone, rtol=2e-5)
 
 

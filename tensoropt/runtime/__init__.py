@@ -36,6 +36,7 @@ from torch import nn
 from ..errors import TensorOptError
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
+from .param_groups import build_optimizer
 from .run import Run, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
@@ -84,7 +85,7 @@ def _alone(model: nn.Module, optimizer_fn, global_batch: int | None, materialize
     if materializer is not None:
         materializer.materialize(model, worker_device(None))
     first = next(iter(model.parameters()), None)
-    optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
+    optimizer = build_optimizer(optimizer_fn, model.parameters())
     return model, optimizer, Run(global_batch=global_batch or 0, model=model, optimizer=optimizer,
                                  stepper=plain_stepper(model, optimizer) if optimizer else None,
                                  device=first.device if first is not None else torch.device("cpu"))

@@ -18,6 +18,7 @@ from torch import nn
 
 from .device import init_process_group
 from .materialize import Materializer
+from .param_groups import build_optimizer
 from .run import Run, call_model, loss_of, mean_over_group
 from .torch_engine import recomputed_modules
 
@@ -86,7 +87,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
     place(model, device, materializer)
     apply_recompute(model, plan, config)
-    optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
+    optimizer = build_optimizer(optimizer_fn, model.parameters())
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     run = Run(rank, world, rank, world, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],

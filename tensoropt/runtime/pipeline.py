@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import TensorOptError
 from .device import to_device
 from .materialize import Materializer, tie, tied_parameters
+from .param_groups import build_optimizer
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, recomputed_modules, replace_module
 
@@ -110,7 +111,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     wiring = stage_wiring(pipe.split_gm.graph, rank)
     del pipe                                        # the other stages' modules go with it
     stage = PipelineStage(Relay(stage_module, wiring), rank, pp, device)
-    optimizer = optimizer_fn(stage_module.parameters()) if optimizer_fn else None
+    optimizer = build_optimizer(optimizer_fn, stage_module.parameters())
     stepper = None
     if optimizer is not None:
         stepper = pipeline_stepper(stage, plan["gradient_accumulation"], optimizer, signature, wiring.model_inputs,

@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import TensorOptError
 from .device import check_placement, init_process_group
 from .materialize import Materializer
+from .param_groups import build_optimizer
 from .run import Run, plain_stepper
 
 
@@ -100,7 +101,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
 
         def before_micro_batch(last: bool) -> None:
             ddp.require_backward_grad_sync = last
-    optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
+    optimizer = build_optimizer(optimizer_fn, model.parameters())
     dp_rank = rank // tp
     run = Run(rank, world, dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
               plan, "torch", plain_stepper(model, optimizer, before_micro_batch) if optimizer else None, device=device)
