@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +96,16 @@ def mean_over_group(value: torch.Tensor, group=None) -> float:
     return float(value)
 
 
+def host_copy(value, keep: bool = True):
+    """A state-dict value whole, as a CPU tensor of its own (None unless ``keep``: a DTensor is gathered anyway,
+    as every rank must take part). The whole value gathered on the device is gone when this returns."""
+    from torch.distributed.tensor import DTensor
+    whole = value.full_tensor() if isinstance(value, DTensor) else value
+    if not keep:
+        return None
+    return whole.detach().to("cpu", copy=True) if isinstance(whole, torch.Tensor) else whole
+
+
 CLOSE_GRACE_S = 0.2                 # see Run.close
 OOM_EXIT_CODE = 75                  # a worker ran out of device memory (the launcher re-plans with less)
 RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_MEMORY_BYTES"
@@ -175,16 +185,24 @@ class Run:
         return {"device": str(self.device), "parameter_devices": sorted({str(local_tensor(p).device) for p in params}),
                 "max_memory_allocated_bytes": peak}
 
-    def full_state_dict(self) -> dict:
-        """The whole model's parameters, gathered on every rank (CPU tensors), under the script's own
-        parameter names: for saving a final model or comparing runs."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def full_state_dict(self, ranks: Collection[int] | None = None) -> dict:
+        """The whole model's parameters as CPU tensors of their own (a copy, not the run's memory), under the
+        script's own parameter names, on every rank in ``ranks`` (default: all; the others get ``{}``): for
+        saving a final model or comparing runs. Every rank must call it: the gathers are collectives.
+
+        Gathered one tensor at a time, each copied to the host before the next is gathered, so the device
+        holds at most one whole parameter beyond its own shards (the whole model would not fit on one GPU
+        that trains only its shards of it)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         from .feature_order import feature_orders, in_model_order
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-        for name, (dim, order) in feature_orders(self.model).items():    # fused projections: the model's order
-            state[name] = in_model_order(state[name], dim, order)
-        return state
+        wanted = ranks is None or self.rank in ranks
+        orders, out = feature_orders(self.model), {}
+        for name, value in get_model_state_dict(self.model).items():
+            host = host_copy(value, wanted)
+            if wanted:
+                out[name] = in_model_order(host, *orders[name]) if name in orders else host   # fused projections
+        return out
 
     def close(self) -> None:
         """End the run: wait for every rank, then leave the process group.
