@@ -74,53 +74,62 @@ def split_by_kind(optimizer: torch.optim.Optimizer) -> list[Split]:
     """Split ``optimizer``'s groups in place by parameter kind, and keep its state dicts in the layout it was
     built with; returns the splits (one per original group when nothing was mixed, and nothing changes)."""
     splits = kind_splits(optimizer.param_groups)
-    script_groups = len(optimizer.param_groups)
-    if len(splits) == script_groups:
+    if len(splits) == len(optimizer.param_groups):
         return splits
     if optimizer.state:
         raise ValueError("split_by_kind splits an optimizer before its first step")
+    layout = Layout(tuple(splits), len(optimizer.param_groups))
     optimizer.param_groups[:] = [_subgroup(optimizer.param_groups[s.group], s.positions) for s in splits]
-
-    def to_script_layout(_, state_dict: dict) -> dict:
-        return {**state_dict, "param_groups": script_layout(state_dict["param_groups"], splits, script_groups)}
-
-    def to_split_layout(_, state_dict: dict) -> dict:
-        groups = state_dict["param_groups"]
-        if len(groups) == len(splits):
-            # as the optimizer holds them: set_state_dict's way, which gives a script group's settings to only
-            # one of its parts; merged first, so that every part gets them
-            groups = script_layout(groups, splits, script_groups)
-        if len(groups) != script_groups:
-            raise ValueError(f"the optimizer state has {len(groups)} parameter groups, the script made "
-                             f"{script_groups}")
-        return {**state_dict, "param_groups": [_subgroup(groups[s.group], s.positions) for s in splits]}
-
-    optimizer.register_state_dict_post_hook(to_script_layout)
-    optimizer.register_load_state_dict_pre_hook(to_split_layout)
+    optimizer.register_state_dict_post_hook(layout.to_script)
+    optimizer.register_load_state_dict_pre_hook(layout.to_split)
     return splits
 
 
-def script_layout(groups: list[dict], splits: list[Split], script_groups: int) -> list[dict]:
-    """State-dict groups in split layout (``groups[i]`` holds ``splits[i]``) merged back into the script's
-    groups, each parameter at its position there. Parameter ids stay those of the split layout, which is what
-    both ``Optimizer.load_state_dict`` (it pairs ids with parameters by position) and
-    ``torch.distributed.checkpoint`` (it names ids by the optimizer's ``param_groups``) expect."""
-    merged: list[dict] = [{} for _ in range(script_groups)]
-    for group, split in zip(groups, splits, strict=True):
-        target = merged[split.group]
-        for key, value in group.items():
-            if key not in ("params", NAMES):
-                target.setdefault(key, value)
-        for key in ("params", NAMES):
-            if key in group:
-                slots = target.setdefault(key, [None] * _size(splits, split.group))
-                for position, value in zip(split.positions, group[key], strict=True):
-                    slots[position] = value
-    return merged
+@dataclass(frozen=True)
+class Layout:
+    """How an optimizer's groups (``splits``, in its order) come from the ``script_groups`` the script made."""
+
+    splits: tuple[Split, ...]
+    script_groups: int
+
+    def to_script(self, _optimizer, state_dict: dict) -> dict:
+        """``Optimizer.state_dict`` post-hook: the groups as the script made them."""
+        return {**state_dict, "param_groups": self.merged(state_dict["param_groups"])}
+
+    def to_split(self, _optimizer, state_dict: dict) -> dict:
+        """``Optimizer.load_state_dict`` pre-hook: the script's groups (or the split ones) as the optimizer holds
+        them."""
+        groups = state_dict["param_groups"]
+        if len(groups) == len(self.splits):
+            # as the optimizer holds them: set_state_dict's way, which gives a script group's settings to only
+            # one of its parts; merged first, so that every part gets them
+            groups = self.merged(groups)
+        if len(groups) != self.script_groups:
+            raise ValueError(f"the optimizer state has {len(groups)} parameter groups, the script made "
+                             f"{self.script_groups}")
+        return {**state_dict, "param_groups": [_subgroup(groups[s.group], s.positions) for s in self.splits]}
+
+    def merged(self, groups: list[dict]) -> list[dict]:
+        """State-dict groups in split layout (``groups[i]`` holds ``splits[i]``) merged back into the script's
+        groups, each parameter at its position there. Parameter ids stay those of the split layout, which is
+        what both ``Optimizer.load_state_dict`` (it pairs ids with parameters by position) and
+        ``torch.distributed.checkpoint`` (it names ids by the optimizer's ``param_groups``) expect."""
+        merged: list[dict] = [{} for _ in range(self.script_groups)]
+        for group, split in zip(groups, self.splits, strict=True):
+            target = merged[split.group]
+            for key, value in group.items():
+                if key not in ("params", NAMES):
+                    target.setdefault(key, value)
+            for key in ("params", NAMES):
+                if key in group:
+                    slots = target.setdefault(key, [None] * _size(self.splits, split.group))
+                    for position, value in zip(split.positions, group[key], strict=True):
+                        slots[position] = value
+        return merged
 
 
-def _size(splits: list[Split], group: int) -> int:
+def _size(splits: tuple[Split, ...], group: int) -> int:
     return sum(len(s.positions) for s in splits if s.group == group)
 
 
-__all__ = ["Split", "build_optimizer", "kind_splits", "script_layout", "split_by_kind"]
+__all__ = ["Layout", "Split", "build_optimizer", "kind_splits", "split_by_kind"]
