@@ -66,7 +66,8 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     if elastic and not dry_run:
         from .elastic import ElasticOptions, run_elastic
         options = ElasticOptions(Path(checkpoint_dir), checkpoint_every, min_gpus,
-                                 Path(resources_file) if resources_file else None, objective, limits)
+                                 Path(resources_file) if resources_file else None, objective, limits,
+                                 max_gpus=gpus)
         run_elastic(script, list(script_args), graph, devices, options, Path(run_dir), click.echo)
         return
     world = devices.count * nnodes
