@@ -18,7 +18,7 @@ from .models import ModelSource, example_shape, in_dtype, module_identity, resol
 from .space.tp_check import check_tensor_parallel, with_tp_checks
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
-CAPTURE_VERSION = 7
+CAPTURE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
         return Captured(graph, time.perf_counter() - start, float(graph.meta("trace_seconds", "0")), True)
 
     module, inputs = build()
-    graph = trace_module(module, inputs, label)
+    # a model named on the command line is one to train: its forward must return the loss (``graph.loss``)
+    graph = trace_module(module, inputs, label, require_loss=not isinstance(model, nn.Module))
     src = identity["source"]
     graph = replace(graph, metadata=tuple(sorted({
         **dict(graph.metadata), "source": label, "torch": torch.__version__,
