@@ -66,6 +66,29 @@ def test_the_script_run_alone_gets_the_same_message():
         run.train_step((ids, ids))
 
 
+def test_capture_mode_parallelize_refuses_it_and_recaptures_under_the_steps_autocast(tmp_path, monkeypatch):
+    """In capture mode (what the launcher runs), parallelize checks the loss contract and writes the graph; the
+    first train_step, under the script's autocast, writes it again in that precision and ends the script."""
+    from tensoropt.graph.ir import OpGraph
+    from tensoropt.runtime import CAPTURE_ENV
+    out = tmp_path / "graph.json"
+    monkeypatch.setenv(CAPTURE_ENV, str(out))
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    with pytest.raises(CaptureError, match=r"GPT.forward returns a tuple \(Tensor\[1, 64, 64\], Tensor\[\]\)"):
+        tensoropt.parallelize(_gpt(return_logits=True)[0], example_inputs=(ids, ids), global_batch=4)
+    assert not out.exists()
+    model, _, run = tensoropt.parallelize(_gpt()[0], lambda p: torch.optim.AdamW(p), example_inputs=(ids, ids),
+                                          global_batch=4)
+    first = OpGraph.from_json(json.loads(out.read_text()))
+    assert not first.meta("autocast") and first.meta("returns") == "a Tensor[]"
+    with pytest.raises(SystemExit) as ended, torch.autocast("cpu", dtype=torch.bfloat16):
+        run.train_step((ids.repeat(4, 1), ids.repeat(4, 1)))
+    assert ended.value.code == 0
+    graph = OpGraph.from_json(json.loads(out.read_text()))
+    assert graph.meta("autocast") == "bfloat16" and graph.meta("global_batch") == "4"
+    assert {op.outputs[0].dtype for op in _products(graph)} == {"bfloat16"}
+
+
 def test_inspect_and_frontier_refuse_a_builder_whose_forward_returns_logits_and_loss(tmp_path):
     builder = tmp_path / "nano.py"
     builder.write_text(textwrap.dedent(f'''
