@@ -15,6 +15,7 @@ from tensoropt.search.ft import FrontierPoint
 from tensoropt.space.plan import Plan
 
 from . import launch as L
+from .nodes import check_nodes, fetch, plan_port, publish
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -60,23 +61,32 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
                              "the other")
     if elastic:
         _check_elastic(checkpoint_dir, plan_path, engine, nnodes)
+    check_nodes(nnodes, node_rank, master_addr, dry_run)
     devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None, profile,
                        dry_run)
     graph = L.capture_script(script, list(script_args), use_cache=not no_cache)
     if elastic and not dry_run:
         from .elastic import ElasticOptions, run_elastic
         options = ElasticOptions(Path(checkpoint_dir), checkpoint_every, min_gpus,
-                                 Path(resources_file) if resources_file else None, objective, limits)
+                                 Path(resources_file) if resources_file else None, objective, limits,
+                                 max_gpus=gpus)
         run_elastic(script, list(script_args), graph, devices, options, Path(run_dir), click.echo)
         return
     world = devices.count * nnodes
     devices = dataclasses.replace(devices, count=world)
     per_node = gpus_per_node or devices.count // nnodes
-    if plan_path:
-        point, engine = _load_plan(plan_path, graph, devices, per_node, engine)
-        why = f"given with --plan {plan_path}, priced for this model on these devices"
+    shared = nnodes > 1 and not dry_run          # one plan for every node: node 0's, or the --plan all are given
+    if plan_path or (shared and node_rank > 0):
+        if plan_path:
+            data, source = _read_plan(plan_path), plan_path
+            why = f"given with --plan {plan_path}, priced for this model on these devices"
+        else:
+            data, source = fetch(master_addr, master_port, node_rank), "node 0's plan"
+            why = f"node 0's plan, shared at {master_addr}:{plan_port(master_port)}, priced for this model here"
+            engine = data.get("engine") or engine                       # node 0 chose it
+        point, engine = _load_plan(data, source, graph, devices, per_node, engine)
         if point.peak_memory_bytes > devices.memory_bytes:
-            raise TensorOptError(f"{plan_path} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
+            raise TensorOptError(f"{source} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
                                  f"have {devices.memory_bytes / 2**30:.2f} GiB" +
                                  (f"; {devices.note}" if devices.note else ""))
     else:
@@ -98,11 +108,13 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo("command: " + " ".join(argv))
     if dry_run:
         return
+    store = publish(master_addr, master_port, json.loads(plan_file.read_text())) if shared and node_rank == 0 else None
     env = L.main_env(devices, plan_file.resolve())
     if checkpoint_dir:
         from .elastic import checkpoint_env
         env |= checkpoint_env(Path(checkpoint_dir), checkpoint_every)
     status = L.run_workers(argv, env)
+    del store                                   # node 0 serves its plan until its workers are done
     if status:
         raise TensorOptError(f"workers exited with status {status}")
 
@@ -118,24 +130,31 @@ def _check_elastic(checkpoint_dir, plan_path, engine, nnodes) -> None:
         raise TensorOptError("; ".join(problems))
 
 
-def _load_plan(path: str, graph, devices: L.Devices, per_node: int, engine: str | None) -> tuple[FrontierPoint, str]:
-    """The plan in ``path`` for this script's model on these devices, priced again here: a plan file's own
-    figures were computed for whatever model and devices it was made for."""
+def _read_plan(path: str) -> dict:
     try:
-        data = json.loads(Path(path).read_text())
-        plan = Plan.from_json(data)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
         raise TensorOptError(f"{path}: not a readable plan file ({exc})") from exc
+
+
+def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int,
+               engine: str | None) -> tuple[FrontierPoint, str]:
+    """The plan in ``data`` (from ``source``: a file, or node 0) for this script's model on these devices,
+    priced again here: a plan's own figures were computed for whatever model and devices it was made for."""
+    try:
+        plan = Plan.from_json(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TensorOptError(f"{source}: not a readable plan file ({exc})") from exc
     from tensoropt.graph.fold import fold
     blocks = {b.name: b.repeats for b in fold(graph).blocks}
     planned = {b.block: b.copies * plan.pp for b in plan.blocks}
     if planned != blocks:
-        raise TensorOptError(f"{path} is a plan for another model (blocks {planned}, this script's model has "
+        raise TensorOptError(f"{source} is a plan for another model (blocks {planned}, this script's model has "
                              f"{blocks})")
     if plan.devices != devices.count:
-        raise TensorOptError(f"{path} is a plan for {plan.devices} devices, this launch has {devices.count}")
+        raise TensorOptError(f"{source} is a plan for {plan.devices} devices, this launch has {devices.count}")
     try:
         engine = choose_engine(plan.to_json(), engine or data.get("engine"))
     except TensorOptError as exc:
-        raise TensorOptError(f"{path}: {exc}") from exc
+        raise TensorOptError(f"{source}: {exc}") from exc
     return L.price(graph, devices, per_node, plan, engine), engine

@@ -20,6 +20,8 @@ from tensoropt.errors import TensorOptError
 from tensoropt.profiler.run import device_name, memory_bytes
 from tensoropt.profiler.store import datasheet_profile, find_measured
 
+from .gpus import Gpu, free_memory, visible_gpus
+
 GIB = 2**30
 DEFAULT_GPU_PROFILE = "h100-80gb"
 # free memory below this share of a GPU's total is worth saying when no plan fits: someone else holds it
@@ -38,8 +40,8 @@ class Devices:
 
 def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None, profile: str | None = None,
            dry_run: bool = False) -> Devices:
-    """The devices this launch plans for (see module doc)."""
-    import torch
+    """The devices this launch plans for (see module doc). GPUs are found with nvidia-smi, never with
+    ``torch.cuda`` in this process (see ``launcher.gpus``)."""
     if device == "cpu":
         if not gpus:
             raise TensorOptError("--device cpu needs --gpus N: the number of CPU worker processes")
@@ -47,8 +49,9 @@ def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None, prof
         memory = int(mem_per_gpu or memory_bytes("cpu") // gpus)
         return Devices("cpu", gpus, memory, dataclasses.replace(load_profile(name), memory_bytes=memory),
                        _described(name, profile))
-    if torch.cuda.is_available():
-        return _visible_gpus(torch, gpus, mem_per_gpu, profile)
+    found = visible_gpus()
+    if found and found[1]:
+        return _visible_gpus(found[1], gpus, mem_per_gpu, profile, mig_hidden=len(found[0]) - len(found[1]))
     if device == "cuda" and dry_run:
         if not gpus:
             raise TensorOptError("planning for GPUs this machine does not have needs --gpus N (per node)")
@@ -57,20 +60,31 @@ def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None, prof
         memory = int(mem_per_gpu or loaded.memory_bytes)
         return Devices("cuda", gpus, memory, dataclasses.replace(loaded, memory_bytes=memory), name,
                        note=f"no GPU here: planned with the {name} profile")
+    if found is not None:
+        raise TensorOptError(f"nvidia-smi lists GPUs but CUDA_VISIBLE_DEVICES={_cvd()} leaves none visible: name "
+                             "some in it, or pass --device cpu --gpus N")
     raise TensorOptError("no GPU found on this machine; pass --device cpu --gpus N to run CPU workers over gloo, or "
                          "--device cuda --gpus N --dry-run to plan for GPUs")
 
 
-def _visible_gpus(torch, gpus: int | None, mem_per_gpu: float | None, profile: str | None) -> Devices:
-    visible = torch.cuda.device_count()
+def _cvd() -> str:
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "unset" if value is None else repr(value)
+
+
+def _visible_gpus(usable: list[Gpu], gpus: int | None, mem_per_gpu: float | None, profile: str | None,
+                  mig_hidden: int = 0) -> Devices:
+    """The first ``gpus`` usable devices (all by default) and the least free memory among them."""
+    visible = len(usable)
     count = gpus or visible
     if count > visible:
+        mig = f"; {mig_hidden + 1} MIG instances are visible, but a CUDA process sees only one" if mig_hidden else ""
         raise TensorOptError(f"--gpus {count} asks for more GPUs than the {visible} visible here "
-                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): use --gpus "
-                             f"{visible} or fewer, or --nnodes to span machines")
-    free_total = [torch.cuda.mem_get_info(i) for i in range(count)]
+                             f"(CUDA_VISIBLE_DEVICES={_cvd()}{mig}): use --gpus {visible} or fewer, or --nnodes to "
+                             "span machines")
+    free_total = free_memory(usable[:count])
     index, (free, total) = min(enumerate(free_total), key=lambda item: item[1][0])
-    gpu_name = torch.cuda.get_device_name(0)
+    gpu_name = usable[0].name
     name = profile or _measured(gpu_name) or datasheet_profile(gpu_name)
     if mem_per_gpu and mem_per_gpu > free:
         raise TensorOptError(f"--mem-per-gpu {mem_per_gpu / GIB:.1f} GiB is more than the {free / GIB:.1f} GiB free on "

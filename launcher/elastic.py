@@ -31,6 +31,7 @@ from tensoropt.runtime.run import RUN_DIR_ENV
 from tensoropt.search.limits import NO_LIMITS, Limits
 
 from . import launch as L
+from .gpus import gpu_count
 
 POLL_S = 0.5
 MAX_SAME_FAILURE = 2          # the same failure at the same checkpoint this many times: give up
@@ -44,6 +45,7 @@ class ElasticOptions:
     resources_file: Path | None
     objective: str
     limits: Limits = NO_LIMITS       # the user's limits on the space, kept by every re-plan
+    max_gpus: int | None = None      # --gpus: never more devices than asked for, however many appear
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,14 @@ class Resources:
     memory_bytes: float              # per device
 
 
-def resources(devices: L.Devices, resources_file: Path | None, last: Resources | None = None) -> Resources:
+def resources(devices: L.Devices, resources_file: Path | None, last: Resources | None = None,
+              max_gpus: int | None = None) -> Resources:
     """The devices available now: ``{"gpus": N, "mem_per_gpu": "8GiB"}`` (memory optional) in the
-    resources file if there is one; else the GPUs nvidia-smi lists (so the launcher never holds a CUDA
-    context) with the memory found at launch (free memory falls while the job itself runs, so it is
-    no signal); else what the job was launched with. A file caught half-written reads as ``last``."""
+    resources file if there is one; else on GPUs ``launcher.gpus.gpu_count`` (what nvidia-smi lists that
+    CUDA_VISIBLE_DEVICES leaves visible, one MIG instance at most, capped by ``max_gpus``: ``--gpus``;
+    no CUDA context in the launcher) with the memory found at launch (free memory falls while the job
+    itself runs, so it is no signal); else what the job was launched with. A file caught half-written
+    reads as ``last``."""
     if resources_file is not None:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, TensorOptError):
             data = json.loads(resources_file.read_text())
@@ -64,10 +69,8 @@ def resources(devices: L.Devices, resources_file: Path | None, last: Resources |
             return Resources(int(data["gpus"]), memory)
         if last is not None:
             return last
-    if devices.kind == "cuda":
-        with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
-            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-            return Resources(sum(line.startswith("GPU ") for line in listed.splitlines()), devices.memory_bytes)
+    if devices.kind == "cuda" and (count := gpu_count(max_gpus)) is not None:
+        return Resources(count, devices.memory_bytes)
     return Resources(devices.count, devices.memory_bytes)
 
 
@@ -103,7 +106,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.Devices, options: ElasticOptions,
                 run_dir: Path, echo: Callable[[str], None]) -> int:
     """Supervise the job until it finishes (0) or cannot go on (one-line TensorOptError)."""
-    oom_cap, have, event = float("inf"), resources(devices, options.resources_file), "start"
+    oom_cap, have, event = float("inf"), resources(devices, options.resources_file, None, options.max_gpus), "start"
     previous, failures = "none", Counter()
     while True:
         count = have.count
@@ -124,7 +127,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         env = L.main_env(now, plan_file.resolve()) | checkpoint_env(options.checkpoint_dir, options.checkpoint_every) \
             | {RUN_DIR_ENV: str(run_dir.resolve())}
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
-        changed = _wait(proc, devices, options.resources_file, have)
+        changed = _wait(proc, devices, options, have)
         if changed != have:
             _stop(proc)
             event = f"devices changed {count} -> {changed.count}" if changed.count != count else \
@@ -149,7 +152,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
                                  "giving up")
 
 
-def _wait(proc: subprocess.Popen, devices: L.Devices, resources_file: Path | None, have: Resources) -> Resources:
+def _wait(proc: subprocess.Popen, devices: L.Devices, options: ElasticOptions, have: Resources) -> Resources:
     """Wait for the workers to exit; return early with the new resources if they change.
     SIGINT/SIGTERM to the launcher stop the workers and end the job."""
     def forward(signum, _frame):
@@ -159,7 +162,7 @@ def _wait(proc: subprocess.Popen, devices: L.Devices, resources_file: Path | Non
     try:
         while proc.poll() is None:
             time.sleep(POLL_S)
-            if (now := resources(devices, resources_file, have)) != have:
+            if (now := resources(devices, options.resources_file, have, options.max_gpus)) != have:
                 return now
         return have
     finally:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -128,19 +129,64 @@ def test_hugging_face_llama_script_launches_on_two_workers(tmp_path):
     np.testing.assert_allclose(launched["losses"], alone, rtol=2e-5)
 
 
-def test_two_nodes_on_localhost_train_as_one_job(reference, tmp_path):
-    from tensoropt.profiler.collectives import free_port
-    port = free_port()
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too: torchrun's rendezvous takes P, node 0 shares its plan on P + 1."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_two_nodes_on_localhost_run_node_0s_plan(reference, tmp_path):
+    """Two launchers as node ranks 0 and 1 of one job. Left to itself node 1 would choose another plan (its
+    objective differs); it runs node 0's, shared through the rendezvous, and the job trains as one."""
+    port = _two_free_ports()
     common = ["launch", SCRIPT, "--device", "cpu", "--gpus", 1, "--nnodes", 2, "--master-addr", "127.0.0.1",
-              "--master-port", port]
+              "--master-port", port, "--engine", "torch"]
     node1 = subprocess.Popen([sys.executable, "-m", "tensoropt", *map(str, common), "--node-rank", "1", "--run-dir",
                               str(tmp_path / "node1"), "--", "--steps", "3"], cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    node0 = tensoropt_cli(*common, "--node-rank", 0, "--run-dir", tmp_path / "node0", "--", "--steps", 3, "--out",
-                      tmp_path / "losses.json", cwd=tmp_path)
-    _, err1 = node1.communicate(timeout=300)
+    node0 = tensoropt_cli(*common, "--objective", "min-memory", "--node-rank", 0, "--run-dir", tmp_path / "node0",
+                          "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+    out1, err1 = node1.communicate(timeout=300)
     assert node0.returncode == 0, node0.stderr[-3000:]
     assert node1.returncode == 0, err1[-3000:]
+    plans = [json.loads((tmp_path / node / "plan.json").read_text()) for node in ("node0", "node1")]
+    summaries = [Plan.from_json(plan).summary() for plan in plans]
+    assert summaries[0] == summaries[1] == "dp2 tp1 pp1 mb1x4 zero3 [4xfull]"     # node 0's min-memory choice
+    assert plans[1]["predicted"]["why"].startswith(f"node 0's plan, shared at 127.0.0.1:{port + 1}")
+    assert "chosen: dp2 tp1 pp1 mb1x4 zero3 [4xfull] (engine torch)" in out1
     data = json.loads((tmp_path / "losses.json").read_text())
-    assert data["plan"] and data["engine"] in ("torch", "deepspeed")   # one job of 2 workers over the two "nodes"
+    assert (data["plan"], data["engine"]) == (summaries[0], "torch")
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
+
+
+def test_multi_node_launches_need_the_master_address(tmp_path):
+    cases = [(["--nnodes", 2], r"^error: --nnodes 2 needs --master-addr: the address of node 0"),
+             (["--nnodes", 2, "--node-rank", 2, "--master-addr", "127.0.0.1"], r"^error: --node-rank 2 must be below "
+                                                                              r"--nnodes 2\n$")]
+    for flags, message in cases:
+        result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 1, *flags, "--run-dir", tmp_path / "r",
+                               "--", "--steps", 3, cwd=tmp_path)
+        assert result.returncode == 1 and re.match(message, result.stderr), result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and not (tmp_path / "r").exists()
+    dry = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 1, "--nnodes", 2, "--dry-run", "--run-dir",
+                        tmp_path / "dry", "--", "--steps", 3, cwd=tmp_path)      # a dry run plans without a master
+    assert dry.returncode == 0 and Plan.from_json(json.loads((tmp_path / "dry" / "plan.json").read_text())).devices == 2
+
+
+def test_a_node_without_node_0_stops_in_one_line(tmp_path):
+    port = _two_free_ports()
+    result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 1, "--nnodes", 2, "--node-rank", 1,
+                           "--master-addr", "127.0.0.1", "--master-port", port, "--run-dir", tmp_path / "r", "--",
+                           "--steps", 3, cwd=tmp_path, env=ENV | {"TENSOROPT_PLAN_TIMEOUT_S": "2"})
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: node 1 got no plan from node 0 at 127.0.0.1:{port + 1} within 2 s")
+    assert "give every node the same --plan" in result.stderr and not (tmp_path / "r").exists()

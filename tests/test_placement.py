@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tensoropt
-from launcher.devices import Devices, _visible_gpus, detect
+from launcher.devices import Devices, detect
 from launcher.launch import plan_for
 from tensoropt.cost.profile import load_profile
 from tensoropt.errors import TensorOptError
@@ -60,37 +60,6 @@ def test_the_plan_names_the_device_kind():
     if not torch.cuda.is_available():
         with pytest.raises(TensorOptError, match=r"the plan trains on GPUs, but worker 0 sees 0 GPU\(s\)"):
             worker_device({"device": "cuda"})
-
-
-class Gpus:
-    """What torch.cuda reports on a machine with these GPUs (free, total bytes each): the launcher's
-    checks read nothing else."""
-
-    def __init__(self, *memory):
-        self.memory, self.cuda = memory, self
-
-    def device_count(self):
-        return len(self.memory)
-
-    def mem_get_info(self, index):
-        return self.memory[index]
-
-    def get_device_name(self, _index):
-        return "NVIDIA H100 80GB HBM3"
-
-
-GIB = 2**30
-
-
-def test_launcher_refuses_more_gpus_than_visible_and_names_memory_held_by_others():
-    with pytest.raises(TensorOptError, match=r"--gpus 4 asks for more GPUs than the 1 visible here"):
-        _visible_gpus(Gpus((79 * GIB, 80 * GIB)), 4, None, None)
-    with pytest.raises(TensorOptError, match=r"--mem-per-gpu 70.0 GiB is more than the 12.0 GiB free on GPU 1"):
-        _visible_gpus(Gpus((79 * GIB, 80 * GIB), (12 * GIB, 80 * GIB)), 2, 70 * GIB, None)
-    devices = _visible_gpus(Gpus((79 * GIB, 80 * GIB), (2 * GIB, 80 * GIB)), None, None, None)
-    assert (devices.kind, devices.count, devices.memory_bytes) == ("cuda", 2, 2 * GIB)
-    assert devices.profile_name == "h100-80gb"
-    assert devices.note == "GPU 1 has 2.0 of 80.0 GiB free (another process holds the rest)"
 
 
 def test_a_full_device_is_one_line_before_any_worker_starts(write_json):
