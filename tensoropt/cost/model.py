@@ -104,8 +104,11 @@ class ModelCost:
         vocab = {op.inputs[0].shape[0] for op in graph.ops if op.kind == "embedding"}
         self.vocab = max(vocab) if vocab else None
         # a script under autocast keeps a 16-bit copy of every weight it computes with for the step (autocast's
-        # weight cache; the products save it for backward): bytes per parameter, 0 without autocast
-        self.autocast_copy_bytes = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
+        # weight cache; the products save it for backward): bytes per parameter; 0 without autocast, or for
+        # weights already in its dtype
+        copy = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
+        widths = [DTYPE_BYTES.get(meta.dtype, 4) for _, meta in graph.params]
+        self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
