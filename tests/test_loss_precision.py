@@ -183,6 +183,29 @@ def test_an_autocast_the_forward_enters_is_captured_on_a_cpu_only_machine():
     assert {op.outputs[0].dtype for op in _products(graph)} == {"bfloat16"}
 
 
+def test_inspect_says_a_builders_forward_runs_under_autocast(tmp_path):
+    builder = tmp_path / "amp.py"
+    builder.write_text(textwrap.dedent(f'''
+        import sys
+        import torch
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from train_nanogpt import GPT
+
+        class Amp(GPT):
+            def forward(self, idx, targets):
+                with torch.autocast("cuda", dtype=torch.float16):
+                    return super().forward(idx, targets)
+
+        def build():
+            ids = torch.zeros(2, 64, dtype=torch.long)
+            return Amp(64, 64, 2, 4, 128), (ids, ids)
+    '''))
+    result = tensoropt_cli("inspect", "--model", f"{builder}:build", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-1000:]
+    report = json.loads(result.stdout)
+    assert report["autocast"] == "float16"
+
+
 @pytest.mark.slow
 def test_a_scripts_cuda_autocast_around_train_step_is_captured_and_priced(tmp_path):
     """The script's step runs under torch.autocast("cuda", bf16), as nanoGPT's does; captured on this CPU-only
