@@ -174,13 +174,16 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
     path = run_dir / "plan.json"
     write_json_atomic(path, point.plan.to_json() | extra | {"predicted": {
         "iteration_time_s": point.iteration_time_s, "peak_memory_bytes": int(point.peak_memory_bytes),
-        "precision": precision(point.plan), "why": why}, "command": argv})
+        "precision": precision(point.plan, graph), "why": why}, "command": argv})
     return path
 
 
-def precision(plan: Plan) -> str:
-    """The model-state precision the plan was priced with, in words."""
-    return state_bytes(plan.dtype, plan.master_weights).precision
+def precision(plan: Plan, graph: OpGraph | None = None) -> str:
+    """The precision the plan was priced with, in words: the model states', and the compute's where the script
+    trains under autocast (captured so, see ``tensoropt.graph.precision``)."""
+    words = state_bytes(plan.dtype, plan.master_weights).precision
+    autocast = graph.meta("autocast") if graph is not None else None
+    return words + (f"; compute and activations in {autocast} under the script's autocast" if autocast else "")
 
 
 def describe(plan: dict, engine: str) -> str:

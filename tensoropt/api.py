@@ -14,11 +14,12 @@ from .graph.cache import GraphCache, fingerprint
 from .graph.capture import trace_module
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
+from .graph.precision import active_autocast
 from .models import ModelSource, example_shape, in_dtype, module_identity, resolve_model
 from .space.tp_check import check_tensor_parallel, with_tp_checks
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
-CAPTURE_VERSION = 7
+CAPTURE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
     ``dtype`` (``float32``...) captures a ``--model`` in that precision instead of its own (bf16 for the
     built-in and Hugging Face models). For a module, ``seq_len`` states its sequence length (default: read
     from ``example_inputs``, see ``models.example_shape``); the graph records it, and head counts then
-    limit tensor parallelism.
+    limit tensor parallelism. Called under ``torch.autocast``, or with a forward that enters one, the ops carry
+    the dtypes autocast computes in (``graph.precision``). A ``--model`` string names a model to train: its
+    forward must return the loss (``graph.loss``), else a one-line ``CaptureError``.
     """
     start = time.perf_counter()
     if isinstance(model, nn.Module):
@@ -64,13 +67,16 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
         identity = _identity(source, batch_size, seq_len) | ({"dtype": dtype} if dtype else {})
         build = lambda: in_dtype(*source.build(batch_size, seq_len), dtype)   # noqa: E731
 
+    if (autocast := active_autocast()) is not None:     # captured in the autocast's dtype (``graph.precision``)
+        identity = identity | {"autocast": str(autocast)}
     key = fingerprint(identity)
     store = GraphCache(cache_dir) if cache else None
     if store is not None and (graph := store.load(key)) is not None:
         return Captured(graph, time.perf_counter() - start, float(graph.meta("trace_seconds", "0")), True)
 
     module, inputs = build()
-    graph = trace_module(module, inputs, label)
+    # a model named on the command line is one to train: its forward must return the loss (``graph.loss``)
+    graph = trace_module(module, inputs, label, require_loss=not isinstance(model, nn.Module))
     src = identity["source"]
     graph = replace(graph, metadata=tuple(sorted({
         **dict(graph.metadata), "source": label, "torch": torch.__version__,

@@ -70,8 +70,12 @@ def test_a_builder_imports_the_modules_beside_it_without_pythonpath(tmp_path):
     (tmp_path / "tensoropt_test_sibling_layers.py").write_text(textwrap.dedent('''
         from torch import nn
 
+        class Net(nn.Sequential):
+            def forward(self, x):
+                return super().forward(x).mean()          # the loss
+
         def make():
-            return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+            return Net(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     '''))
     (tmp_path / "builder.py").write_text(textwrap.dedent('''
         import torch

@@ -40,6 +40,7 @@ def inspect_report(model: str, batch_size: int | None, seq_len: int | None, use_
         "seq_len": int(graph.meta("seq_len") or 0) or None,
         "parameter_bytes": graph.parameter_bytes,
         "saved_activation_bytes": graph.saved_activation_bytes,
+        "autocast": graph.meta("autocast") or None,       # the dtype of the autocast the forward runs under
         "folding": folded.summary(positions=True) | {"fold_seconds": round(fold_seconds, 4)},
     }
 
@@ -56,6 +57,7 @@ def _print_tables(report: dict) -> None:
         ("ops after folding", str(report["folding"]["ops_after_folding"])),
         ("FLOPs per iteration", si(report["flops_per_iteration"], "FLOP")),
         ("saved activations", binary_bytes(report["saved_activation_bytes"])),
+        ("autocast", report["autocast"] or "none"),
         ("batch size / seq len", f"{report['batch_size'] or 'n/a'} / {report['seq_len'] or 'n/a'}"),
         ("capture time", f"{report['capture_seconds']:.2f} s" + (" (cached)" if report["cached"] else "")),
         ("fold time", f"{report['folding']['fold_seconds']:.2f} s"),

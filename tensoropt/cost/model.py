@@ -21,7 +21,11 @@ moves the optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021). 
 weights, under ZeRO 1 and 2 the rank's optimizer updates its own partition of the weights, a copy
 next to the full replicated weights (DeepSpeed's flat partition, FSDP2's sharded parameters under
 ``reshard_after_forward=False``): b more bytes per parameter over dp; mixed precision counts that copy
-in K already, and ZeRO 3 updates the shards in place.
+in K already, and ZeRO 3 updates the shards in place. A model captured under autocast (``graph.precision``)
+keeps float32 states as above, computes and saves activations in the autocast's dtype (the graph's ops carry
+it), and holds a 16-bit copy of every weight it computes with for the step (autocast caches the casts, and
+the products save them for backward): 2 more bytes per parameter of the stage, over tp but not over dp
+(the copies are of the gathered weights), counted in ``other_bytes``.
 """
 
 from __future__ import annotations
@@ -99,6 +103,12 @@ class ModelCost:
         self.middle_ops = tuple(op for op in folded.loose_ops if first_block <= op.index < last_block)
         vocab = {op.inputs[0].shape[0] for op in graph.ops if op.kind == "embedding"}
         self.vocab = max(vocab) if vocab else None
+        # a script under autocast keeps a 16-bit copy of every weight it computes with for the step (autocast's
+        # weight cache; the products save it for backward): bytes per parameter; 0 without autocast, or for
+        # weights already in its dtype
+        copy = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
+        widths = [DTYPE_BYTES.get(meta.dtype, 4) for _, meta in graph.params]
+        self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
@@ -237,7 +247,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
-    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes
+    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + model.autocast_copy_bytes * params
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}

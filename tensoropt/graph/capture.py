@@ -16,20 +16,23 @@ one op that saves O(s) state instead of the O(s^2) score matrix, and ``F.dropout
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
 from .ir import Op, OpGraph, Ref, TensorMeta
+from .loss import check_loss, describe
 from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
+from .precision import active_autocast, cuda_autocast_on_cpu
 from .views import FULL, footprint
 
 
@@ -105,8 +108,13 @@ def gpu_kernels() -> TorchFunctionMode:
 class _Tracer(TorchDispatchMode):
     """Records ops as they are dispatched (below autograd) and where each input came from."""
 
-    def __init__(self, state_refs: dict[int, Ref], module_stack: list[str]) -> None:
+    def __init__(self, state_refs: dict[int, Ref], module_stack: list[str], watch_autocast: bool = False) -> None:
         super().__init__()
+        self.watch_autocast = watch_autocast    # note an autocast the forward enters (it has no effect on meta)
+        # under autocast a product reads its weight's bf16 copy: recorded as reading the parameter (in bf16),
+        # as the strategy space finds linears by the parameters they read
+        self.casts_are_params = not watch_autocast
+        self.autocast_seen: torch.dtype | None = None
         self.origin: dict[int, Ref] = dict(state_refs)
         self.records: list[_Record] = []
         self.keep_alive: list[torch.Tensor] = []   # ids stay unique while tensors live
@@ -119,6 +127,8 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.current = str(func)
+        if self.watch_autocast and self.autocast_seen is None:
+            self.autocast_seen = active_autocast()
         out = func(*args, **kwargs)
         if func.namespace == "prim":
             return out
@@ -127,7 +137,8 @@ class _Tracer(TorchDispatchMode):
         if not out_tensors:
             return out
         name = func.overloadpacket.__name__
-        if func.is_view or name in ALIAS_OPS:
+        if func.is_view or name in ALIAS_OPS or (self.casts_are_params and name == "_to_copy" and in_tensors
+                                                 and self.ref(in_tensors[0]).kind in ("param", "buffer")):
             base = self.ref(in_tensors[0]) if in_tensors else Ref("const")
             for t in out_tensors:
                 self.origin[id(t)] = base
@@ -180,12 +191,31 @@ def _translate_error(exc: Exception, op: str, module_path: str) -> CaptureError:
                         "check that the model's forward runs on the meta device with the example inputs")
 
 
-def _fake_inputs(fake_mode: FakeTensorMode, example_inputs: object) -> object:
-    def convert(x: object) -> object:
-        return fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+_TRACING: list[torch.device] = []     # the device the running trace's fake tensors are on (see tracing_device)
+CPU = torch.device("cpu")
+
+
+def tracing_device() -> torch.device | None:
+    """The device a running capture's fake tensors are on (meta; the CPU under autocast, see ``precision``),
+    None outside a capture: code that moves tensors during a capture sends them there."""
+    return _TRACING[-1] if _TRACING else None
+
+
+def _fake(fake_mode: FakeTensorMode, x: object, on_cpu: bool) -> object:
+    """A fake tensor like ``x``: on x's device, or on the CPU (a meta ``x`` included) when ``on_cpu``."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not on_cpu or x.device.type == "cpu":
+        fake = fake_mode.from_tensor(x.detach() if isinstance(x, nn.Parameter) else x)
+    else:
+        fake = FakeTensor(fake_mode, x.detach().to("meta"), CPU)
+    return fake.requires_grad_(x.requires_grad) if x.requires_grad and not fake.requires_grad else fake
+
+
+def _fake_inputs(fake_mode: FakeTensorMode, example_inputs: object, on_cpu: bool) -> object:
     if isinstance(example_inputs, Mapping):
-        return {k: convert(v) for k, v in example_inputs.items()}
-    return tuple(convert(x) for x in example_inputs)
+        return {k: _fake(fake_mode, v, on_cpu) for k, v in example_inputs.items()}
+    return tuple(_fake(fake_mode, x, on_cpu) for x in example_inputs)
 
 
 def _input_refs(fakes: object) -> tuple[dict[int, Ref], list[TensorMeta]]:
@@ -199,13 +229,36 @@ def _input_refs(fakes: object) -> tuple[dict[int, Ref], list[TensorMeta]]:
 
 
 def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = "model",
-                 metadata: Mapping[str, str] | None = None) -> OpGraph:
+                 metadata: Mapping[str, str] | None = None, require_loss: bool = False) -> OpGraph:
     """Run one training-mode forward of ``model`` on fake tensors and return its op graph.
 
     ``example_inputs`` is a tuple of positional arguments or a mapping of keyword arguments; its
-    tensors should be on the meta device (CPU tensors are converted, never computed on).
+    tensors should be on the meta device (CPU tensors are converted, never computed on). Under an
+    autocast (around the call, or entered by the forward itself) the ops carry the dtypes autocast gives
+    them (``precision``). ``require_loss``: a forward that does not return the loss is a one-line
+    ``CaptureError`` (``loss``); the graph records what it returned either way.
     """
     model.train()
+    with cuda_autocast_on_cpu():
+        dtype = active_autocast()
+        graph, output, autocast_inside = _trace(model, example_inputs, name, dtype)
+        if dtype is None and autocast_inside:          # the forward enters autocast itself: trace where it acts
+            graph, output, _ = _trace(model, example_inputs, name, autocast_inside)
+    if require_loss:
+        owner = type(model).__name__
+        check_loss(output, owner if name == owner else f"{name}: {owner}")
+    precision = {"autocast": _dtype_name(dtype or autocast_inside)} if (dtype or autocast_inside) else {}
+    return replace(graph, metadata=tuple(sorted({
+        **(metadata or {}), **precision, "returns": describe(output),
+        # pipeline stages need a forward that returns the loss tensor itself (not a Hugging Face output)
+        "output": "tensor" if isinstance(output, torch.Tensor) else "structured"}.items())))
+
+
+def _trace(model: nn.Module, example_inputs: tuple | Mapping, name: str,
+           autocast_dtype: torch.dtype | None) -> tuple[OpGraph, object, torch.dtype | None]:
+    """(graph, the forward's output, the dtype of an autocast the forward entered on meta tensors or None).
+    With ``autocast_dtype`` every tensor is a fake CPU tensor and the forward runs under a CPU autocast."""
+    on_cpu = autocast_dtype is not None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     module_names: dict[int, str] = {}
@@ -213,13 +266,14 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
         module_names.setdefault(id(mod), mod_name)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = _fake_inputs(fake_mode, example_inputs)
+    fakes = _fake_inputs(fake_mode, example_inputs, on_cpu)
     refs, input_metas = _input_refs(fakes)
-    refs.update({id(p): Ref("param", name=n) for n, p in params.items()})
-    refs.update({id(b): Ref("buffer", name=n) for n, b in buffers.items()})
+    states = {n: _fake(fake_mode, t, True) for n, t in {**params, **buffers}.items()} if on_cpu else {}
+    refs.update({id(states.get(n, p)): Ref("param", name=n) for n, p in params.items()})
+    refs.update({id(states.get(n, b)): Ref("buffer", name=n) for n, b in buffers.items()})
 
     stack: list[str] = []
-    tracer = _Tracer(refs, stack)
+    tracer = _Tracer(refs, stack, watch_autocast=not on_cpu)
     saved: set[tuple[int, int]] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -235,17 +289,27 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
         if stack:
             stack.pop()
 
+    args, kwargs = ((), fakes) if isinstance(fakes, Mapping) else (fakes, {})
     # not always_call: after an exception the stack still names the module that failed
     pre = nn.modules.module.register_module_forward_pre_hook(enter)
     post = nn.modules.module.register_module_forward_hook(leave)
+    _TRACING.append(CPU if on_cpu else torch.device("meta"))
     try:
-        with fake_mode, _GpuKernels(), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = model(**fakes) if isinstance(fakes, Mapping) else model(*fakes)
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(fake_mode)
+            if on_cpu:      # tensors the forward makes without a device go where the others are
+                scope.enter_context(torch.device(CPU))
+                scope.enter_context(torch.autocast("cpu", dtype=autocast_dtype))
+            for mode in (_GpuKernels(), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+                scope.enter_context(mode)
+            output = (torch.func.functional_call(model, states, args, kwargs) if on_cpu
+                      else model(*args, **kwargs))
     except CaptureError:
         raise
     except Exception as exc:   # any failure inside user code becomes one line
         raise _translate_error(exc, tracer.current, stack[-1] if stack else "") from exc
     finally:
+        _TRACING.pop()
         pre.remove()
         post.remove()
 
@@ -253,15 +317,13 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     for index, slot in saved:
         saved_slots.setdefault(index, []).append(slot)
     ops = tuple(_build_op(i, rec, saved_slots.get(i, [])) for i, rec in enumerate(tracer.records))
-    return OpGraph(
+    graph = OpGraph(
         name=name, ops=ops,
         params=tuple((n, _meta(p)) for n, p in params.items()),   # tied weights appear once
         buffers=tuple((n, _meta(b)) for n, b in buffers.items()),
         inputs=tuple(input_metas),
-        # pipeline stages need a forward that returns the loss tensor itself (not a Hugging Face output)
-        metadata=tuple(sorted({**(metadata or {}),
-                               "output": "tensor" if isinstance(output, torch.Tensor) else "structured"}.items())),
     )
+    return graph, output, tracer.autocast_seen
 
 
 def _build_op(index: int, rec: _Record, saved_slots: list[int]) -> Op:

@@ -10,8 +10,11 @@ The one call a training script makes, and the one call per step::
 - Run by hand (no launcher): the model is unchanged and ``train_step`` is forward, backward and an
   optimizer step in one process, so the same script can be debugged alone.
 - Under ``tensoropt launch`` in capture mode (``TENSOROPT_CAPTURE_OUT`` set): the model is captured
-  on fake tensors from ``example_inputs``, the graph is written for the launcher, and the process
-  exits; nothing trains. This is how the launcher learns the model from the script itself.
+  on fake tensors from ``example_inputs``, the graph is written for the launcher, and the script ends at
+  its first ``run.train_step`` (captured again there when it runs under an autocast, so the graph has the
+  precision the script trains in); nothing trains. A forward that does not return the loss is a one-line
+  error here, before any worker starts (``graph.loss``). This is how the launcher learns the model from
+  the script itself.
 - Under ``tensoropt launch`` with a plan (``TENSOROPT_PLAN`` set, workers started by torchrun): the
   process binds to its device (``cuda:LOCAL_RANK`` for a GPU plan, see ``device``), joins the process
   group, and the engine the plan names (``torch_engine``, ``deepspeed_engine``) applies the plan and puts
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,7 +62,7 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     real need none.
     """
     if os.environ.get(CAPTURE_ENV):
-        _capture_and_exit(model, example_inputs, global_batch)
+        return _capture_mode(model, optimizer_fn, example_inputs, global_batch)
     materializer = Materializer(model, init_fn) if has_meta_tensors(model) else None
     plan_path = os.environ.get(PLAN_ENV)
     if not plan_path:
@@ -106,22 +110,65 @@ def _resume(run: Run, engine: str) -> Run:
     return run
 
 
-def _capture_and_exit(model, example_inputs, global_batch) -> None:
-    from ..graph.cache import write_json_atomic
-    from ..graph.capture import trace_module
-    from ..space.tp_check import check_tensor_parallel, with_tp_checks
+def _capture_mode(model: nn.Module, optimizer_fn, example_inputs, global_batch) -> tuple[nn.Module, object, Run]:
+    """Capture the model for the launcher (``TENSOROPT_CAPTURE_OUT``): written now, with the loss contract
+    checked, and, when the script's first ``run.train_step`` runs under an autocast, captured again in that
+    precision (``CaptureRun``); the script ends there, nothing trains."""
     if example_inputs is None or not global_batch:
         raise TensorOptError("tensoropt.parallelize needs example_inputs (one micro-batch) and global_batch for "
                              "the launcher to capture the model")
-    from ..models import example_shape
+    from ..graph.precision import active_autocast
     inputs = example_inputs if isinstance(example_inputs, (tuple, Mapping)) else (example_inputs,)
+    _write_capture(model, inputs, global_batch)
+    if active_autocast() is not None:             # parallelize itself runs under the script's autocast
+        raise _Captured(0)
+    try:
+        optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
+    except Exception:                             # an optimizer that cannot be built on meta: the script never steps
+        optimizer = None
+    return model, optimizer, CaptureRun(global_batch=global_batch, model=model, optimizer=optimizer,
+                                        capture_inputs=inputs)
+
+
+def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int) -> None:
+    from ..graph.cache import write_json_atomic
+    from ..graph.capture import trace_module
+    from ..models import example_shape
+    from ..space.tp_check import check_tensor_parallel, with_tp_checks
     batch, seq = example_shape(inputs)
     graph = trace_module(model, inputs, type(model).__name__, {
         "batch_size": str(batch or ""), "seq_len": str(seq or ""),
-        "global_batch": str(global_batch), "sources": json.dumps(_user_sources())})
+        "global_batch": str(global_batch), "sources": json.dumps(_user_sources())}, require_loss=True)
     graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
     write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
-    raise _Captured(0)
+
+
+@dataclass
+class CaptureRun(Run):
+    """The ``Run`` a capture-mode ``parallelize`` returns. Its first ``train_step`` is where the script
+    trains as it will in the workers: under an autocast there, the model is captured again in that
+    precision. Every step, and any call that would report or save results, ends the capture (exit 0)."""
+
+    capture_inputs: tuple | Mapping = ()
+
+    def train_step(self, batch) -> float:
+        from ..graph.precision import active_autocast
+        if active_autocast() is not None:
+            try:
+                _write_capture(self.model, self.capture_inputs, self.global_batch)
+            except BaseException:
+                Path(os.environ[CAPTURE_ENV]).unlink(missing_ok=True)     # no graph in another precision
+                raise
+        raise _Captured(0)
+
+    def full_state_dict(self) -> dict:
+        raise _Captured(0)
+
+    def device_report(self) -> dict:
+        raise _Captured(0)
+
+    def close(self) -> None:
+        raise _Captured(0)
 
 
 def _user_sources() -> list[list]:

@@ -8,7 +8,9 @@ to meta (``torch.device("meta")`` as the default device), tensors asked for on a
 ``.to(device)``, ``.cuda()``) go to meta too, so a script that moves its model to its GPU before
 ``parallelize`` captures unchanged and no GPU memory is touched. Tensors the script reads from outside
 torch (``torch.from_numpy``, files) stay real; they are data, small next to a model. A script whose code
-before ``parallelize`` needs tensor values (``.item()`` on a weight) cannot be captured this way.
+before ``parallelize`` needs tensor values (``.item()`` on a weight) cannot be captured this way. A CUDA
+autocast the script enters is a CPU autocast of the same dtype here (``graph.precision``), so the capture
+records the precision the script trains in on any machine.
 """
 
 from __future__ import annotations
@@ -20,31 +22,37 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..errors import TensorOptError
+from ..graph.capture import tracing_device
+from ..graph.precision import cuda_autocast_on_cpu
+
 META = torch.device("meta")
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
 
 
 class _EverythingOnMeta(TorchFunctionMode):
-    """Rewrites every device a tensor is asked for to meta (see module doc)."""
+    """Rewrites every device a tensor is asked for to meta (see module doc); during the model's capture, to
+    the device its fake tensors are on (the CPU under autocast, see ``graph.precision``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        target = tracing_device() or META
         if func in _MOVES:
-            return _move_to_meta(func, args, kwargs)
+            return _move_to(target, func, args, kwargs)
         if kwargs.get("device") is not None:
-            kwargs["device"] = META
+            kwargs["device"] = target
         return func(*args, **kwargs)
 
 
-def _move_to_meta(func, args: tuple, kwargs: dict) -> torch.Tensor:
-    """``t.to(...)`` / ``t.cuda()`` / ``t.cpu()`` with the device replaced by meta; the dtype still applies."""
+def _move_to(target: torch.device, func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``t.to(...)`` / ``t.cuda()`` / ``t.cpu()`` with the device replaced by ``target``; the dtype still applies."""
     tensor, rest = args[0], args[1:]
     if func is torch.Tensor.to:
         device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*rest, **kwargs)
         if device is None:
             return func(*args, **kwargs)                     # a dtype change alone, where the tensor is
-        return tensor.to(device=META, dtype=dtype or tensor.dtype)
-    return tensor if tensor.is_meta else tensor.to(device=META)
+        return tensor.to(device=target, dtype=dtype or tensor.dtype)
+    return tensor if tensor.device == target else tensor.to(device=target)
 
 
 def main(argv: list[str]) -> None:
@@ -53,8 +61,12 @@ def main(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = list(argv)                                    # as `python SCRIPT ARGS` would see them
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    with META, _EverythingOnMeta():
-        runpy.run_path(script, run_name="__main__")
+    try:
+        with META, _EverythingOnMeta(), cuda_autocast_on_cpu():    # the script's CUDA autocast is seen (precision)
+            runpy.run_path(script, run_name="__main__")
+    except TensorOptError as exc:          # the launcher shows the last line: the message alone, no traceback
+        print(exc, file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TensorOptError
+from ..graph.loss import loss_problem, loss_tensor
 from .device import check_placement, local_tensor, to_device
 
 Batch = torch.Tensor | tuple | Mapping
@@ -35,14 +36,11 @@ def call_model(model, batch: Batch):
 
 
 def loss_of(output) -> torch.Tensor:
-    """The loss a model's forward returned: the tensor itself, ``output.loss`` (Hugging Face) or
-    ``output["loss"]``."""
-    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TensorOptError("run.train_step needs the model's forward to return the loss (a scalar tensor, or an "
-                             "output with .loss): pass the labels in the batch")
+    """The loss a model's forward returned (``graph.loss``: the tensor itself, ``output.loss`` or
+    ``output["loss"]``); anything else is the one-line error the capture gives."""
+    loss = loss_tensor(output)
+    if loss is None:
+        raise TensorOptError(f"run.train_step: the model's forward {loss_problem(output)}")
     return loss
 
 

@@ -1,0 +1,54 @@
+"""Autocast at capture: each captured op carries the dtype it really computes in.
+
+A script that trains under ``torch.autocast(device_type="cuda", dtype=torch.bfloat16)`` (nanoGPT,
+torchtitan) keeps float32 parameters but runs its matrix products, and saves most activations, in bf16.
+The capture runs on fake tensors, and autocast only acts on tensors of its device (meta tensors have
+none), so a forward under autocast is traced on fake *CPU* tensors (still nothing allocated) under a CPU
+autocast of the same dtype: the ops record the dtypes autocast gives them, and the cost model prices
+compute, activations and the bf16 weight copies by them. A CUDA autocast is mapped to a CPU one of the
+same dtype (``cuda_autocast_on_cpu``): the capture never runs on a GPU, and on a machine without one
+torch would otherwise switch a CUDA autocast off. The two devices' autocast lists agree on what matters for
+cost (matrix products, convolutions and attention in the lower precision, reductions such as softmax and
+losses in float32); they differ on a few rarer ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.amp.autocast_mode import autocast
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def active_autocast() -> torch.dtype | None:
+    """The dtype of the autocast region the caller runs in (CPU or CUDA), None outside any."""
+    for device in AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    return None
+
+
+@contextlib.contextmanager
+def cuda_autocast_on_cpu() -> Iterator[None]:
+    """Within: ``torch.autocast("cuda", dtype)`` (and ``torch.cuda.amp.autocast``) is a CPU autocast of the
+    same dtype (float16 when none is given, CUDA's default), so a capture sees the script's CUDA autocast on
+    any machine. Only for capture: nothing computes on a GPU there."""
+    original = autocast.__init__
+    if getattr(original, "_tensoropt_on_cpu", False):          # nested: already mapped
+        yield
+        return
+
+    def on_cpu(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+               cache_enabled: bool | None = None) -> None:
+        if device_type == "cuda":
+            device_type, dtype = "cpu", dtype or torch.get_autocast_dtype("cuda")
+        original(self, device_type, dtype, enabled, cache_enabled)
+    on_cpu._tensoropt_on_cpu = True
+    autocast.__init__ = on_cpu
+    try:
+        yield
+    finally:
+        autocast.__init__ = original
