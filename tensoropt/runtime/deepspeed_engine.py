@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .device import init_process_group
+from .device import check_placement, init_process_group
 from .materialize import Materializer
 from .run import Run, call_model, loss_of, mean_over_group
 from .torch_engine import recomputed_modules
@@ -25,8 +25,8 @@ NEVER_PRINT_STEPS = 2**31 - 1
 
 
 def deepspeed_config(plan: dict) -> dict:
-    """The DeepSpeed config that runs ``plan`` (its JSON) as planned: no mixed precision (the model's
-    own dtype, as the torch engine), no gradient clipping (the plan's step is a plain optimizer step)."""
+    """The DeepSpeed config that runs ``plan`` (its JSON) as planned: the precision it was priced in
+    (``precision``), no gradient clipping (the plan's step is a plain optimizer step)."""
     zero: dict = {"stage": plan["zero"]}
     if plan["offload"]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -39,12 +39,27 @@ def deepspeed_config(plan: dict) -> dict:
         "zero_allow_untested_optimizer": True,      # the script's torch optimizer, not a DeepSpeed one
         "zero_force_ds_cpu_optimizer": False,       # offload with it too (DeepSpeedCPUAdam would compile)
         "steps_per_print": NEVER_PRINT_STEPS,
-    }
+    } | precision(plan)
     if recomputes(plan):
         config["activation_checkpointing"] = {
             "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
             "synchronize_checkpoint_boundary": False}
     return config
+
+
+def precision(plan: dict) -> dict:
+    """The config sections for the plan's ``dtype`` (the model's, written by the launcher), as it was priced
+    (``master_weights``: 2 + 2 + 12 bytes per parameter). A bf16 model: DeepSpeed's bf16 mode, bf16 weights,
+    gradients (``data_types.grad_accum_dtype``; float32 accumulation would add a float32 gradient per parameter
+    under ZeRO 1) and gradient communication, float32 master weights and optimizer states; no overflow check,
+    which skips steps the script run alone takes. Without the section DeepSpeed runs a bf16 model in its float32
+    mode: float32 gradients and communication, twice the bytes priced. Other dtypes: the model's own (float32);
+    float16 would need loss scaling, which no plan prices."""
+    if plan.get("dtype", "bfloat16") != "bfloat16":
+        return {}
+    return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
+                     "check_grad_overflow": False},
+            "data_types": {"grad_accum_dtype": "bf16"}}
 
 
 def recomputes(plan: dict) -> bool:
@@ -73,9 +88,8 @@ def apply_recompute(model: nn.Module, plan: dict, config: dict) -> None:
 
 def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
           materializer: Materializer | None = None) -> tuple[nn.Module, object, Run]:
-    """``deepspeed.initialize`` on the model put on ``device``. DeepSpeed shards (ZeRO 3) a model that is
-    already whole on the device, so a meta-built model is materialised in full first: one full copy per
-    device for a moment (``deepspeed.zero.Init`` shards at construction, which a built model is past)."""
+    """``deepspeed.initialize`` on the model put on ``device``: whole for ZeRO 0-2 (DeepSpeed keeps every
+    weight on every device there), cut into this rank's ZeRO 3 partitions as it gets storage (``partition``)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -84,7 +98,10 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     path = plan.get("deepspeed_config")
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
-    place(model, device, materializer)
+    if plan["zero"] == 3:
+        partition(model, device, config, materializer)
+    else:
+        place(model, device, materializer)
     apply_recompute(model, plan, config)
     optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -92,6 +109,56 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     run = Run(rank, world, rank, world, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
               plan, "deepspeed", _stepper(engine) if optimizer else None, device=device)
     return engine, ds_optimizer, run
+
+
+def partition(model: nn.Module, device: torch.device, config: dict, materializer: Materializer | None) -> None:
+    """ZeRO 3: no rank ever holds the whole model. Module by module (children first), each parameter gets
+    storage on ``device`` (uninitialised for a meta one, a move for a real one) and is at once cut to this
+    rank's partition by DeepSpeed (``deepspeed.zero.Init(module=...)``, as DeepSpeed converts a built model
+    itself); buffers get storage whole. A meta-built model is then initialised by the ``Materializer``, which
+    computes each tensor at full size a few at a time and delivers each rank its partition: the values of the
+    script run alone. At most one parameter is whole at once here, plus the materialiser's transient copies."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    from .init_trace import apply_order
+    first, made = None, {}                    # made: id of a parameter as built -> its ZeRO 3 parameter
+    for module in apply_order(model):         # children first: a parent's conversion skips their partitions
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device) if buffer.is_meta \
+                    else buffer.to(device)
+        for name, param in module._parameters.items():
+            if param is None or is_zero_param(param):
+                continue
+            if id(param) not in made:         # a tied weight is converted once and registered under every name
+                made[id(param)] = _on_device(param, device)
+                if first is None:
+                    deepspeed.zero.Init(module=_Holder(made[id(param)]), config_dict_or_path=config)
+                    first = made[id(param)]
+                else:
+                    first.convert_to_zero_parameters(param_list=[made[id(param)]])
+            module._parameters[name] = made[id(param)]
+    if materializer is not None:
+        materializer.initialise(model, device)
+    check_placement(model, device, "tensoropt.parallelize")
+
+
+def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """``param`` with storage on ``device``: uninitialised for a meta one (a meta tensor's ``.data`` cannot be
+    replaced by a real one), a copy for a real one; attributes set on it are kept."""
+    data = torch.empty_like(param, device=device) if param.is_meta else param.detach().to(device)
+    moved = nn.Parameter(data, requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)
+    return moved
+
+
+class _Holder(nn.Module):
+    """One parameter, for ``deepspeed.zero.Init(module=...)``, which converts a module's parameters."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        super().__init__()
+        self.param = param
 
 
 def _stepper(engine):
