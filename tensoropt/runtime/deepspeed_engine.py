@@ -113,17 +113,18 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
 
 def partition(model: nn.Module, device: torch.device, config: dict, materializer: Materializer | None) -> None:
     """ZeRO 3: no rank ever holds the whole model. Module by module (children first), each parameter gets
-    storage on ``device`` (uninitialised for a meta one, a move for a real one) and is at once cut to this
-    rank's partition by DeepSpeed (``deepspeed.zero.Init(module=...)``, as DeepSpeed converts a built model
-    itself); buffers get storage whole. A meta-built model is then initialised by the ``Materializer``, which
-    computes each tensor at full size a few at a time and delivers each rank its partition: the values of the
-    script run alone. At most one parameter is whole at once here, plus the materialiser's transient copies."""
+    storage on ``device`` and is at once cut to this rank's partition by DeepSpeed (as ``deepspeed.zero.Init``
+    does to a model built under it); buffers get storage whole. A meta-built parameter's storage is left
+    uninitialised, and the ``Materializer`` then computes each tensor at full size a few at a time and delivers
+    each rank its partition: the values of the script run alone. A parameter built for real is moved, and rank
+    0's values are sent to every rank, as DeepSpeed converts a built model. At most one parameter is whole at
+    once here, plus the materialiser's transient copies."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
     from .init_trace import apply_order
-    first, made = None, {}                    # made: id of a parameter as built -> its ZeRO 3 parameter
-    for module in apply_order(model):         # children first: a parent's conversion skips their partitions
+    zero_init, made = deepspeed.zero.Init(config_dict_or_path=config), {}   # made: id as built -> ZeRO 3 param
+    for module in apply_order(model):
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = torch.empty_like(buffer, device=device) if buffer.is_meta \
@@ -133,11 +134,11 @@ def partition(model: nn.Module, device: torch.device, config: dict, materializer
                 continue
             if id(param) not in made:         # a tied weight is converted once and registered under every name
                 made[id(param)] = _on_device(param, device)
-                if first is None:
-                    deepspeed.zero.Init(module=_Holder(made[id(param)]), config_dict_or_path=config)
-                    first = made[id(param)]
+                if param.is_meta:             # nothing to send: the partitions are filled below, alike everywhere
+                    zero_init._convert_to_deepspeed_param(made[id(param)])
+                    made[id(param)].partition()
                 else:
-                    first.convert_to_zero_parameters(param_list=[made[id(param)]])
+                    zero_init._zero_init_param(made[id(param)])
             module._parameters[name] = made[id(param)]
     if materializer is not None:
         materializer.initialise(model, device)
@@ -151,14 +152,6 @@ def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
     moved = nn.Parameter(data, requires_grad=param.requires_grad)
     moved.__dict__.update(param.__dict__)
     return moved
-
-
-class _Holder(nn.Module):
-    """One parameter, for ``deepspeed.zero.Init(module=...)``, which converts a module's parameters."""
-
-    def __init__(self, param: nn.Parameter) -> None:
-        super().__init__()
-        self.param = param
 
 
 def _stepper(engine):
