@@ -50,8 +50,8 @@ def _ranks(tmp_path: Path) -> list[dict]:
 def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_path):
     """Peak tensor memory from ``parallelize`` until the model is on the device stays below the model's size on
     each rank (each holds half of every parameter, plus the initialisation's transient full-size copies of a
-    few tensors); losses as the script run alone, which materialises it whole (and whose peak shows that the
-    measure sees the model)."""
+    few tensors); the initial values (gathered) and the losses are the script's run alone, which materialises
+    the model whole (and whose peak shows that the measure sees the model)."""
     alone = _alone(tmp_path)
     assert alone["peak_bytes"] >= alone["model_bytes"] == alone["resident_parameter_bytes"]
     result = _launch(tmp_path, "deepspeed", 3)
@@ -61,6 +61,10 @@ def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_pa
         assert got["resident_parameter_bytes"] <= alone["model_bytes"] / 2 + 1024, got
         assert got["peak_bytes"] < alone["model_bytes"], got
         np.testing.assert_allclose(got["losses"], alone["losses"], rtol=1e-6)
+    expected, initial = np.load(tmp_path / "alone.init.0.npz"), np.load(tmp_path / "got.init.0.npz")
+    assert sorted(initial.keys()) == sorted(expected.keys())
+    for name in expected:                         # gathered from the partitions: the script's values alone, exactly
+        np.testing.assert_array_equal(initial[name], expected[name], err_msg=name)
 
 
 def test_deepspeed_trains_a_bf16_model_in_bf16_mode(tmp_path):

@@ -1,7 +1,8 @@
 """A meta-built GPT trained through ``tensoropt.parallelize``, measured: used by ``test_deepspeed_gpu_path`` as a
 script run alone and under ``tensoropt launch`` (DeepSpeed ZeRO 3, bf16).
 
-Writes ``OUT.<rank>.json`` with the per-step losses and what the plan's application held on this rank:
+Writes ``OUT.init.<rank>.npz``, every parameter's initial value (gathered), and ``OUT.<rank>.json`` with the
+per-step losses and what the plan's application held on this rank:
 
 - ``model_bytes``: the parameters of the whole model;
 - ``peak_bytes``: the most CPU tensor memory allocated at once from the call of ``tensoropt.parallelize``
@@ -16,9 +17,11 @@ Writes ``OUT.<rank>.json`` with the per-step losses and what the plan's applicat
 """
 
 import argparse
+import contextlib
 import json
 import os
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import ProfilerActivity, profile
@@ -55,6 +58,18 @@ def precision_report(engine) -> dict:
             "communication_dtype": str(engine.communication_data_type),
             "master_dtype": str(masters[0].dtype) if masters else None,
             "gradient_dtype": str(grads.dtype) if grads is not None else None}
+
+
+def initial_values(model) -> dict[str, np.ndarray]:
+    """Every parameter's value, whole (a DeepSpeed ZeRO 3 engine's gathered from the ranks' partitions)."""
+    module = getattr(model, "module", model)
+    params = dict(module.named_parameters())
+    gather = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params.values()):
+        import deepspeed
+        gather = deepspeed.zero.GatheredParameters(list(params.values()))
+    with gather:
+        return {name: p.detach().float().cpu().numpy().copy() for name, p in params.items()}
 
 
 def main() -> None:
@@ -103,6 +118,7 @@ def main() -> None:
     finally:
         if not measured and not os.environ.get(CAPTURE_ENV):
             prof.stop()                           # a process that exits with the profiler on crashes (SIGSEGV)
+    np.savez(f"{args.out}.init.{run.rank}.npz", **initial_values(model))
     losses = [run.train_step((inputs[step], targets[step])) for step in range(args.steps)]
     report = {"losses": losses, "model_bytes": model_bytes, "engine": run.engine} | measured
     if run.engine == "deepspeed":
