@@ -1,5 +1,6 @@
 """The DeepSpeed engine: a plan becomes a real DeepSpeed config (ZeRO stage, micro-batch and
-gradient accumulation, optimizer offload, activation checkpointing) and ``deepspeed.initialize``.
+gradient accumulation, optimizer offload, activation checkpointing, precision) and ``deepspeed.initialize``.
+Under ZeRO 3 the model reaches the device already cut into partitions (``partition``), never whole.
 
 ``deepspeed_config`` is pure so the launcher can write the exact config into the run directory,
 where the user can read and reuse it; the workers then train with that file. The optimizer is the

@@ -15,7 +15,8 @@ real and then ``model.apply(init_fn)``: two passes over the random number stream
 What each call reads and writes is found when the ``Materializer`` is made, before the engine touches the
 model, by running every call once on fake tensors (``init_trace``). A tensor is then computed at full size
 on this rank's device from the first call that touches it to the last, and each rank keeps its slice
-(``_deliver``); where the rank holds it whole it is computed in place. Pass 2 starts a tensor from its
+(``_deliver``: a DTensor's shard, a DeepSpeed ZeRO 3 parameter's partition); where the rank holds it whole it
+is computed in place. Pass 2 starts a tensor from its
 pass-1 value by replaying the ``reset_parameters()`` calls that wrote it from the generator states
 recorded before each in pass 1, so the transient full-size copies are those of the tensors one call
 touches (and of tied weights between their calls), never the model. Every rank runs every call, also for
