@@ -20,7 +20,7 @@ from torch import nn
 from .device import check_placement, init_process_group
 from .materialize import Materializer
 from .run import Run, call_model, loss_of, mean_over_group
-from .torch_engine import recomputed_modules
+from .torch_engine import largest_block_bytes, recomputed_modules
 
 NEVER_PRINT_STEPS = 2**31 - 1
 
@@ -99,6 +99,8 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     path = plan.get("deepspeed_config")
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
+    if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
+        materializer.block_bytes = largest_block_bytes(model, plan)
     if plan["zero"] == 3:
         partition(model, device, config, materializer)
     else:
