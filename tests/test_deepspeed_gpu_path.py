@@ -33,10 +33,11 @@ def _alone(tmp_path: Path, *args) -> dict:
     return json.loads(Path(f"{out}.0.json").read_text())
 
 
-def _launch(tmp_path: Path, engine: str, zero: int, *args, env=None) -> subprocess.CompletedProcess:
+def _launch(tmp_path: Path, engine: str, zero: int, *args, env=None, offload: bool = False
+            ) -> subprocess.CompletedProcess:
     """Both workers of a dp2 plan on ``engine`` (the launcher's plan for this script, changed to ``zero``)."""
     plan = dataclasses.replace(dry_run_plan(SCRIPT, tmp_path, 2, *args), dp=2, tp=1, pp=1, virtual_stages=1,
-                               zero=zero, offload=False, micro_batch=1, tp_branches=(), blocks=BLOCKS)
+                               zero=zero, offload=offload, micro_batch=1, tp_branches=(), blocks=BLOCKS)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     return tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
@@ -47,15 +48,19 @@ def _ranks(tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"got.{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3-offload"])
+def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_path, offload):
     """Peak tensor memory from ``parallelize`` until the model is on the device stays below the model's size on
     each rank (each holds half of every parameter, plus the initialisation's transient full-size copies of a
     few tensors); the initial values (gathered) and the losses are the script's run alone, which materialises
-    the model whole (and whose peak shows that the measure sees the model)."""
+    the model whole (and whose peak shows that the measure sees the model). With the optimizer offloaded too:
+    the plan issue 17 found chosen for 70B on 64 GPUs."""
     alone = _alone(tmp_path)
     assert alone["peak_bytes"] >= alone["model_bytes"] == alone["resident_parameter_bytes"]
-    result = _launch(tmp_path, "deepspeed", 3)
+    result = _launch(tmp_path, "deepspeed", 3, offload=offload)
     assert result.returncode == 0, result.stderr[-3000:]
+    zero = json.loads((tmp_path / "run" / "deepspeed.json").read_text())["zero_optimization"]
+    assert (zero["stage"], "offload_optimizer" in zero) == (3, offload)
     for got in _ranks(tmp_path):
         assert got["engine"] == "deepspeed" and got["model_bytes"] == alone["model_bytes"]
         assert got["resident_parameter_bytes"] <= alone["model_bytes"] / 2 + 1024, got
