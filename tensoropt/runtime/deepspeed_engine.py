@@ -149,10 +149,13 @@ def partition(model: nn.Module, device: torch.device, config: dict, materializer
 
 
 def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
-    """``param`` with storage on ``device``: uninitialised for a meta one (a meta tensor's ``.data`` cannot be
-    replaced by a real one), a copy for a real one; attributes set on it are kept."""
-    data = torch.empty_like(param, device=device) if param.is_meta else param.detach().to(device)
-    moved = nn.Parameter(data, requires_grad=param.requires_grad)
+    """``param`` with storage on ``device``: a parameter built for real moved in place (as DeepSpeed moves it), a
+    meta one replaced by a new parameter with uninitialised storage (a meta tensor's ``.data`` cannot take a real
+    one), keeping the attributes set on it."""
+    if not param.is_meta:
+        param.data = param.data.to(device)
+        return param
+    moved = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
     moved.__dict__.update(param.__dict__)
     return moved
 
