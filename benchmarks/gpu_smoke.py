@@ -1,7 +1,8 @@
 """GPU smoke test: does ``tensoropt launch`` train on the GPUs, and train right?
 
 On whatever GPUs are visible, launches ``examples/train_gpt.py`` through ``tensoropt launch`` with each
-engine (the model built on the host, and built on the meta device) and prints per run: where the
+engine (the model built on the host, and built on the meta device; DeepSpeed also with ZeRO 3, which cuts
+the meta-built model into partitions as it gets storage) and prints per run: where the
 parameters were, the median step time, ``torch.cuda.max_memory_allocated`` against the plan's
 prediction, and the largest relative loss difference from the same script run alone (built on the host: where the script
 leaves it; built on meta: materialised whole on ``cuda:0``). Results go to ``results/gpu_smoke.{md,json}``.
@@ -28,12 +29,15 @@ from _launch import launched, run
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples" / "train_gpt.py")
 LOSS_RTOL = 1e-4       # same maths in another order (gradient reductions, kernels): equal to about 1e-5
-RUNS = [("torch", []), ("torch", ["--meta"]), ("deepspeed", ["--meta"])]
+# (engine, script arguments, launch arguments); the last: DeepSpeed ZeRO 3 cuts the meta-built model into partitions
+RUNS = [("torch", [], []), ("torch", ["--meta"], []), ("deepspeed", ["--meta"], []),
+        ("deepspeed", ["--meta"], ["--zero", "3"])]
 
 
-def launched_gpt(engine: str, script_args: list[str], args, device: list[str], tmp: Path, env: dict) -> dict:
-    return launched(SCRIPT, ["--gpus", str(args.gpus), *device, "--engine", engine], [*args.model, *script_args],
-                    tmp / f"run-{engine}-{len(script_args)}", env)
+def launched_gpt(engine: str, script_args: list[str], launch_args: list[str], args, device: list[str], tmp: Path,
+                 env: dict) -> dict:
+    return launched(SCRIPT, ["--gpus", str(args.gpus), *device, "--engine", engine, *launch_args],
+                    [*args.model, *script_args], tmp / f"run-{engine}-{len(script_args)}-{len(launch_args)}", env)
 
 
 def main() -> None:
@@ -66,8 +70,8 @@ def main() -> None:
             run([sys.executable, SCRIPT, *args.model, *built, "--out", str(out)], tmp_name,
                 env | ({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}))
             alone[tuple(built)] = json.loads(out.read_text())["losses"]
-        rows = [row(engine, script_args, launched_gpt(engine, script_args, args, device, tmp, env),
-                    alone[tuple(script_args)]) for engine, script_args in RUNS]
+        rows = [row(engine, script_args, launched_gpt(engine, script_args, launch_args, args, device, tmp, env),
+                    alone[tuple(script_args)]) for engine, script_args, launch_args in RUNS]
     table = ("| engine | model built | plan | parameters on | step (median s) | predicted (s) | max allocated (GiB) | "
              "predicted (GiB) | loss vs alone (max rel) |\n|---|---|---|---|---:|---:|---:|---:|---|\n")
     table += "".join(f"| {r['engine']} | {r['built']} | {r['plan']} | {', '.join(r['parameter_devices'])} | "

@@ -68,6 +68,7 @@ def test_meta_built_model_trains_as_materialised_by_hand(chosen, alone, tmp_path
 
 INIT_PLANS = {   # name: changes to the 2-worker plan of init_parity.py (global batch 4)
     "ddp": dict(dp=2, tp=1, pp=1, zero=0, micro_batch=2, tp_branches=(), blocks=_blocks("none", 4)),
+    "deepspeed-zero3": dict(dp=2, tp=1, pp=1, zero=3, micro_batch=2, tp_branches=(), blocks=_blocks("none", 4)),
     "fsdp2-zero3": dict(dp=2, tp=1, pp=1, zero=3, micro_batch=2, tp_branches=(), blocks=_blocks("full", 4)),
     "tp2": dict(dp=1, tp=2, pp=1, zero=0, micro_batch=4, tp_branches=("attn", "mlp"), blocks=_blocks("none", 4)),
     "pipeline2": dict(dp=1, tp=1, pp=2, zero=0, micro_batch=2, tp_branches=(), blocks=_blocks("none", 2)),
@@ -98,7 +99,8 @@ def test_meta_built_models_get_the_values_of_apply_on_the_models_built_for_real(
     plan = dataclasses.replace(init_plan, virtual_stages=1, offload=False, **INIT_PLANS[name])
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", INIT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", "torch",
+    engine = "deepspeed" if name.startswith("deepspeed") else "torch"
+    result = tensoropt_cli("launch", INIT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
                            "--run-dir", tmp_path / "run", "--", "--meta", "--out", tmp_path / "got", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if "tensoropt: init_fn(" in line]

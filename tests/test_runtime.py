@@ -47,6 +47,24 @@ def test_deepspeed_config_says_what_the_plan_says():
     assert "activation_checkpointing" not in plain and plain["zero_optimization"] == {"stage": 0}
 
 
+def test_deepspeed_config_trains_a_bf16_model_in_the_precision_it_was_priced_in():
+    """bf16 weights, gradients and communication, float32 master weights and AdamW states (2 + 2 + 12 bytes per
+    parameter); a float32 model keeps DeepSpeed's float32 mode. Read back by DeepSpeed 0.19.8's own parser, whose
+    models refuse unknown keys, so the keys are the ones it reads."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    bf16 = deepspeed_config(_plan(dtype="bfloat16", zero=1))
+    assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
+                            "check_grad_overflow": False}
+    assert bf16["data_types"] == {"grad_accum_dtype": "bf16"}
+    single = dict(_plan(dtype="bfloat16", zero=1, devices=1, dp=1))       # DeepSpeedConfig checks one process
+    parsed = DeepSpeedConfig(deepspeed_config(single))
+    assert parsed.bfloat16_config.enabled and not parsed.bfloat16_config.bf16_master_weights_and_grads
+    assert not parsed.float16_config.enabled and parsed.grad_accum_dtype == "bf16"
+    fp32 = deepspeed_config(_plan(dtype="float32", zero=3))
+    assert "bf16" not in fp32 and "fp16" not in fp32 and "data_types" not in fp32
+    assert not DeepSpeedConfig(deepspeed_config(_plan(dtype="float32", devices=1, dp=1))).bfloat16_config.enabled
+
+
 def test_launcher_front_is_pareto_and_every_point_runs_on_its_engine(write_json):
     from tensoropt.api import capture
     graph = capture(write_json("gpt.json", SMALL_GPT), batch_size=1, seq_len=32).graph

@@ -41,7 +41,7 @@ from ..errors import TensorOptError
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .param_groups import build_optimizer
-from .run import Run, plain_stepper
+from .run import Run, exit_on_out_of_memory, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
 CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV = "TENSOROPT_CHECKPOINT_DIR", "TENSOROPT_CHECKPOINT_EVERY"
@@ -73,12 +73,13 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
         raise TensorOptError(f"plan {plan['summary']} needs {', '.join(missing)}, which the {engine} engine does not "
                              "apply")
     device = worker_device(plan)
-    if engine == "deepspeed":
-        from .deepspeed_engine import apply
-        model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer)
-    else:
-        from .torch_engine import apply
-        model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer, example_inputs)
+    with exit_on_out_of_memory(0, int(os.environ.get("RANK", "0"))):     # as in a step: the launcher re-plans
+        if engine == "deepspeed":
+            from .deepspeed_engine import apply
+            model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer)
+        else:
+            from .torch_engine import apply
+            model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer, example_inputs)
     run.model, run.optimizer, run.device = model, optimizer, device
     return model, optimizer, _resume(run, engine)
 

@@ -1,5 +1,6 @@
 """The DeepSpeed engine: a plan becomes a real DeepSpeed config (ZeRO stage, micro-batch and
-gradient accumulation, optimizer offload, activation checkpointing) and ``deepspeed.initialize``.
+gradient accumulation, optimizer offload, activation checkpointing, precision) and ``deepspeed.initialize``.
+Under ZeRO 3 the model reaches the device already cut into partitions (``partition``), never whole.
 
 ``deepspeed_config`` is pure so the launcher can write the exact config into the run directory,
 where the user can read and reuse it; the workers then train with that file. The optimizer is the
@@ -16,18 +17,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .device import init_process_group
+from .device import check_placement, init_process_group
 from .materialize import Materializer
 from .param_groups import build_optimizer
 from .run import Run, call_model, loss_of, mean_over_group
-from .torch_engine import recomputed_modules
+from .torch_engine import largest_block_bytes, recomputed_modules
 
 NEVER_PRINT_STEPS = 2**31 - 1
 
 
 def deepspeed_config(plan: dict) -> dict:
-    """The DeepSpeed config that runs ``plan`` (its JSON) as planned: no mixed precision (the model's
-    own dtype, as the torch engine), no gradient clipping (the plan's step is a plain optimizer step)."""
+    """The DeepSpeed config that runs ``plan`` (its JSON) as planned: the precision it was priced in
+    (``precision``), no gradient clipping (the plan's step is a plain optimizer step)."""
     zero: dict = {"stage": plan["zero"]}
     if plan["offload"]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -40,12 +41,27 @@ def deepspeed_config(plan: dict) -> dict:
         "zero_allow_untested_optimizer": True,      # the script's torch optimizer, not a DeepSpeed one
         "zero_force_ds_cpu_optimizer": False,       # offload with it too (DeepSpeedCPUAdam would compile)
         "steps_per_print": NEVER_PRINT_STEPS,
-    }
+    } | precision(plan)
     if recomputes(plan):
         config["activation_checkpointing"] = {
             "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
             "synchronize_checkpoint_boundary": False}
     return config
+
+
+def precision(plan: dict) -> dict:
+    """The config sections for the plan's ``dtype`` (the model's, written by the launcher), as it was priced
+    (``master_weights``: 2 + 2 + 12 bytes per parameter). A bf16 model: DeepSpeed's bf16 mode, bf16 weights,
+    gradients (``data_types.grad_accum_dtype``; float32 accumulation would add a float32 gradient per parameter
+    under ZeRO 1) and gradient communication, float32 master weights and optimizer states; no overflow check,
+    which skips steps the script run alone takes. Without the section DeepSpeed runs a bf16 model in its float32
+    mode: float32 gradients and communication, twice the bytes priced. Other dtypes: the model's own (float32);
+    float16 would need loss scaling, which no plan prices."""
+    if plan.get("dtype", "bfloat16") != "bfloat16":
+        return {}
+    return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
+                     "check_grad_overflow": False},
+            "data_types": {"grad_accum_dtype": "bf16"}}
 
 
 def recomputes(plan: dict) -> bool:
@@ -74,9 +90,8 @@ def apply_recompute(model: nn.Module, plan: dict, config: dict) -> None:
 
 def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
           materializer: Materializer | None = None) -> tuple[nn.Module, object, Run]:
-    """``deepspeed.initialize`` on the model put on ``device``. DeepSpeed shards (ZeRO 3) a model that is
-    already whole on the device, so a meta-built model is materialised in full first: one full copy per
-    device for a moment (``deepspeed.zero.Init`` shards at construction, which a built model is past)."""
+    """``deepspeed.initialize`` on the model put on ``device``: whole for ZeRO 0-2 (DeepSpeed keeps every
+    weight on every device there), cut into this rank's ZeRO 3 partitions as it gets storage (``partition``)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -85,7 +100,12 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     path = plan.get("deepspeed_config")
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
-    place(model, device, materializer)
+    if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
+        materializer.block_bytes = largest_block_bytes(model, plan)
+    if plan["zero"] == 3:
+        partition(model, device, config, materializer)
+    else:
+        place(model, device, materializer)
     apply_recompute(model, plan, config)
     optimizer = build_optimizer(optimizer_fn, model.parameters())
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -93,6 +113,52 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     run = Run(rank, world, rank, world, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
               plan, "deepspeed", _stepper(engine) if optimizer else None, device=device)
     return engine, ds_optimizer, run
+
+
+def partition(model: nn.Module, device: torch.device, config: dict, materializer: Materializer | None) -> None:
+    """ZeRO 3: no rank ever holds the whole model. Module by module (children first), each parameter gets
+    storage on ``device`` and is at once cut to this rank's partition by DeepSpeed (as ``deepspeed.zero.Init``
+    does to a model built under it); buffers get storage whole. A meta-built parameter's storage is left
+    uninitialised, and the ``Materializer`` then computes each tensor at full size a few at a time and delivers
+    each rank its partition: the values of the script run alone. A parameter built for real is moved, and rank
+    0's values are sent to every rank, as DeepSpeed converts a built model. At most one parameter is whole at
+    once here, plus the materialiser's transient copies."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    from .init_trace import apply_order
+    zero_init, made = deepspeed.zero.Init(config_dict_or_path=config), {}   # made: id as built -> ZeRO 3 param
+    for module in apply_order(model):
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device) if buffer.is_meta \
+                    else buffer.to(device)
+        for name, param in module._parameters.items():
+            if param is None or is_zero_param(param):
+                continue
+            if id(param) not in made:         # a tied weight is converted once and registered under every name
+                made[id(param)] = _on_device(param, device)
+                if param.is_meta:             # nothing to send: the partitions are filled below, alike everywhere
+                    zero_init._convert_to_deepspeed_param(made[id(param)])
+                    made[id(param)].partition()
+                else:
+                    zero_init._zero_init_param(made[id(param)])
+            module._parameters[name] = made[id(param)]
+    if materializer is not None:
+        materializer.initialise(model, device)
+    check_placement(model, device, "tensoropt.parallelize")
+
+
+def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """``param`` with storage on ``device``: a parameter built for real moved in place (as DeepSpeed moves it), a
+    meta one replaced by a new parameter with uninitialised storage (a meta tensor's ``.data`` cannot take a real
+    one), keeping the attributes set on it."""
+    if not param.is_meta:
+        param.data = param.data.to(device)
+        return param
+    moved = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)
+    return moved
 
 
 def _stepper(engine):

@@ -15,7 +15,8 @@ real and then ``model.apply(init_fn)``: two passes over the random number stream
 What each call reads and writes is found when the ``Materializer`` is made, before the engine touches the
 model, by running every call once on fake tensors (``init_trace``). A tensor is then computed at full size
 on this rank's device from the first call that touches it to the last, and each rank keeps its slice
-(``_deliver``); where the rank holds it whole it is computed in place. Pass 2 starts a tensor from its
+(``_deliver``: a DTensor's shard, a DeepSpeed ZeRO 3 parameter's partition); where the rank holds it whole it
+is computed in place. Pass 2 starts a tensor from its
 pass-1 value by replaying the ``reset_parameters()`` calls that wrote it from the generator states
 recorded before each in pass 1, so the transient full-size copies are those of the tensors one call
 touches (and of tied weights between their calls), never the model. Every rank runs every call, also for
@@ -115,13 +116,26 @@ def _deliver(value: torch.Tensor, target: torch.Tensor | None, order: tuple | No
         return
     if order is not None:
         value = in_run_order(value, *order)
-    if _is_dtensor(target):
+    if getattr(target, "ds_tensor", None) is not None:
+        _deliver_partition(value, target)
+    elif _is_dtensor(target):
         from torch.distributed.tensor import distribute_tensor
         # src_data_rank=None: every rank cuts its own shard from its own (identical) full value, no messages
         shard = distribute_tensor(value.detach(), target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(shard.to_local())
     else:
         target.copy_(value)
+
+
+def _deliver_partition(value: torch.Tensor, param: torch.Tensor) -> None:
+    """Copy this rank's part into a DeepSpeed ZeRO 3 parameter: its partition (``ds_tensor``) is slice ``rank`` of
+    the flattened tensor padded with zeros to a multiple of the ranks (``Init._partition_param``)."""
+    import torch.distributed as dist
+    part = param.ds_tensor
+    start = part.numel() * dist.get_rank(group=param.ds_process_group)
+    mine = value.detach().reshape(-1)[start:start + part.numel()]
+    part.data[mine.numel():].zero_()
+    part.data[:mine.numel()].copy_(mine)
 
 
 class Materializer:

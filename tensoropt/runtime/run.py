@@ -9,9 +9,10 @@ how a step is driven, so the script never drives it by hand and runs unchanged u
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,17 @@ def _report_failure(kind: str, step: int, rank: int, message: str) -> None:
                           {"kind": kind, "step": step, "rank": rank, "message": message})
 
 
+@contextlib.contextmanager
+def exit_on_out_of_memory(step: int, rank: int) -> Iterator[None]:
+    """An out-of-memory error ends the worker with ``OOM_EXIT_CODE`` and a note for the launcher (an elastic run
+    re-plans with less memory per device), whether it came in a step or while the plan was applied."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        _report_failure("oom", step, rank, str(exc).splitlines()[0])
+        raise SystemExit(OOM_EXIT_CODE) from exc
+
+
 @dataclass
 class Run:
     """Where this process stands in the plan, and how it trains one step."""
@@ -163,12 +175,9 @@ class Run:
         if self.plan is not None and not self._placement_checked:
             check_placement(self.model, self.device, "run.train_step")   # the script may have moved it since
             self._placement_checked = True
-        try:
+        with exit_on_out_of_memory(self.step, self.rank):
             _simulate_out_of_memory(self.plan)
             loss = self.stepper(self.local_batches(batch))
-        except torch.OutOfMemoryError as exc:
-            _report_failure("oom", self.step, self.rank, str(exc).splitlines()[0])
-            raise SystemExit(OOM_EXIT_CODE) from exc
         self.step += 1
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             from .checkpoint import save
