@@ -123,16 +123,6 @@ def titan_init(module: nn.Module) -> None:
 INITS = {"gpt2": gpt2_init, "titan": titan_init}
 
 
-def _parameters(run, held: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole: ``run.full_state_dict()``, or gathered from DeepSpeed's ZeRO 3 partitions."""
-    if run.engine != "deepspeed":
-        return run.full_state_dict()
-    import deepspeed
-    params = dict(held.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {name: p.detach().clone() for name, p in params.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--meta", action="store_true", help="build on the meta device; parallelize initialises")
@@ -149,7 +139,7 @@ def main() -> None:
             model.apply(init_fn)                  # the reference: built for real, then model.apply(init_fn)
         _, _, run = tensoropt.parallelize(model, example_inputs=example, global_batch=4, init_fn=init_fn)
         held = getattr(run.model, "module", run.model)              # DDP's or DeepSpeed's module, else the model
-        state = _parameters(run, held) | {script_name(n): b for n, b in held.named_buffers()}
+        state = run.full_state_dict() | {script_name(n): b for n, b in held.named_buffers()}
         np.savez(f"{args.out}.{name}.{run.rank}.npz", **{k: v.detach().float().cpu().numpy() for k, v in state.items()})
         runs.append(run)
     runs[-1].close()

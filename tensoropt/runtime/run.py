@@ -105,6 +105,24 @@ def host_copy(value, keep: bool = True):
     return whole.detach().to("cpu", copy=True) if isinstance(whole, torch.Tensor) else whole
 
 
+def _is_zero3(model) -> bool:
+    """Parameters partitioned by DeepSpeed ZeRO 3 (each holds only ``ds_tensor``, this rank's slice)."""
+    return isinstance(model, torch.nn.Module) and any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _zero3_values(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict of a DeepSpeed ZeRO 3 model, each partitioned parameter gathered whole only while it is
+    read (every rank takes part in each gather), so at most one whole parameter is on the device at once."""
+    import deepspeed
+    module = getattr(model, "module", model)                  # the script's model inside DeepSpeed's engine
+    for name, value in module.state_dict(keep_vars=True).items():
+        if hasattr(value, "ds_id"):
+            with deepspeed.zero.GatheredParameters([value]):
+                yield name, value.detach()
+        else:
+            yield name, value
+
+
 CLOSE_GRACE_S = 0.2                 # see Run.close
 OOM_EXIT_CODE = 75                  # a worker ran out of device memory (the launcher re-plans with less)
 RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_MEMORY_BYTES"
@@ -205,7 +223,9 @@ class Run:
         from .feature_order import feature_orders, in_model_order
         wanted = ranks is None or self.rank in ranks
         orders, out = feature_orders(self.model), {}
-        for name, value in get_model_state_dict(self.model).items():
+        values = (_zero3_values(self.model) if _is_zero3(self.model)
+                  else iter(get_model_state_dict(self.model).items()))
+        for name, value in values:
             host = host_copy(value, wanted)
             if wanted:
                 out[name] = in_model_order(host, *orders[name]) if name in orders else host   # fused projections
