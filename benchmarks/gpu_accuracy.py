@@ -223,7 +223,9 @@ def report(rows: list[dict], args, measured: str | None) -> tuple[str, str]:
               f"; predicted total / max reserved {min(reserved):.3f}-{max(reserved):.3f}."
               if ratios and reserved else ". Memory: not measured on CPUs (torch keeps no allocator peaks there).") +
              f" {args.gpus} {'GPU' if args.gpu else 'CPU worker'}(s), global batch {args.global_batch}, {args.steps} "
-             "steps, the first two not timed; memory peaks after the first step.\n")
+             "steps, the first two not timed; memory peaks after the first step." +
+             ("" if args.gpu else " Tiny models on a shared 2-core CPU: this checks the script; the targets are "
+              "for GPUs.") + "\n")
     return table, notes
 
 if __name__ == "__main__":
