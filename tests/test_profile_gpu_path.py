@@ -91,16 +91,16 @@ def test_a_group_that_serves_only_cuda_gets_its_collective_tensors_on_cuda():
 def test_timed_runs_back_to_back_calls_and_returns_one_calls_time():
     calls = []
 
-    def spin(seconds: float = 200e-6) -> None:     # busy for a known time: no sleep, no scheduler granularity
+    def spin(seconds: float = 50e-6) -> None:      # busy for a known time: no sleep, no scheduler granularity
         calls.append(1)
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             pass
     seconds = timed(spin, "cpu", repeats=3, warmup=1)
-    assert 200e-6 <= seconds < 2e-3
-    # 1 warm-up, 1 call that sizes the samples, then 3 samples of ceil(1 ms / ~0.2 ms) = 5 calls each (fewer
-    # when the machine is slow enough that one call takes longer)
-    assert 3 * 2 + 2 <= len(calls) <= 2 + 3 * 5
+    assert 50e-6 <= seconds < 5e-4                    # one call's time, not a sample's (~1 ms)
+    # 1 warm-up, 1 call that sizes the samples, then 3 samples of ceil(1 ms / one call) <= 20 calls each (one
+    # timed call alone, as before, would make 1 + 3)
+    assert 2 + 3 <= len(calls) <= 2 + 3 * 20 and (len(calls) - 2) % 3 == 0
     # a call far below the timer's resolution is timed MAX_CALLS at a time
     counted = []
     timed(lambda: counted.append(1), "cpu", repeats=2, warmup=0)
