@@ -2,13 +2,15 @@
 
 On whatever GPUs are visible, launches ``examples/train_gpt.py`` through ``tensoropt launch`` with each
 engine (the model built on the host, and built on the meta device; DeepSpeed also with ZeRO 3, which cuts
-the meta-built model into partitions as it gets storage) and prints per run: where the
-parameters were, the median step time, ``torch.cuda.max_memory_allocated`` against the plan's
-prediction, and the largest relative loss difference from the same script run alone (built on the host: where the script
-leaves it; built on meta: materialised whole on ``cuda:0``). Results go to ``results/gpu_smoke.{md,json}``.
+the meta-built model into partitions as it gets storage) and prints per run: where the parameters were,
+the median step time, ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` (peaks after the
+first step) against the plan's prediction, and the largest relative loss difference from the same script
+run alone (built on the host: where the script leaves it; built on meta: materialised whole on ``cuda:0``).
+Results go to ``results/gpu_smoke.{md,json}``.
 
 On a machine without GPUs it prints one line and exits 0. ``--device cpu`` runs the same launches on
-CPU workers (to check this script itself; nothing is written).
+CPU workers (to check this script itself), written to ``results/gpu_smoke_cpu.*``. GPU workers keep the
+launcher's host threads; only CPU workers get ``OMP_NUM_THREADS=1``.
 
     python benchmarks/gpu_smoke.py [--gpus N] [--hidden 1024 --layers 8 --seq-len 512 --global-batch 16]
 """
@@ -60,7 +62,9 @@ def main() -> None:
     args.model = ["--hidden", str(args.hidden or (1024 if gpu else 64)), "--layers",
                   str(args.layers or (8 if gpu else 4)), "--seq-len", str(args.seq_len or (512 if gpu else 32)),
                   "--global-batch", str(args.global_batch), "--steps", str(args.steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ} | ({} if gpu else {"OMP_NUM_THREADS": "1"})     # GPU workers: the launcher's threads
+    if gpu:
+        env.pop("OMP_NUM_THREADS", None)
     device = [] if gpu else ["--device", "cpu"]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -73,17 +77,20 @@ def main() -> None:
         rows = [row(engine, script_args, launched_gpt(engine, script_args, launch_args, args, device, tmp, env),
                     alone[tuple(script_args)]) for engine, script_args, launch_args in RUNS]
     table = ("| engine | model built | plan | parameters on | step (median s) | predicted (s) | max allocated (GiB) | "
-             "predicted (GiB) | loss vs alone (max rel) |\n|---|---|---|---|---:|---:|---:|---:|---|\n")
+             "max reserved (GiB) | predicted (GiB) | loss vs alone (max rel) |\n"
+             "|---|---|---|---|---:|---:|---:|---:|---:|---|\n")
     table += "".join(f"| {r['engine']} | {r['built']} | {r['plan']} | {', '.join(r['parameter_devices'])} | "
                      f"{r['step_s']:.4f} | {r['predicted_s']:.4f} | {_gib(r['max_memory_allocated_bytes'])} | "
+                     f"{_gib(r['max_memory_reserved_bytes'])} | "
                      f"{r['predicted_bytes'] / 2**30:.2f} | {r['loss_max_rel_diff']:.1e} "
                      f"({'equal' if r['losses_equal'] else 'DIFFERENT'}) |\n" for r in rows)
     print(table)
     notes = (f"\n{args.gpus} device(s); `examples/train_gpt.py {' '.join(args.model)}`; step time is the median over "
              f"steps after the first; losses equal means within {LOSS_RTOL:g} relative of the script run alone.\n")
-    if gpu:
-        write_results("gpu_smoke", rows, table, notes, {"device": torch.cuda.get_device_name(0),
-                                                         "cuda": torch.version.cuda})
+    from tensoropt.profiler.run import device_name
+    write_results("gpu_smoke" if gpu else "gpu_smoke_cpu", rows, table, notes,
+                  {"device": torch.cuda.get_device_name(0) if gpu else device_name("cpu"), "cuda": torch.version.cuda,
+                   "devices": args.gpus})
     if not all(r["losses_equal"] and r["on_device"] for r in rows):
         raise SystemExit("gpu_smoke: a run trained off the device or reached other losses (see the table)")
 
@@ -96,7 +103,8 @@ def row(engine: str, script_args: list[str], data: dict, reference: list[float])
             "step_s": statistics.median(data["step_times_s"][1:] or data["step_times_s"]),
             "predicted_s": data["predicted"]["iteration_time_s"],
             "predicted_bytes": data["predicted"]["peak_memory_bytes"],
-            "max_memory_allocated_bytes": data["max_memory_allocated_bytes"], "loss_max_rel_diff": diff,
+            "max_memory_allocated_bytes": data["max_memory_allocated_bytes"],
+            "max_memory_reserved_bytes": data.get("max_memory_reserved_bytes"), "loss_max_rel_diff": diff,
             "losses_equal": diff <= LOSS_RTOL}
 
 

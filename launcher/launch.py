@@ -19,6 +19,7 @@ from tensoropt.errors import TensorOptError
 from tensoropt.graph.cache import write_json_atomic
 from tensoropt.graph.fold import fold
 from tensoropt.graph.ir import OpGraph
+from tensoropt.profiler.run import threads_per_worker
 from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
@@ -155,6 +156,8 @@ def main_env(devices: Devices, plan_path: Path) -> dict:
     if devices.kind == "cpu":
         env["OMP_NUM_THREADS"] = "1"            # two threads per worker on two cores was 100x slower
         env["CUDA_VISIBLE_DEVICES"] = ""        # CPU workers on a GPU machine: neither torch nor DeepSpeed uses one
+    else:   # else torchrun gives each worker one thread, and an offloaded optimizer runs below its profiled rate
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(devices.count)))
     return env
 
 

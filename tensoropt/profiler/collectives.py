@@ -4,6 +4,10 @@ over message sizes, for every group size from 2 to the number of workers.
 
 Workers are spawned on a free local port; rank 0 reports each timing (the maximum over ranks of
 the median over repeats, since a collective ends when its slowest rank does).
+
+Every tensor a collective runs on, the timings' own reduction included, sits on the device the group's
+backend serves (``group_device``): an NCCL group has no backend for CPU tensors ("No backend type
+associated with device type cpu").
 """
 
 from __future__ import annotations
@@ -27,6 +31,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def group_device(group=None, prefer: str = "cpu") -> torch.device:
+    """The device type a collective on ``group`` (default: every rank) can take tensors on: ``prefer``
+    (the device the worker runs on) where one of the group's backends serves it, else the first type
+    its backends serve. An NCCL group serves only ``cuda``; gloo serves ``cpu`` and ``cuda``."""
+    types = [d.type for d in (group or dist.group.WORLD)._device_types]
+    return torch.device(prefer if prefer in types or not types else types[0])
+
+
+def slowest_s(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's ``seconds`` (a collective ends when its slowest rank does), reduced
+    over the default group on its ``device``."""
+    elapsed = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
 
 
 def _run_op(op: str, x: torch.Tensor, group, group_size: int, rank: int) -> None:
@@ -55,16 +75,18 @@ def _worker(rank: int, world: int, port: int, device: str, sizes: list[int], rep
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
+    world_device = group_device(prefer=device)
     results = []
     for group_size in range(2, world + 1):
         group = dist.new_group(list(range(group_size)))
         member = rank < group_size
+        tensor_device = group_device(group, prefer=device) if member else world_device    # outside it: no group object
         for op in OPS:
             if op == "p2p" and group_size != 2:
                 continue
             for nbytes in sizes:
                 numel = max(group_size, nbytes // 4 // group_size * group_size)
-                x = torch.ones(numel, device=device)
+                x = torch.ones(numel, device=tensor_device)
                 samples = []
                 for i in range(repeats + 1):
                     dist.barrier()
@@ -73,10 +95,9 @@ def _worker(rank: int, world: int, port: int, device: str, sizes: list[int], rep
                         _run_op(op, x, group, group_size, rank)
                         if device == "cuda":
                             torch.cuda.synchronize()
-                    elapsed = torch.tensor([time.perf_counter() - start])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    elapsed = slowest_s(time.perf_counter() - start, world_device)
                     if i:                                 # the first run warms the group up
-                        samples.append(float(elapsed))
+                        samples.append(elapsed)
                 # p2p runs a round trip: report one direction
                 seconds = statistics.median(samples) / (2 if op == "p2p" else 1)
                 results.append({"op": op, "group_size": group_size, "bytes": numel * 4, "seconds": seconds})

@@ -1,13 +1,14 @@
 """Device micro-benchmarks: matrix products over shapes and dtypes (the efficiency curve), memory
 bandwidth, the fixed cost of launching one op, the optimizer step rate, and the host link.
 
-Every figure is the median of several timed repeats after a warm-up; on CUDA the device is
-synchronised around each timing. Nothing here is used by the planner directly: ``run.py`` turns
-the measurements into a profile.
+Every figure is the median of several timed samples after a warm-up, each sample back-to-back
+calls between CUDA events on a GPU (``perf_counter`` on a CPU): see ``timed``. Nothing here is used
+by the planner directly: ``run.py`` turns the measurements into a profile.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -20,18 +21,38 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+MIN_SAMPLE_S = 1e-3       # a timed sample runs enough back-to-back calls to last this long
+MAX_CALLS = 100           # ... but never more calls than this
+
+
 def timed(fn: Callable[[], object], device: str, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs."""
+    """Median seconds of one call of ``fn`` over ``repeats`` samples.
+
+    A sample times back-to-back calls (as many as last ``MIN_SAMPLE_S``, at most ``MAX_CALLS``) and
+    divides: one call timed alone measures the host's launch and synchronisation as much as the work.
+    On a GPU the sample is read between two CUDA events recorded on the stream around the calls (the
+    device's time for the kernels); on a CPU, with ``perf_counter``."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    calls = max(1, min(MAX_CALLS, math.ceil(MIN_SAMPLE_S / max(_sample_s(fn, device, 1), 1e-9))))
+    return statistics.median(_sample_s(fn, device, calls) for _ in range(repeats))
+
+
+def _sample_s(fn: Callable[[], object], device: str, calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn``."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls       # elapsed_time is in milliseconds
+    start_s = time.perf_counter()
+    for _ in range(calls):
         fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return (time.perf_counter() - start_s) / calls
 
 
 def matmul(n: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
@@ -56,11 +77,7 @@ def memory_bandwidth(numel: int, device: str, repeats: int) -> dict:
 def op_overhead(device: str, repeats: int) -> float:
     """Seconds to run one trivial op: the framework's fixed per-op cost."""
     x = torch.ones(1, device=device)
-
-    def hundred_adds():
-        for _ in range(100):
-            torch.add(x, x)
-    return timed(hundred_adds, device, repeats) / 100
+    return timed(lambda: torch.add(x, x), device, repeats)
 
 
 def adam_rate(params: int, device: str, repeats: int) -> float:

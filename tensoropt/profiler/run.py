@@ -43,6 +43,12 @@ FULL = {"matmul": [64, 128, 256, 512, 1024, 2048, 4096], "memory": [1 << 22, 1 <
         "repeats": 7, "adam": 1 << 24, "host_copy": 1 << 28}
 # a GPU reaches its peak only on large products (an H100: ~800 TFLOP/s bf16 at 8192^3, far less at 4096^3)
 GPU_MATMUL = {"quick": [1024, 4096, 8192], "full": [256, 512, 1024, 2048, 4096, 8192, 16384]}
+# float32 elements a bandwidth copy moves on a GPU: 1 and 2 GiB, far beyond an H100's 50 MB L2 (a 16 MiB copy
+# stays in it); the CPU sizes above (16 and 128 MiB) are beyond a CPU's caches and fit a 24 GiB machine
+GPU_MEMORY = {"quick": [1 << 28], "full": [1 << 28, 1 << 29]}
+# the CUDA context, NCCL's buffers and the allocator's slack: no benchmark here measures them, so a GPU's
+# profile keeps its datasheet profile's figure (3 GiB for an H100); this where there is none
+DEFAULT_RUNTIME_OVERHEAD_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,8 @@ class Settings:
     def plan(self) -> dict:
         base = QUICK if self.quick else FULL
         if self.device == "cuda":
-            return base | {"matmul": GPU_MATMUL["quick" if self.quick else "full"]}
+            size = "quick" if self.quick else "full"
+            return base | {"matmul": GPU_MATMUL[size], "memory": GPU_MEMORY[size]}
         return base
 
     @property
@@ -130,6 +137,31 @@ def memory_bytes(device: str) -> int:
     raise RuntimeError("cannot read the host's memory size")
 
 
+def threads_per_worker(nproc: int) -> int:
+    """Host threads one of ``nproc`` workers on this machine gets: the cores this process may run on,
+    shared evenly. The profile measures the host optimizer with as many, and the launcher gives GPU
+    workers as many (``OMP_NUM_THREADS``), so that offload runs at the rate it was priced at."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, nproc))
+
+
+def runtime_overhead_bytes(device: str, name: str) -> tuple[int, str]:
+    """(bytes, where from) of a profile's ``runtime_overhead_bytes``: a GPU's datasheet profile's figure
+    (the largest datasheet figure for a GPU without one), ``DEFAULT_RUNTIME_OVERHEAD_BYTES`` on a CPU."""
+    from ..cost.profile import load_profile_json
+    from ..errors import TensorOptError
+    from .store import DATASHEETS, datasheet_profile
+    if device != "cuda":
+        return DEFAULT_RUNTIME_OVERHEAD_BYTES, "default for a CPU"
+    try:
+        profile = datasheet_profile(name)
+    except TensorOptError:
+        figures = {p: int(load_profile_json(p)["runtime_overhead_bytes"]) for _, p in DATASHEETS}
+        profile = max(figures, key=figures.get)
+        return figures[profile], f"no datasheet profile for this GPU: the largest, {profile}'s"
+    return int(load_profile_json(profile)["runtime_overhead_bytes"]), f"the {profile} datasheet profile"
+
+
 def calibrate_ops(ops, settings: Settings, advance) -> tuple[dict, int]:
     """Forward/backward times of (op, key) pairs, by key; and how many ops were skipped."""
     from .ops import time_op
@@ -147,8 +179,8 @@ def calibrate_ops(ops, settings: Settings, advance) -> tuple[dict, int]:
 def run(name: str, settings: Settings, advance) -> dict:
     """Measure everything; ``advance(description)`` is called after each step."""
     plan, dev = settings.plan, settings.device
-    if dev == "cpu":      # the collective workers later share the cores the same way
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.nproc))
+    # the collective workers (on a CPU) and the training workers (the host optimizer) share the cores so
+    torch.set_num_threads(threads_per_worker(settings.nproc))
     products = []
     for dtype in settings.dtypes:
         for n in plan["matmul"]:
@@ -204,12 +236,13 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
     mem_rate = max(m["bytes_per_s"] for m in memory)
     intra, inter, links_from = links(settings, comm)
     host_rate = min(c["bytes_per_s"] for c in host_copies) if host_copies else mem_rate
+    overhead_bytes, overhead_from = runtime_overhead_bytes(settings.device, device_name(settings.device))
     return {
         "schema_version": 1, "kind": "tensoropt.device_profile", "name": name,
         "device": device_name(settings.device), "measured": True,
         "peak_flops": peaks, "matmul_efficiency": [list(p) for p in curve],
         "memory_bytes": memory_bytes(settings.device), "memory_bandwidth_bytes_per_s": mem_rate,
-        "memory_efficiency": 1.0, "kernel_overhead_s": overhead, "runtime_overhead_bytes": 512 * 2**20,
+        "memory_efficiency": 1.0, "kernel_overhead_s": overhead, "runtime_overhead_bytes": overhead_bytes,
         **execution_facts(settings.device),
         "intra_node": intra, "inter_node": inter,
         "host": {"pcie_bandwidth_bytes_per_s": host_rate, "cpu_adam_params_per_s": adam},
@@ -222,9 +255,11 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
             "device_kind": settings.device, "host": socket.gethostname(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "quick": settings.quick, "threads_per_worker": torch.get_num_threads(), "links_from": links_from,
+            "runtime_overhead_from": overhead_from,
             "host_link": "pinned host<->device copies, the slower direction" if host_copies else
                          "no host link on a CPU: the memory bandwidth",
-            "method": "medians of timed repeats after a warm-up; collectives in spawned worker processes "
+            "method": "medians of timed samples after a warm-up (back-to-back calls between CUDA events on a GPU, "
+                      "perf_counter on a CPU); collectives in spawned worker processes "
                       f"({'nccl' if settings.device == 'cuda' else 'gloo'}); links {links_from}",
         },
         "measurements": {"matmul": products, "memory": memory, "op_overhead_s": overhead,

@@ -156,6 +156,15 @@ def exit_on_out_of_memory(step: int, rank: int) -> Iterator[None]:
         raise SystemExit(OOM_EXIT_CODE) from exc
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Forget the device's memory peaks (GPUs only): called after a process's first step, whose one-off
+    allocations (materialisation, engine set-up, first-step workspaces) no later step repeats, so that
+    ``Run.device_report`` gives the peak of a step in the steady state, the one plans are priced at
+    (the optimizer state made by the first step stays allocated and is counted)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 @dataclass
 class Run:
     """Where this process stands in the plan, and how it trains one step."""
@@ -197,6 +206,8 @@ class Run:
             _simulate_out_of_memory(self.plan)
             loss = self.stepper(self.local_batches(batch))
         self.step += 1
+        if self.step == self.start_step + 1:
+            reset_peak_memory(self.device)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             from .checkpoint import save
             save(Path(self.checkpoint_dir), self.step, self.model, self.optimizer)
@@ -204,11 +215,14 @@ class Run:
 
     def device_report(self) -> dict:
         """Where this rank trained: its device, the devices its parameters sit on, and the most device
-        memory it allocated (GPUs only; None on CPUs, where torch keeps no such count)."""
+        memory its tensors took (``max_memory_allocated``) and its caching allocator held
+        (``max_memory_reserved``) since the first step (see ``reset_peak_memory``); GPUs only, None on
+        CPUs, where torch keeps no such count."""
         params = self.model.parameters() if isinstance(self.model, torch.nn.Module) else ()
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        gpu = self.device.type == "cuda"
         return {"device": str(self.device), "parameter_devices": sorted({str(local_tensor(p).device) for p in params}),
-                "max_memory_allocated_bytes": peak}
+                "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(self.device) if gpu else None,
+                "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(self.device) if gpu else None}
 
     def full_state_dict(self, ranks: Collection[int] | None = None) -> dict:
         """The whole model's parameters as CPU tensors of their own (a copy, not the run's memory), under the
