@@ -2,7 +2,10 @@
 saves but its attention core, which the cost model says it drops, and trains exactly as without it."""
 
 import copy
+import dataclasses
+import json
 
+import numpy as np
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -14,7 +17,7 @@ from tensoropt.cost.model import ModelCost
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.selective import selective_wrapper
-from tensoropt.space.plan import LayerStrategy
+from tensoropt.space.plan import BlockPlan, LayerStrategy
 
 BATCH, SEQ = 2, 64
 
@@ -98,3 +101,60 @@ def test_fused_attention_has_no_core_so_selective_keeps_everything():
     plain_bytes, plain_dx, _ = _run(block, x, None, grad)
     selective_bytes, dx, _ = _run(selective_wrapper(copy.deepcopy(block)), x, None, grad)
     assert selective_bytes == plain_bytes and torch.equal(dx, plain_dx)
+
+
+def test_the_engine_wraps_each_copy_as_its_strategy_says():
+    """Per copy, in model order: selective copies get the selective wrapper, full ones torch's checkpoint."""
+    from tensoropt.runtime.selective import selective_checkpoint
+    from tensoropt.runtime.torch_engine import apply_recompute
+    model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
+                                        seq_length=16, vocab_size=64))
+    plan = {"pp": 1, "blocks": [{"block": "layers.*", "strategies": [
+        {"recompute": r, "sequence_parallel": False, "copies": n} for r, n in (("selective", 2), ("full", 1),
+                                                                               ("none", 1))]}]}
+    apply_recompute(model, plan)
+    kinds = [getattr(getattr(layer, "checkpoint_fn", None), "func", None) for layer in model.layers]
+    assert kinds[:2] == [selective_checkpoint] * 2 and kinds[2] is torch.utils.checkpoint.checkpoint
+    assert kinds[3] is None and type(model.layers[3]).__name__ == "Block"
+
+
+# --- real workers: tensoropt launch --plan with selective copies trains to the script's own losses ---
+
+def _launched(plan, tmp_path) -> list[float]:
+    from workers import GPT_SCRIPT, tensoropt_cli
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    out = tmp_path / "losses.json"
+    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", plan.devices, "--plan", path, "--engine",
+                           "torch", "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    copies = sum(n for b in plan.blocks for s, n in b.strategies if s.recompute == "selective")
+    assert f"attention core recomputed (selective) in {copies} block copies per stage" in result.stdout
+    data = json.loads(out.read_text())
+    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
+    return data["losses"]
+
+
+@pytest.fixture(scope="module")
+def dry_plan(tmp_path_factory):
+    from workers import GPT_SCRIPT, dry_run_plan
+    return dry_run_plan(GPT_SCRIPT, tmp_path_factory.mktemp("dry"))
+
+
+def _blocks(*strategies) -> tuple:
+    return (BlockPlan("layers.*", tuple((LayerStrategy(r), n) for r, n in strategies)),)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.parametrize("change", [
+    dict(dp=2, tp=1, pp=1, zero=0, micro_batch=2, blocks=_blocks(("selective", 3), ("none", 1))),   # DDP
+    dict(dp=2, tp=1, pp=1, zero=3, micro_batch=1,                                                 # FSDP2 ZeRO 3
+         blocks=_blocks(("selective", 2), ("full", 1), ("none", 1))),
+    dict(dp=1, tp=2, pp=1, zero=0, micro_batch=4, tp_branches=("attn", "mlp"),                    # tp2: 2 heads each
+         blocks=_blocks(("selective", 4))),
+    dict(dp=1, tp=1, pp=2, zero=0, micro_batch=2, blocks=_blocks(("selective", 2))),             # 2 stages, 1F1B
+], ids=["ddp", "fsdp2-zero3", "tp2", "pp2"])
+def test_selective_plans_train_to_the_losses_of_the_script_alone(reference, dry_plan, tmp_path, change):
+    plan = dataclasses.replace(dry_plan, offload=False, virtual_stages=1, **change)
+    np.testing.assert_allclose(_launched(plan, tmp_path), reference, rtol=2e-5)
