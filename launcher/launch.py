@@ -37,8 +37,8 @@ OBJECTIVES = ("fastest", "min-memory", "balanced")
 ENGINE_SPACES = {
     "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
                   offload=False, max_virtual_stages=1),
-    "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=True,
-                      max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
+    "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
+                      offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
 
 

@@ -32,7 +32,7 @@ def test_the_plan_decides_the_engine():
     with pytest.raises(TensorOptError, match="needs ZeRO 1, which the torch engine does not apply"):
         choose_engine(_plan(zero=1), "torch")
     selective = _plan(blocks=(BlockPlan("layers.*", ((LayerStrategy("selective"), 4),)),))
-    assert choose_engine(selective) == "torch" and unsupported(selective, "deepspeed") == ["selective recomputation"]
+    assert choose_engine(selective) == "torch" and not unsupported(selective, "deepspeed")
     assert unsupported(_plan(dp=1, pp=2, micro_batch=2), "deepspeed") == ["pipeline stages"]
 
 

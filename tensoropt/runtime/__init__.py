@@ -195,7 +195,6 @@ def unsupported(plan: dict, engine: str) -> list[str]:
               ("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1)]
     if engine == "deepspeed":
         return [what for what, needed in common + [
-            ("selective recomputation", any(s["recompute"] == "selective" for s in strategies)),
             ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),
             ("optimizer offload without ZeRO", plan["offload"] and plan["zero"] == 0),
         ] if needed]

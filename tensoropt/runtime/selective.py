@@ -88,6 +88,21 @@ class _Place:
         return base.as_strided(self.size, self.stride, self.offset)
 
 
+class _Input:
+    """A tensor the core reads that no core op made (Q, K, the mask), as the forward read it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+
+    def read(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError("selective recomputation: a tensor the attention core read was changed in place "
+                               "after the forward; recompute this block in full instead")
+        return self.tensor
+
+
 class AttentionCore:
     """The attention core of one forward of one block copy: found and taped while it runs (``CoreMode``),
     its saved tensors replaced by places (``pack``), replayed when the backward first needs one (``unpack``)."""
@@ -133,10 +148,12 @@ class AttentionCore:
         return out
 
     def _place(self, x):
-        key = _storage(x) if isinstance(x, torch.Tensor) else None
+        if not isinstance(x, torch.Tensor):
+            return x
+        key = _storage(x)
         if key is not None and (made := self.made.get(key)) is not None:
             return _Place(*made, x)
-        return x
+        return _Input(x)
 
     def pack(self, t: torch.Tensor):
         key = _storage(t)
@@ -161,7 +178,9 @@ class AttentionCore:
         outputs: list[list[torch.Tensor]] = []
 
         def value(x):
-            return x.find(outputs) if isinstance(x, _Place) else x
+            if isinstance(x, _Place):
+                return x.find(outputs)
+            return x.read() if isinstance(x, _Input) else x
         # the taped ops are those autocast already chose: replayed as they are, whatever autocast is on now
         with torch.random.fork_rng(devices=_cuda_devices(self.tape)), torch.no_grad(), _no_autocast():
             for func, args, kwargs, rng in self.tape:
