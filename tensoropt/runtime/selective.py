@@ -79,7 +79,7 @@ class _Place:
         self.entry, self.slot = entry, slot
         self.size, self.stride, self.offset, self.dtype = t.size(), t.stride(), t.storage_offset(), t.dtype
 
-    def find(self, outputs: list[list[torch.Tensor]]) -> torch.Tensor:
+    def find(self, outputs: list[list[torch.Tensor | None]]) -> torch.Tensor:
         base = outputs[self.entry][self.slot]
         if base.dtype != self.dtype:
             base = base.view(self.dtype)
@@ -111,8 +111,9 @@ class AttentionCore:
         self.activations: set[StorageWeakRef] = set()
         self.made: dict[StorageWeakRef, tuple[int, int]] = {}     # core storage -> (entry, slot) that made it
         self.tape: list[tuple] = []                                 # (op, args, kwargs, RNG state or None)
-        self.replayed: list[list[torch.Tensor]] | None = None
+        self.replayed: list[list[torch.Tensor | None]] | None = None
         self.pending = 0                                            # places packed and not yet unpacked
+        self.saved: set[tuple[int, int]] = set()                    # (entry, slot) of the storages packed
 
     def mark_inputs(self, tree) -> None:
         self.activations.update(_keys(tree))
@@ -161,6 +162,7 @@ class AttentionCore:
         if made is None:     # kept as autograd keeps it; a tensor with a history detached (it may be the
             return t if t.grad_fn is None else t.detach()     # saving node's output: no reference cycle)
         self.pending += 1
+        self.saved.add(made)
         return _Place(*made, t)
 
     def unpack(self, packed) -> torch.Tensor:
@@ -174,8 +176,13 @@ class AttentionCore:
             self.replayed, self.pending = None, 0
         return out
 
-    def _replay(self) -> list[list[torch.Tensor]]:
-        outputs: list[list[torch.Tensor]] = []
+    def _replay(self) -> list[list[torch.Tensor | None]]:
+        """The tape run again; of its outputs only what the backward unpacks is kept, each other one dropped
+        after its last reader, as the forward would have (the working set the plan prices, no more)."""
+        last_read: dict[tuple[int, int], int] = {}
+        for i, (_, args, kwargs, _) in enumerate(self.tape):
+            last_read.update(((x.entry, x.slot), i) for x in tree_leaves((args, kwargs)) if isinstance(x, _Place))
+        outputs: list[list[torch.Tensor | None]] = []
 
         def value(x):
             if isinstance(x, _Place):
@@ -183,10 +190,14 @@ class AttentionCore:
             return x.read() if isinstance(x, _Input) else x
         # the taped ops are those autocast already chose: replayed as they are, whatever autocast is on now
         with torch.random.fork_rng(devices=_cuda_devices(self.tape)), torch.no_grad(), _no_autocast():
-            for func, args, kwargs, rng in self.tape:
+            for i, (func, args, kwargs, rng) in enumerate(self.tape):
                 if rng is not None:
                     _set_rng_state(rng)
                 outputs.append(_tensors(func(*tree_map(value, args), **tree_map(value, kwargs))))
+                for e, slots in enumerate(outputs):
+                    for slot in range(len(slots)):
+                        if (e, slot) not in self.saved and last_read.get((e, slot), -1) <= i:
+                            slots[slot] = None
         return outputs
 
 
