@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 import tensoropt
 from tensoropt.cost.model import ModelCost
 from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.selective import selective_wrapper
 from tensoropt.space.plan import BlockPlan, LayerStrategy
@@ -101,6 +102,23 @@ def test_fused_attention_has_no_core_so_selective_keeps_everything():
     plain_bytes, plain_dx, _ = _run(block, x, None, grad)
     selective_bytes, dx, _ = _run(selective_wrapper(copy.deepcopy(block)), x, None, grad)
     assert selective_bytes == plain_bytes and torch.equal(dx, plain_dx)
+
+
+class _ScoresOfInput(torch.nn.Module):
+    """Attention whose scores are the block's input times itself: the core reads the input directly."""
+
+    def forward(self, x):
+        return (x @ x.transpose(-2, -1)).softmax(-1) @ x
+
+
+def test_an_input_of_the_core_changed_after_the_forward_stops_the_backward_in_one_line():
+    x = torch.randn(2, 8, 4, requires_grad=True)
+    y = x * 1.0
+    out = selective_wrapper(_ScoresOfInput())(y)
+    with torch.no_grad():
+        y.add_(1.0)               # autograd saved y too; the core's check comes first and says what to do
+    with pytest.raises(TensorOptError, match="plan this block with full recomputation instead"):
+        out.sum().backward()
 
 
 def test_the_engine_wraps_each_copy_as_its_strategy_says():

@@ -34,6 +34,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ..errors import TensorOptError
+
 _aten = torch.ops.aten
 # products and the positions of their two matrix operands
 _PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.matmul: (0, 1), _aten.dot: (0, 1), _aten.mv: (0, 1),
@@ -98,8 +100,8 @@ class _Input:
 
     def read(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            raise RuntimeError("selective recomputation: a tensor the attention core read was changed in place "
-                               "after the forward; recompute this block in full instead")
+            raise TensorOptError("selective recomputation: a tensor the attention core read was changed in place "
+                                 "after the forward; plan this block with full recomputation instead")
         return self.tensor
 
 

@@ -1,4 +1,5 @@
-"""The torch-native engine: recomputation through checkpoint wrappers, data parallelism as DDP
+"""The torch-native engine: recomputation through checkpoint wrappers (full: torch's checkpoint; selective:
+the attention core only, ``selective``), data parallelism as DDP
 (ZeRO 0) or FSDP2 ``fully_shard`` (ZeRO 2: gradients and optimizer states sharded, parameters kept
 gathered; ZeRO 3: parameters too), tensor parallelism with ``torch.distributed.tensor`` and pipeline
 stages with ``torch.distributed.pipelining``."""
