@@ -191,10 +191,11 @@ def precision(plan: Plan, graph: OpGraph | None = None) -> str:
 
 def describe(plan: dict, engine: str) -> str:
     """The configuration the workers will apply, in words (DeepSpeed's is its config file)."""
-    if engine == "deepspeed":
-        return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True)
     full, selective = (sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == kind)
                        for kind in ("full", "selective"))
+    if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
+        return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
+            f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
     parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
              f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
              {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
