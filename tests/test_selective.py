@@ -178,3 +178,18 @@ def _blocks(*strategies) -> tuple:
 def test_selective_plans_train_to_the_losses_of_the_script_alone(reference, dry_plan, tmp_path, engine, change):
     plan = dataclasses.replace(dry_plan, offload=False, virtual_stages=1, **change)
     np.testing.assert_allclose(_launched(plan, tmp_path, engine), reference, rtol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_the_launcher_chooses_selective_plans_and_they_train(reference, tmp_path):
+    """``--recompute selective`` leaves the launcher only selective plans: it finds one it can run and runs it."""
+    from workers import GPT_SCRIPT, tensoropt_cli
+    out = tmp_path / "losses.json"
+    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--recompute", "selective",
+                           "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert {s["recompute"] for b in plan["blocks"] for s in b["strategies"]} == {"selective"}
+    assert "attention core recomputed (selective)" in result.stdout
+    np.testing.assert_allclose(json.loads(out.read_text())["losses"], reference, rtol=2e-5)
