@@ -193,3 +193,31 @@ def test_the_launcher_chooses_selective_plans_and_they_train(reference, tmp_path
     assert {s["recompute"] for b in plan["blocks"] for s in b["strategies"]} == {"selective"}
     assert "attention core recomputed (selective)" in result.stdout
     np.testing.assert_allclose(json.loads(out.read_text())["losses"], reference, rtol=2e-5)
+
+
+def test_hugging_face_eager_attention_with_dropout_and_gqa_keeps_its_gradients():
+    """Another attention code (Hugging Face LLaMA, eager: additive mask, float32 softmax, dropout, repeated
+    key/value heads): the core is found by data flow, dropped and replayed exactly."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, attn_implementation="eager",
+                                   attention_dropout=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    results = []
+    for selective in (False, True):
+        copied = copy.deepcopy(model)
+        if selective:
+            for i, layer in enumerate(copied.model.layers):
+                copied.model.layers[i] = selective_wrapper(layer)
+        torch.manual_seed(5)
+        with _Made() as made:
+            loss = copied(input_ids=ids, labels=ids).loss
+        kept = made.live_bytes(loss)
+        loss.backward()
+        results.append((kept, {n.replace("_checkpoint_wrapped_module.", ""): p.grad
+                               for n, p in copied.named_parameters()}))
+    (plain_bytes, plain_grads), (selective_bytes, grads) = results
+    assert plain_bytes - selective_bytes >= 2 * 2 * 4 * SEQ * SEQ * 4     # at least the probabilities of 2 layers
+    assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
