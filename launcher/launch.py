@@ -35,10 +35,10 @@ OBJECTIVES = ("fastest", "min-memory", "balanced")
 # the part of the search space each engine applies; plans in it that an engine still cannot run
 # (see tensoropt.runtime.unsupported) are dropped after the search
 ENGINE_SPACES = {
-    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=False,
-                  max_virtual_stages=1),
-    "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "full"), sequence_parallel=False, offload=True,
-                      max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
+    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
+                  offload=False, max_virtual_stages=1),
+    "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
+                      offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
 
 
@@ -191,14 +191,17 @@ def precision(plan: Plan, graph: OpGraph | None = None) -> str:
 
 def describe(plan: dict, engine: str) -> str:
     """The configuration the workers will apply, in words (DeepSpeed's is its config file)."""
-    if engine == "deepspeed":
-        return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True)
-    full = sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == "full")
+    full, selective = (sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == kind)
+                       for kind in ("full", "selective"))
+    if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
+        return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
+            f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
     parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
              f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
              {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
               3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
+             f"attention core recomputed (selective) in {selective} block copies per stage" if selective else "",
              f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples"]
     return "torch: " + ", ".join(p for p in parts if p)
 

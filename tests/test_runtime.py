@@ -31,8 +31,8 @@ def test_the_plan_decides_the_engine():
     assert choose_engine(_plan(), "deepspeed") == "deepspeed"
     with pytest.raises(TensorOptError, match="needs ZeRO 1, which the torch engine does not apply"):
         choose_engine(_plan(zero=1), "torch")
-    with pytest.raises(TensorOptError, match="selective recomputation"):
-        choose_engine(_plan(blocks=(BlockPlan("layers.*", ((LayerStrategy("selective"), 4),)),)))
+    selective = _plan(blocks=(BlockPlan("layers.*", ((LayerStrategy("selective"), 4),)),))
+    assert choose_engine(selective) == "torch" and not unsupported(selective, "deepspeed")
     assert unsupported(_plan(dp=1, pp=2, micro_batch=2), "deepspeed") == ["pipeline stages"]
 
 

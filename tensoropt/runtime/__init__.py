@@ -191,8 +191,7 @@ def _user_sources() -> list[list]:
 def unsupported(plan: dict, engine: str) -> list[str]:
     """What a plan (its JSON) needs that ``engine`` does not apply; empty when it can run it."""
     strategies = [s for b in plan["blocks"] for s in b["strategies"]]
-    common = [("selective recomputation", any(s["recompute"] == "selective" for s in strategies)),
-              ("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
+    common = [("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
               ("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1)]
     if engine == "deepspeed":
         return [what for what, needed in common + [

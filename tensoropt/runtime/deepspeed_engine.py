@@ -76,16 +76,21 @@ def _checkpointed(forward, *args, **kwargs):
 
 
 def apply_recompute(model: nn.Module, plan: dict, config: dict) -> None:
-    """Recompute the plan's block copies with ``deepspeed.checkpointing``. The forward is replaced on
-    the instance rather than wrapped in a new module, so parameter names (and checkpoints) stay as
-    the script's model has them."""
+    """Recompute the plan's block copies: in full with ``deepspeed.checkpointing``, selectively (the attention
+    core only) with ``runtime.selective``. The forward is replaced on the instance rather than wrapped in a new
+    module, so parameter names (and checkpoints) stay as the script's model has them."""
     from deepspeed import checkpointing
+
+    from .selective import selective_checkpoint
     names = recomputed_modules(model, plan)
     if names:
         checkpointing.configure(None, deepspeed_config=config)
     for name in names:
         module = model.get_submodule(name)
         module.forward = functools.partial(_checkpointed, module.forward)
+    for name in recomputed_modules(model, plan, "selective"):
+        module = model.get_submodule(name)
+        module.forward = functools.partial(selective_checkpoint, module.forward)
 
 
 def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,

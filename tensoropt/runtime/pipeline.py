@@ -29,7 +29,7 @@ from .device import to_device
 from .materialize import Materializer, tie, tied_parameters
 from .param_groups import build_optimizer
 from .run import Batch, Run, Stepper, loss_of
-from .torch_engine import block_modules, recomputed_modules, replace_module
+from .torch_engine import block_modules, recompute_wrappers, replace_module
 
 # arguments of ``schedule.step`` itself: a model input of one of these names cannot be passed through it
 _STEP_ARGUMENTS = {"target", "losses", "return_outputs", "loss_kwargs"}
@@ -78,7 +78,6 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     """Cut ``model`` into ``plan["pp"]`` stages and return this rank's (stage module, optimizer, Run); only
     this rank's stage is put on ``device`` (a meta-built model: only its stage gets storage)."""
     import torch.distributed as dist
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.pipelining import PipelineStage, pipeline
 
     from .torch_engine import place
@@ -89,7 +88,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         raise TensorOptError(f"plan {plan['summary']} interleaves {plan['virtual_stages']} virtual stages per "
                              "device, which the torch engine does not run")
     rank, pp = dist.get_rank(), plan["pp"]
-    tied, recomputed = tied_parameters(model), set(recomputed_modules(model, plan))
+    tied, recomputed = tied_parameters(model), recompute_wrappers(model, plan)
     signature = inspect.signature(model.forward)
     if materializer is not None:        # a meta-built model is cut on meta, buffers too (their values are kept)
         model._apply(lambda t: t.to("meta"))
@@ -106,8 +105,8 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     place(stage_module, device, materializer)       # before tying: a meta-built stage gets new parameters
     shared = tie_within_stage(stage_module, tied, held[rank])
     reductions = shared_gradient_groups(shared, tied, held, rank)
-    for name in sorted(recomputed & {n for n, _ in stage_module.named_modules()}):
-        replace_module(stage_module, name, checkpoint_wrapper)
+    for name in sorted(recomputed.keys() & {n for n, _ in stage_module.named_modules()}):
+        replace_module(stage_module, name, recomputed[name])
     wiring = stage_wiring(pipe.split_gm.graph, rank)
     del pipe                                        # the other stages' modules go with it
     stage = PipelineStage(Relay(stage_module, wiring), rank, pp, device)

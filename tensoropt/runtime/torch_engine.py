@@ -1,4 +1,5 @@
-"""The torch-native engine: recomputation through checkpoint wrappers, data parallelism as DDP
+"""The torch-native engine: recomputation through checkpoint wrappers (full: torch's checkpoint; selective:
+the attention core only, ``selective``), data parallelism as DDP
 (ZeRO 0) or FSDP2 ``fully_shard`` (ZeRO 2: gradients and optimizer states sharded, parameters kept
 gathered; ZeRO 3: parameters too), tensor parallelism with ``torch.distributed.tensor`` and pipeline
 stages with ``torch.distributed.pipelining``."""
@@ -34,15 +35,16 @@ def largest_block_bytes(model: nn.Module, plan: dict) -> int:
     return max(sizes, default=0)
 
 
-def recomputed_modules(model: nn.Module, plan: dict) -> list[str]:
-    """The block copies the plan recomputes in full: on each pipeline stage, the stage's first copies
-    of each block, as many as its strategies say (strategies carry copy counts per stage)."""
+def recomputed_modules(model: nn.Module, plan: dict, kind: str = "full") -> list[str]:
+    """The block copies the plan recomputes as ``kind`` says (full or selective): on each pipeline stage,
+    the stage's first copies of each block, as many as its strategies say (strategies carry copy counts per
+    stage)."""
     out = []
     for block in plan["blocks"]:
         copies = block_modules(model, {"blocks": [block]})
         per_stage = [s["recompute"] for s in block["strategies"] for _ in range(s["copies"])]
         strategies = per_stage * plan["pp"]
-        out += [name for name, recompute in zip(copies, strategies) if recompute == "full"]
+        out += [name for name, recompute in zip(copies, strategies) if recompute == kind]
     return out
 
 
@@ -52,10 +54,19 @@ def replace_module(model: nn.Module, name: str, wrap) -> None:
     setattr(parent, child, wrap(getattr(parent, child)))
 
 
-def apply_recompute(model: nn.Module, plan: dict) -> None:
+def recompute_wrappers(model: nn.Module, plan: dict) -> dict[str, object]:
+    """{block copy: the wrapper that recomputes it}: ``checkpoint_wrapper`` for full recomputation, the
+    selective one (``runtime.selective``: the attention core only) for selective."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    for name in recomputed_modules(model, plan):
-        replace_module(model, name, checkpoint_wrapper)
+
+    from .selective import selective_wrapper
+    return {**{name: checkpoint_wrapper for name in recomputed_modules(model, plan, "full")},
+            **{name: selective_wrapper for name in recomputed_modules(model, plan, "selective")}}
+
+
+def apply_recompute(model: nn.Module, plan: dict) -> None:
+    for name, wrap in recompute_wrappers(model, plan).items():
+        replace_module(model, name, wrap)
 
 
 def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, materializer: Materializer | None = None,

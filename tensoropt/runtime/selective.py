@@ -1,0 +1,261 @@
+"""Selective recomputation of a block copy: every activation autograd saves is kept, except those of
+the attention core, which are recomputed in the backward (Korthikanti et al. 2022, sec. 5).
+
+The core is what the cost model drops (``space.block._attention_core``): the ops from a product of two
+activations (Q K^T) up to, not including, the next product (P V): scores, scale, mask, softmax, dropout.
+It is found while the block runs, by data flow at the ATen level: tensors computed from the block's
+inputs are activations (parameters, buffers and their views are not); a matrix product (``mm``, ``bmm``...)
+of two activations that are not core starts the core, any other op that reads a core tensor is core,
+and a product that reads one (P V) is not. A ``TorchDispatchMode`` records the core's ops on a tape, each
+random one with the RNG state it drew from. A ``saved_tensors_hooks`` pair stores every tensor autograd
+saves as it is, except those whose storage a core op made: for these it stores only where they lie in
+that storage. The first of them the backward needs replays the tape, in place of the forward's (the
+same kernels on the same inputs: bitwise the same values, so the gradients are exact), and the replayed
+tensors are dropped once the last of them is unpacked.
+
+Why not torch's selective activation checkpointing (``create_selective_checkpoint_contexts``): it
+caches the output of every op its policy saves, including ones autograd never keeps (the output
+projection's and the second MLP product's outputs), so a block would hold more than the plan prices,
+or else recompute those products. Here a block holds exactly what it holds without recomputation
+minus the core's saved tensors, and recomputes exactly the core's forward, as the plan prices it.
+
+A model with fused attention (SDPA) has no product of two activations to start a core: selective
+recomputation keeps everything there, as it is priced (the same as none). The hooks are the innermost
+pair while the block runs, so an outer ``saved_tensors_hooks`` (e.g. ``save_on_cpu``) does not see the
+block's saved tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..errors import TensorOptError
+
+_aten = torch.ops.aten
+# products and the positions of their two matrix operands
+_PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.matmul: (0, 1), _aten.dot: (0, 1), _aten.mv: (0, 1),
+             _aten.addmm: (1, 2), _aten.baddbmm: (1, 2), _aten.addbmm: (1, 2)}
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef | None:
+    """The storage a tensor's values lie in (a tensor subclass's, e.g. a DTensor's: its local tensor's)."""
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return _storage(getattr(t, names[0])) if names else None
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):     # a tensor without storage: neither activation nor core
+        return None
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _keys(tree) -> list[StorageWeakRef]:
+    """The storages of the tensors in ``tree`` (those that have one)."""
+    return [k for k in map(_storage, _tensors(tree)) if k is not None]
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The arguments an op writes into (in-place and ``out=`` variants)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            out += _tensors(value)
+    return out
+
+
+class _Place:
+    """Where a tensor lies in a storage a core op made: output ``slot`` of tape entry ``entry``."""
+
+    __slots__ = ("entry", "slot", "size", "stride", "offset", "dtype")
+
+    def __init__(self, entry: int, slot: int, t: torch.Tensor) -> None:
+        self.entry, self.slot = entry, slot
+        self.size, self.stride, self.offset, self.dtype = t.size(), t.stride(), t.storage_offset(), t.dtype
+
+    def find(self, outputs: list[list[torch.Tensor | None]]) -> torch.Tensor:
+        base = outputs[self.entry][self.slot]
+        if base.dtype != self.dtype:
+            base = base.view(self.dtype)
+        if (base.size(), base.stride(), base.storage_offset()) == (self.size, self.stride, self.offset):
+            return base
+        return base.as_strided(self.size, self.stride, self.offset)
+
+
+class _Input:
+    """A tensor the core reads that no core op made (Q, K, the mask), as the forward read it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+
+    def read(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise TensorOptError("selective recomputation: a tensor the attention core read was changed in place "
+                                 "after the forward; plan this block with full recomputation instead")
+        return self.tensor
+
+
+class AttentionCore:
+    """The attention core of one forward of one block copy: found and taped while it runs (``CoreMode``),
+    its saved tensors replaced by places (``pack``), replayed when the backward first needs one (``unpack``)."""
+
+    def __init__(self) -> None:
+        self.activations: set[StorageWeakRef] = set()
+        self.made: dict[StorageWeakRef, tuple[int, int]] = {}     # core storage -> (entry, slot) that made it
+        self.tape: list[tuple] = []                                 # (op, args, kwargs, RNG state or None)
+        self.replayed: list[list[torch.Tensor | None]] | None = None
+        self.pending = 0                                            # places packed and not yet unpacked
+        self.saved: set[tuple[int, int]] = set()                    # (entry, slot) of the storages packed
+
+    def mark_inputs(self, tree) -> None:
+        self.activations.update(_keys(tree))
+
+    def is_core(self, func, args: tuple, kwargs: dict) -> bool:
+        """The rule of the module doc, decided from an op's inputs (so before it runs)."""
+        if (operands := _PRODUCTS.get(func.overloadpacket)) is not None:
+            keys = [_storage(args[i]) if i < len(args) and isinstance(args[i], torch.Tensor) else None
+                    for i in operands]
+            return all(k is not None and k in self.activations and k not in self.made for k in keys)
+        if not any(k in self.made for k in _keys((args, kwargs))):
+            return False
+        # an op writing into a tensor that is not core stays outside (its replay would write into it again)
+        return all(k in self.made for k in _keys(_written(func, args, kwargs)))
+
+    def run(self, func, args: tuple, kwargs: dict):
+        core = self.is_core(func, args, kwargs)
+        rng = None
+        if core and torch.Tag.nondeterministic_seeded in func.tags:
+            rng = _rng_state(_tensors((args, kwargs)))
+        out = func(*args, **kwargs)
+        outputs = _tensors(out)
+        if not core:
+            if any(k in self.activations for k in _keys((args, kwargs))):
+                self.activations.update(_keys(outputs))
+            return out
+        new = [(slot, s) for slot, s in enumerate(map(_storage, outputs)) if s is not None and s not in self.made]
+        if new or func._schema.is_mutable:       # views of core tensors need no replay: places find them
+            entry = len(self.tape)
+            self.tape.append((func, *tree_map(self._place, (args, kwargs)), rng))
+            for slot, s in new:
+                self.made[s] = (entry, slot)
+        return out
+
+    def _place(self, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        key = _storage(x)
+        if key is not None and (made := self.made.get(key)) is not None:
+            return _Place(*made, x)
+        return _Input(x)
+
+    def pack(self, t: torch.Tensor):
+        key = _storage(t)
+        made = self.made.get(key) if key is not None else None
+        if made is None:     # kept as autograd keeps it; a tensor with a history detached (it may be the
+            return t if t.grad_fn is None else t.detach()     # saving node's output: no reference cycle)
+        self.pending += 1
+        self.saved.add(made)
+        return _Place(*made, t)
+
+    def unpack(self, packed) -> torch.Tensor:
+        if not isinstance(packed, _Place):
+            return packed
+        if self.replayed is None:
+            self.replayed = self._replay()
+        out = packed.find(self.replayed)
+        self.pending -= 1
+        if self.pending <= 0:               # every place is unpacked: the replayed tensors go
+            self.replayed, self.pending = None, 0
+        return out
+
+    def _replay(self) -> list[list[torch.Tensor | None]]:
+        """The tape run again; of its outputs only what the backward unpacks is kept, each other one dropped
+        after its last reader, as the forward would have (the working set the plan prices, no more)."""
+        last_read: dict[tuple[int, int], int] = {}
+        for i, (_, args, kwargs, _) in enumerate(self.tape):
+            last_read.update(((x.entry, x.slot), i) for x in tree_leaves((args, kwargs)) if isinstance(x, _Place))
+        outputs: list[list[torch.Tensor | None]] = []
+
+        def value(x):
+            if isinstance(x, _Place):
+                return x.find(outputs)
+            return x.read() if isinstance(x, _Input) else x
+        # the taped ops are those autocast already chose: replayed as they are, whatever autocast is on now
+        with torch.random.fork_rng(devices=_cuda_devices(self.tape)), torch.no_grad(), _no_autocast():
+            for i, (func, args, kwargs, rng) in enumerate(self.tape):
+                if rng is not None:
+                    _set_rng_state(rng)
+                outputs.append(_tensors(func(*tree_map(value, args), **tree_map(value, kwargs))))
+                for e, slots in enumerate(outputs):
+                    for slot in range(len(slots)):
+                        if (e, slot) not in self.saved and last_read.get((e, slot), -1) <= i:
+                            slots[slot] = None
+        return outputs
+
+
+class CoreMode(TorchDispatchMode):
+    """Runs every op of the block and shows it to its ``AttentionCore``."""
+
+    def __init__(self, core: AttentionCore) -> None:
+        super().__init__()
+        self.core = core
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.core.run(func, args, kwargs or {})
+
+
+def _rng_state(tensors: list[torch.Tensor]) -> tuple:
+    device = next((t.device for t in tensors if t.device.type == "cuda"), torch.device("cpu"))
+    if device.type == "cuda":
+        return device, torch.cuda.get_rng_state(device)
+    return device, torch.get_rng_state()
+
+
+def _set_rng_state(state: tuple) -> None:
+    device, values = state
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(values, device)
+    else:
+        torch.set_rng_state(values)
+
+
+def _no_autocast() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
+def _cuda_devices(tape: list[tuple]) -> list[int]:
+    return sorted({rng[0].index or 0 for *_, rng in tape if rng is not None and rng[0].type == "cuda"})
+
+
+def selective_checkpoint(module: torch.nn.Module, *args, **kwargs):
+    """Run ``module`` keeping all it saves for backward but its attention core (see module doc); the
+    ``checkpoint_fn`` of a ``checkpoint_wrapper``, so the block's parameter names stay what they are under
+    full recomputation."""
+    if not torch.is_grad_enabled():
+        return module(*args, **kwargs)
+    core = AttentionCore()
+    core.mark_inputs((args, kwargs))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(core.pack, core.unpack), CoreMode(core):
+            return module(*args, **kwargs)
+    finally:
+        core.activations, core.made = set(), {}      # packing is over; the tape and places stay
+
+
+def selective_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` wrapped for selective recomputation."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    return checkpoint_wrapper(module, checkpoint_fn=selective_checkpoint)
