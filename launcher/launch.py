@@ -20,8 +20,9 @@ from tensoropt.graph.cache import write_json_atomic
 from tensoropt.graph.fold import fold
 from tensoropt.graph.ir import OpGraph
 from tensoropt.profiler.run import threads_per_worker
-from tensoropt.runtime import ENGINES, PLAN_ENV, unsupported
+from tensoropt.runtime import PLAN_ENV
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
+from tensoropt.search.engines import ENGINE_SPACES, ENGINES, unsupported
 from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan
@@ -32,14 +33,6 @@ from .capture import capture_script
 from .devices import Devices, detect
 
 OBJECTIVES = ("fastest", "min-memory", "balanced")
-# the part of the search space each engine applies; plans in it that an engine still cannot run
-# (see tensoropt.runtime.unsupported) are dropped after the search
-ENGINE_SPACES = {
-    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
-                  offload=False, max_virtual_stages=1),
-    "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
-                      offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
-}
 
 
 def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> tuple[FrontierPoint, str]:

@@ -106,7 +106,7 @@ def test_selective_recomputation_alone_leaves_no_plan_for_flash_attention(write_
 
 
 def test_limits_narrow_each_engines_part_of_the_space():
-    from launcher.launch import ENGINE_SPACES
+    from tensoropt.search.engines import ENGINE_SPACES
     deepspeed = SearchSpace(global_batch=8, **ENGINE_SPACES["deepspeed"])
     assert Limits(tensor_parallel=(2,)).restrict(deepspeed) is None          # DeepSpeed runs tp 1 only
     limited = Limits(tensor_parallel=(1, 2), max_tp=1, zero_stages=(0, 3), offload=False).restrict(deepspeed)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from ..search.engines import ENGINES, choose_engine, unsupported
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .param_groups import build_optimizer
@@ -45,7 +46,6 @@ from .run import Run, exit_on_out_of_memory, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
 CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV = "TENSOROPT_CHECKPOINT_DIR", "TENSOROPT_CHECKPOINT_EVERY"
-ENGINES = ("torch", "deepspeed")
 
 
 class _Captured(SystemExit):
@@ -186,34 +186,6 @@ def _user_sources() -> list[list]:
         stat = os.stat(path)
         out.append([path, stat.st_size, stat.st_mtime_ns])
     return out
-
-
-def unsupported(plan: dict, engine: str) -> list[str]:
-    """What a plan (its JSON) needs that ``engine`` does not apply; empty when it can run it."""
-    strategies = [s for b in plan["blocks"] for s in b["strategies"]]
-    common = [("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
-              ("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1)]
-    if engine == "deepspeed":
-        return [what for what, needed in common + [
-            ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),
-            ("optimizer offload without ZeRO", plan["offload"] and plan["zero"] == 0),
-        ] if needed]
-    return [what for what, needed in common + [
-        ("ZeRO 1", plan["zero"] == 1), ("optimizer offload", plan["offload"]),
-        ("pipeline stages combined with data or tensor parallelism", plan["pp"] > 1 and plan["pp"] != plan["devices"]),
-        ("tensor and data parallelism without ZeRO 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] < 2),
-        ("ZeRO with pipeline stages", plan["pp"] > 1 and plan["zero"] > 0),
-    ] if needed]
-
-
-def choose_engine(plan: dict, requested: str | None = None) -> str:
-    """The engine that runs a plan: ``requested`` if it can, else torch, else DeepSpeed."""
-    for engine in [requested] if requested else ENGINES:
-        if not unsupported(plan, engine):
-            return engine
-    engine = requested or "torch"
-    raise TensorOptError(f"plan {plan['summary']} needs {', '.join(unsupported(plan, engine))}, which the {engine} "
-                         "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
 __all__ = ["CAPTURE_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_EVERY_ENV", "ENGINES", "PLAN_ENV", "Run", "choose_engine",

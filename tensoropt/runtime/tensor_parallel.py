@@ -15,7 +15,7 @@ cost model assumed, and never guesses from module names.
 Known differences from the cost model: the vocabulary (embedding and LM head) stays replicated, while
 the cost model assumes a vocabulary-parallel embedding and head; so each rank holds the full embedding
 and computes the full logits. Sequence parallelism is not applied (plans that need it are refused
-before they get here, see ``tensoropt.runtime.unsupported``).
+before they get here, see ``tensoropt.search.engines.unsupported``).
 """
 
 from __future__ import annotations

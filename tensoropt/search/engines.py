@@ -1,0 +1,52 @@
+"""What each engine runs: one table that the launcher's search and the runtime's check both read.
+
+``ENGINE_SPACES`` is the part of the search space an engine applies (``SearchSpace`` arguments), so the
+launcher searches only there. Some plans inside that space still cannot run, because a combination is not
+applied (tensor with data parallelism without ZeRO 2/3 in the torch engine, for instance). ``unsupported``
+names what a plan needs that an engine lacks. The launcher drops those plans after the search, and a worker
+refuses them before it runs anything else. Plain data on plan JSON: no torch, no GPU.
+"""
+
+from __future__ import annotations
+
+from ..errors import TensorOptError
+
+ENGINES = ("torch", "deepspeed")          # in order of preference when both run a plan
+
+ENGINE_SPACES = {
+    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
+                  offload=False, max_virtual_stages=1),
+    "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
+                      offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
+}
+
+
+def unsupported(plan: dict, engine: str) -> list[str]:
+    """What a plan (its JSON) needs that ``engine`` does not apply; empty when it can run it."""
+    strategies = [s for b in plan["blocks"] for s in b["strategies"]]
+    common = [("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
+              ("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1)]
+    if engine == "deepspeed":
+        return [what for what, needed in common + [
+            ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),
+            ("optimizer offload without ZeRO", plan["offload"] and plan["zero"] == 0),
+        ] if needed]
+    return [what for what, needed in common + [
+        ("ZeRO 1", plan["zero"] == 1), ("optimizer offload", plan["offload"]),
+        ("pipeline stages combined with data or tensor parallelism", plan["pp"] > 1 and plan["pp"] != plan["devices"]),
+        ("tensor and data parallelism without ZeRO 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] < 2),
+        ("ZeRO with pipeline stages", plan["pp"] > 1 and plan["zero"] > 0),
+    ] if needed]
+
+
+def choose_engine(plan: dict, requested: str | None = None) -> str:
+    """The engine that runs a plan: ``requested`` if it can, else torch, else DeepSpeed."""
+    for engine in [requested] if requested else ENGINES:
+        if not unsupported(plan, engine):
+            return engine
+    engine = requested or "torch"
+    raise TensorOptError(f"plan {plan['summary']} needs {', '.join(unsupported(plan, engine))}, which the {engine} "
+                         "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
+
+
+__all__ = ["ENGINES", "ENGINE_SPACES", "choose_engine", "unsupported"]
