@@ -47,6 +47,7 @@ def _probe_group(rank: int, port: int, backend: str, queue) -> None:
     devices = (str(collectives.group_device(prefer="cpu")), str(collectives.group_device(sub, prefer="cpu")))
     slowest = collectives.slowest_s(0.25 + rank, collectives.group_device(prefer="cpu")) if not error else None
     queue.put((rank, error, devices, slowest))
+    time.sleep(run_module.CLOSE_GRACE_S)     # gloo frees the last collective on its own thread first: see Run.close
     dist.destroy_process_group()
 
 
