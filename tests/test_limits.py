@@ -85,7 +85,6 @@ def test_the_limits_search_a_narrower_space_not_filter_a_frontier(model):
     (["--tp", "0", "--zero", "9"], "--tp '0': give positive integers, e.g. 1 or 2,4; --zero '9'"),
     (["--tp", "3"], "no plan for "),                                 # 3 divides neither 4 per node nor 8 heads
     (["--pp", "4"], "respects --pp 4 with --global-batch 32: relax the limits"),   # 4 does not divide 6 layers
-    (["--pp", "2", "--zero", "3"], "respects --pp 2 --zero 3"),     # ZeRO 2-3 do not combine with pipelines
 ])
 def test_bad_limits_and_limits_no_plan_survives_are_one_line(model, flags, expected):
     code, out = frontier(model, *flags)

@@ -11,7 +11,7 @@ from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.pipeline import Relay, split_spec, stage_wiring
+from tensoropt.runtime.pipeline_split import Relay, split_spec, stage_wiring
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
@@ -45,6 +45,27 @@ def test_two_stages_match_one_process(reference, chosen, tmp_path, micro_batch, 
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
     # the same sums in another order (micro-batch means averaged, gradients scaled after accumulation)
+    np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
+
+
+def _launch(plan: Plan, tmp_path, devices: int) -> dict:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", devices, "--plan", path, "--run-dir",
+                           tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "losses.json").read_text())
+    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
+    return data
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_two_stages_of_two_replicas_match_one_process(reference, chosen, tmp_path, zero):
+    """pp2 x dp2 on a ("pp", "dp") mesh: each pipeline trains its half of the batch (2 micro-batches of 2,
+    1F1B), DDP (ZeRO 0) or FSDP2 (ZeRO 3) averages the stages' gradients over the replicas, the tied
+    embedding's gradient is summed over the two stages of each pipeline; the losses are the script's alone."""
+    plan = dataclasses.replace(_two_stages(chosen, 2, 1), devices=4, dp=2, zero=zero)
+    data = _launch(plan, tmp_path, 4)
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
 
 

@@ -1,93 +1,58 @@
-"""Pipeline stages for the torch engine, with ``torch.distributed.pipelining``.
+"""Pipeline stages for the torch engine, with ``torch.distributed.pipelining``, composed with data parallelism.
 
-The model is cut generically: ``torch.export`` traces it on one micro-batch (its shapes become the
-stage-to-stage message shapes, which pipelining needs to know in advance) and the cut points are the
-plan's block copies, so stage ``s`` runs its equal share of copies, stage 0 also what comes before
-the first copy (embeddings) and the last stage what comes after the last (head and loss: the model's
-forward returns the loss, so the last stage's output is the loss). Each rank keeps its own stage
-module, an optimizer over it and a 1F1B schedule (what the cost model assumes; GPipe when there are
-fewer micro-batches than stages, which 1F1B does not run). One rank runs one stage: ``pp`` equals the
-number of devices (``unsupported`` refuses data or tensor parallelism beside stages).
+The devices form one mesh with named dimensions ``("pp", "dp")`` (pipeline outermost, as torchtitan lays
+it out): the ranks of one ``dp`` coordinate form one pipeline, those of one ``pp`` coordinate hold the same
+stages and average their gradients. The model is cut into ``pp * virtual_stages`` stages
+(``pipeline_split``); pipeline rank ``r`` holds stages ``r, r + pp, ...`` (one with plain 1F1B, several
+with interleaved 1F1B, Narayanan et al. 2021, https://arxiv.org/abs/2104.04473). Each stage is wrapped for
+data parallelism over the ``dp`` group: DDP under ZeRO 0 (``PipelineStage`` itself skips DDP's all-reduce
+on all but the last micro-batch's backward), FSDP2 ``fully_shard`` on every block copy and the stage module
+under ZeRO 2/3 (reduce-scattered after every micro-batch's backward, as the cost model prices it and as
+the un-piped engine runs it; under ZeRO 2 the parameters stay gathered until the step ends).
 
-Parameters used on several stages (tied input and output embeddings) are copied onto each stage by
-the split; their gradients are summed over those stages before the optimizer step, so the copies
-take identical steps and stay equal, as the one shared parameter of the unsplit model would.
+Parameters used on several stages (tied input and output embeddings) are copied onto each stage by the
+split; their gradients are summed over those stages (on this rank, then over the pipeline ranks that hold
+them, within one ``dp`` coordinate) before the optimizer step, so the copies take identical steps and stay
+equal, as the one shared parameter of the unsplit model would.
 """
 
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from ..errors import TensorOptError
-from .device import to_device
-from .materialize import Materializer, tie, tied_parameters
+from .device import local_tensor, to_device
+from .materialize import Materializer, tied_parameters
 from .param_groups import build_optimizer
+from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
 from .run import Batch, Run, Stepper, loss_of
-from .torch_engine import block_modules, recompute_wrappers, replace_module
-
-# arguments of ``schedule.step`` itself: a model input of one of these names cannot be passed through it
-_STEP_ARGUMENTS = {"target", "losses", "return_outputs", "loss_kwargs"}
-
-
-@dataclass(frozen=True)
-class Wiring:
-    """How one stage of the split graph is fed and what it hands on, every value named by its node in the
-    split graph. ``torch.distributed.pipelining`` moves activations only from a stage to the next and passes
-    model inputs to a stage only as its own ``step`` arguments; the split graph may use a value several
-    stages later (the attention mask) and a model input on a later stage (the labels). So each stage reads
-    the model inputs it uses from the batch and relays what later stages need."""
-
-    receives: tuple[str, ...]                 # values from the stage before, in order
-    arguments: tuple[tuple[bool, str], ...]   # the stage module's arguments: (is a model input, name)
-    outputs: tuple[tuple[str, int | None], ...]   # (name, index in its output tuple; None: the whole output)
-    sends: tuple[str, ...] | None             # values for the next stage; None on the last (its output, the loss)
-
-    @property
-    def model_inputs(self) -> tuple[str, ...]:
-        return tuple(name for is_input, name in self.arguments if is_input)
-
-
-class Relay(nn.Module):
-    """Runs a stage module as its ``Wiring`` says: received values and model inputs in, values for the next
-    stage out (the stage's own outputs and relayed ones). Internal to the pipeline stage: the module a
-    script gets back is the stage module itself, under the model's own parameter names."""
-
-    def __init__(self, stage: nn.Module, wiring: Wiring) -> None:
-        super().__init__()
-        self.stage, self.wiring = stage, wiring
-
-    def forward(self, *received, **model_inputs):
-        wiring = self.wiring
-        values = dict(zip(wiring.receives, received))
-        output = self.stage(*(model_inputs[name] if is_input else values[name] for is_input, name in wiring.arguments))
-        if wiring.sends is None:
-            return output
-        values.update((name, output if index is None else output[index]) for name, index in wiring.outputs)
-        return tuple(values[name] for name in wiring.sends)
+from .torch_engine import block_modules, place, recompute_wrappers, replace_module
 
 
 def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.Optimizer] | None, plan: dict,
                    device: torch.device, materializer: Materializer | None = None,
                    example_inputs: Batch | None = None) -> tuple[nn.Module, object, Run]:
-    """Cut ``model`` into ``plan["pp"]`` stages and return this rank's (stage module, optimizer, Run); only
-    this rank's stage is put on ``device`` (a meta-built model: only its stage gets storage)."""
+    """Cut ``model`` into the plan's stages and return this rank's (stage module, optimizer, Run): one stage
+    module, or a ``ModuleList`` of them in stage order with virtual stages. Only this rank's stages are put on
+    ``device`` (a meta-built model: only they get storage)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, pipeline
-
-    from .torch_engine import place
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import pipeline
     if example_inputs is None:
         raise TensorOptError("pipeline stages are cut by tracing one micro-batch: pass example_inputs to "
                              "tensoropt.parallelize")
-    if plan.get("virtual_stages", 1) > 1:
-        raise TensorOptError(f"plan {plan['summary']} interleaves {plan['virtual_stages']} virtual stages per "
-                             "device, which the torch engine does not run")
-    rank, pp = dist.get_rank(), plan["pp"]
+    if plan["tp"] > 1:
+        raise TensorOptError(f"plan {plan['summary']} combines pipeline stages with tensor parallelism, which the "
+                             "torch engine does not run")
+    pp, dp, virtual = plan["pp"], plan["dp"], plan.get("virtual_stages", 1)
+    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
+    mine = [pp_rank + k * pp for k in range(virtual)]
     tied, recomputed = tied_parameters(model), recompute_wrappers(model, plan)
     signature = inspect.signature(model.forward)
     if materializer is not None:        # a meta-built model is cut on meta, buffers too (their values are kept)
@@ -95,146 +60,129 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     trace_device = next(iter(model.parameters())).device
     args, kwargs = to_device(example_micro_batch(example_inputs, plan["micro_batch"]), trace_device)
     pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec(model, plan))
-    if pipe.num_stages != pp:
+    if pipe.num_stages != n_stages:
         raise TensorOptError(f"cutting the model before its block copies gave {pipe.num_stages} pipeline stages, "
-                             f"the plan has {pp}: every block copy must be called once by the model's forward")
+                             f"the plan has {n_stages}: every block copy must be called once by the model's forward")
     held = [{name for name, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)}
-            for s in range(pp)]
-    stage_module = pipe.get_stage_module(rank)
-    retarget_devices(stage_module, device)          # before recomputation wraps the blocks' graphs
-    place(stage_module, device, materializer)       # before tying: a meta-built stage gets new parameters
-    shared = tie_within_stage(stage_module, tied, held[rank])
-    reductions = shared_gradient_groups(shared, tied, held, rank)
-    for name in sorted(recomputed.keys() & {n for n, _ in stage_module.named_modules()}):
-        replace_module(stage_module, name, recomputed[name])
-    wiring = stage_wiring(pipe.split_gm.graph, rank)
+            for s in range(n_stages)]
+    modules, wirings, shared = [], [], {}
+    for s in mine:
+        module = pipe.get_stage_module(s)
+        retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
+        place(module, device, materializer)         # before tying: a meta-built stage gets new parameters
+        shared[s] = tie_within_stage(module, tied, held[s])
+        for name in sorted(recomputed.keys() & {n for n, _ in module.named_modules()}):
+            replace_module(module, name, recomputed[name])
+        modules.append(module)
+        wirings.append(stage_wiring(pipe.split_gm.graph, s))
     del pipe                                        # the other stages' modules go with it
-    stage = PipelineStage(Relay(stage_module, wiring), rank, pp, device)
-    optimizer = build_optimizer(optimizer_fn, stage_module.parameters())
+    wrapped = [data_parallel(Relay(m, w), plan, mesh["dp"], device) for m, w in zip(modules, wirings)]
+    # FSDP2 replaced the parameters with sharded ones: the tied ones are looked up again by name
+    shared = {s: {index: module.get_parameter(next(n for n in tied[index] if n in held[s])) for index in by_index}
+              for (s, by_index), module in zip(sorted(shared.items()), modules)}
+    reductions = shared_gradient_groups(shared, tied, held, mesh)
+    stages = [Stage(w, s, n_stages, device, group=mesh["pp"].get_group()) for w, s in zip(wrapped, mine)]
+    optimizer = build_optimizer(optimizer_fn, [p for m in modules for p in m.parameters()])
     stepper = None
     if optimizer is not None:
-        stepper = pipeline_stepper(stage, plan["gradient_accumulation"], optimizer, signature, wiring.model_inputs,
-                                   reductions, device)
-    run = Run(rank, dist.get_world_size(), 0, 1, plan["micro_batch"], plan["gradient_accumulation"],
+        inputs = tuple(dict.fromkeys(name for w in wirings for name in w.model_inputs))
+        after_schedule = reshard_all(modules) if plan["zero"] == 2 else None
+        stepper = pipeline_stepper(stages, plan["gradient_accumulation"], optimizer, signature, inputs, reductions,
+                                   after_schedule, dp, device)
+    run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"],
               plan["global_batch"], plan, "torch", stepper, device=device)
-    return stage_module, optimizer, run
+    return (modules[0] if virtual == 1 else nn.ModuleList(modules)), optimizer, run
 
 
-def retarget_devices(stage_module: nn.Module, device: torch.device) -> None:
-    """Point the ops that create tensors (``device=`` arguments, fixed to the tracing device by the trace)
-    at this rank's device, in the stage module's graph and its blocks' graphs."""
-    from torch import fx
-    for module in stage_module.modules():
-        graph_module = module if isinstance(module, fx.GraphModule) else getattr(module, "graph_module", None)
-        if not isinstance(graph_module, fx.GraphModule):
-            continue
-        nodes = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.kwargs.get("device")
-                 not in (None, device)]
-        for node in nodes:
-            node.update_kwarg("device", device)
-        if nodes:
-            graph_module.recompile()
+class Stage(PipelineStage):
+    """A ``PipelineStage`` whose first-step metadata inference (a forward with gradients enabled, to learn the
+    shapes it exchanges) runs a DDP module under ``no_sync``: run plainly, DDP's forward arms its reducer for a
+    backward, and the schedule's first micro-batch's backward then fills its bucket order twice (a failed
+    internal assert in DDP's reducer on the second step)."""
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            with module.no_sync():
+                return module(*args, **kwargs)
+        return super()._compute_outputs(*args, module=module, **kwargs)
 
 
-def split_spec(model: nn.Module, plan: dict) -> dict:
-    """Split points before the first copy of every stage but the first; refuses a plan whose per-stage
-    mix of blocks the model's order of copies cannot give (a plan must run as it was planned)."""
-    from torch.distributed.pipelining import SplitPoint
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    copies = sorted(block_modules(model, plan), key=order.__getitem__)
-    pp = plan["pp"]
-    per_stage = len(copies) // pp
-    if not copies or len(copies) % pp:
-        raise TensorOptError(f"the model's {len(copies)} block copies do not split into {pp} equal pipeline stages")
-    planned = {b["block"]: sum(s["copies"] for s in b["strategies"]) for b in plan["blocks"]}
-    block_of = {name: b["block"] for b in plan["blocks"] for name in block_modules(model, {"blocks": [b]})}
-    for s in range(pp):
-        share = copies[s * per_stage:(s + 1) * per_stage]
-        got = {block: sum(block_of[n] == block for n in share) for block in planned}
-        if got != planned:
-            raise TensorOptError(f"pipeline stage {s} would run block copies {got} in model order, the plan puts "
-                                 f"{planned} on every stage")
-    return {copies[s * per_stage]: SplitPoint.BEGINNING for s in range(1, pp)}
+def data_parallel(relay: Relay, plan: dict, dp_mesh, device: torch.device) -> nn.Module:
+    """The stage wrapped for data parallelism over ``dp_mesh``, as ``PipelineStage`` expects it: DDP around the
+    relay (the stage recognises it and syncs on the last backward only); under ZeRO 2/3 FSDP2 on the block
+    copies and the stage module inside the relay, so that FSDP2 runs its own hooks on every micro-batch (a
+    root ``FSDPModule`` would be told by the stage to defer its reduce-scatter: unsharded gradients, not what
+    ZeRO 2/3 is priced as). Under ZeRO 2 the parameters are kept gathered after each backward; the stepper
+    reshards them once the schedule is done."""
+    stage_module = relay.stage
+    if plan["zero"] >= 2:
+        from torch.distributed.fsdp import fully_shard
+        reshard = plan["zero"] == 3
+        for name in block_modules(stage_module, plan):
+            fully_shard(stage_module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(stage_module, mesh=dp_mesh, reshard_after_forward=reshard)
+        if not reshard:
+            stage_module.set_reshard_after_backward(False)
+        return relay
+    if plan["dp"] > 1:
+        # gradients live in DDP's buckets, not in a second copy: 1x gradient memory, as planned
+        return nn.parallel.DistributedDataParallel(relay, device_ids=[device.index] if device.type == "cuda" else None,
+                                                   process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
+    return relay
 
 
-def example_micro_batch(example: Batch, micro_batch: int) -> tuple[tuple, dict]:
-    """(args, kwargs) of one micro-batch shaped like the plan's: the example's samples repeated or cut to
-    ``micro_batch`` rows. Shapes matter, values do not: the trace fixes the shapes every stage exchanges."""
-    def resize(x):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return x
-        return x[torch.arange(micro_batch) % x.shape[0]]
-    if isinstance(example, Mapping):
-        return (), {k: resize(v) for k, v in example.items()}
-    if isinstance(example, tuple):
-        return tuple(resize(v) for v in example), {}
-    return (resize(example),), {}
+def reshard_all(modules: list[nn.Module]) -> Callable[[], None]:
+    """Free the gathered parameters of every FSDP2 module in ``modules`` (ZeRO 2 keeps them through the
+    micro-batches): the next step gathers the updated shards again."""
+    from torch.distributed.fsdp import FSDPModule
+    fsdp = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
+
+    def reshard() -> None:
+        for module in fsdp:
+            module.reshard()
+    return reshard
 
 
-def tie_within_stage(stage_module: nn.Module, tied: list[tuple[str, ...]], held: set[str]) -> dict[int, nn.Parameter]:
-    """Make every name of a tied group on this stage one parameter again (the split may hold unrelated
-    copies, e.g. the embedding's and the unused head's); returns {group index: that parameter}."""
-    shared = {}
-    for index, group in enumerate(tied):
-        present = [name for name in group if name in held]
-        if not present:
-            continue
-        shared[index] = tie(stage_module, present)
-    return shared
-
-
-def shared_gradient_groups(shared: dict[int, nn.Parameter], tied: list[tuple[str, ...]], held: list[set[str]],
-                           rank: int) -> list[tuple[nn.Parameter, object]]:
-    """(parameter, process group) for each tied parameter this stage holds with other stages. Every rank
-    creates the same groups in the same order, as ``new_group`` requires; the whole world needs none."""
+def shared_gradient_groups(shared: dict[int, dict[int, nn.Parameter]], tied: list[tuple[str, ...]],
+                           held: list[set[str]], mesh) -> list[tuple[list[nn.Parameter], object]]:
+    """(this rank's copies, process group over the pipeline ranks holding one) for each tied parameter held by
+    several stages; the group is None when only this rank holds them. ``shared``: {stage: {tied group index:
+    parameter}} for this rank's stages. Every rank creates the same groups in the same order, as
+    ``new_group`` requires: one per ``dp`` coordinate, the ranks of one pipeline."""
     import torch.distributed as dist
+    pp, dp = mesh["pp"].size(), mesh["dp"].size()
+    grid, my_dp = mesh.mesh, mesh.get_local_rank("dp")
     out, groups = [], {}
     for index, group in enumerate(tied):
-        ranks = tuple(s for s, names in enumerate(held) if any(name in names for name in group))
-        if len(ranks) < 2:
+        stages = [s for s, names in enumerate(held) if any(name in names for name in group)]
+        if len(stages) < 2:
             continue
-        if ranks not in groups:
-            groups[ranks] = None if len(ranks) == dist.get_world_size() else dist.new_group(list(ranks))
-        if rank in ranks:
-            out.append((shared[index], groups[ranks]))
+        ranks = tuple(sorted({s % pp for s in stages}))
+        if len(ranks) > 1 and ranks not in groups:
+            groups[ranks] = mesh["pp"].get_group() if len(ranks) == pp else \
+                [dist.new_group([int(grid[r, d]) for r in ranks]) for d in range(dp)][my_dp]
+        params = [by_index[index] for _, by_index in sorted(shared.items()) if index in by_index]
+        if params:
+            out.append((params, groups.get(ranks)))
     return out
 
 
-def stage_wiring(split_graph, stage_index: int) -> Wiring:
-    """The ``Wiring`` of one stage, from the graph whose nodes call the stage modules in order."""
-    stages = [n for n in split_graph.nodes if n.op == "call_module"]
-    node = stages[stage_index]
-    returned = [n.args[0] for n in split_graph.nodes if n.op == "output"]
-    if node is stages[-1] and returned not in ([node], [(node,)]):
-        raise TensorOptError("the model's output must be what its last pipeline stage computes (the loss)")
-    arguments = tuple((a.op == "placeholder", a.target if a.op == "placeholder" else a.name) for a in node.args)
-    if clash := _STEP_ARGUMENTS & {name for is_input, name in arguments if is_input}:
-        raise TensorOptError(f"model inputs named {sorted(clash)} cannot be passed to a pipeline stage: rename the "
-                             "forward's arguments")
-    return Wiring(_carried(stages, stage_index - 1), arguments, _output_names(node),
-                  _carried(stages, stage_index) if node is not stages[-1] else None)
-
-
-def _output_names(node) -> tuple[tuple[str, int | None], ...]:
-    """Names of a stage's outputs: the ``getitem`` nodes that unpack its tuple, or its own name."""
-    items = tuple((user.name, user.args[1]) for user in node.users if user.target is operator.getitem)
-    return items or ((node.name, None),)
-
-
-def _carried(stages: list, boundary: int) -> tuple[str, ...]:
-    """Values computed up to stage ``boundary`` that stages after it use: what crosses that boundary."""
-    if boundary < 0:
-        return ()
-    produced = {stage.name: i for i, stage in enumerate(stages)}
-
-    def source(arg):
-        return arg.args[0] if arg.target is operator.getitem else arg
-    out: list[str] = []
-    for stage in stages[boundary + 1:]:
-        for arg in stage.args:
-            if arg.op != "placeholder" and produced[source(arg).name] <= boundary and arg.name not in out:
-                out.append(arg.name)
-    return tuple(out)
+def sum_shared_gradients(reductions: list) -> None:
+    """Sum each tied parameter's gradient over the stages holding a copy (a stage where it got no gradient
+    contributes zeros), so every copy takes the step the one shared parameter would. Sharded copies (FSDP2)
+    are sharded alike on every pipeline rank, so their local shards are summed."""
+    import torch.distributed as dist
+    for params, group in reductions:
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [local_tensor(param.grad) for param in params]
+        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for grad in grads:
+            if grad is not total:
+                grad.copy_(total)
 
 
 def concatenate(micro_batches: list[Batch]) -> Batch:
@@ -263,42 +211,51 @@ def named_inputs(batch: Batch, signature: inspect.Signature, device: torch.devic
     return to_device(dict(bound.arguments), device)
 
 
-def pipeline_stepper(stage, n_microbatches: int, optimizer: torch.optim.Optimizer, signature: inspect.Signature,
-                     model_inputs: tuple[str, ...], reductions: list, device: torch.device) -> Stepper:
-    """The Run's stepper: one schedule step over this rank's micro-batches, tied gradients summed over
-    their stages, one optimizer step; returns the step's mean loss, broadcast from the last stage."""
+def make_schedule(stages: list, n_microbatches: int):
+    """Interleaved 1F1B for several stages per rank; else 1F1B (what the cost model assumes), or GPipe when
+    there are fewer micro-batches than stages, which 1F1B does not run. The model's forward returns each
+    micro-batch's mean loss; ``scale_grads`` divides the summed gradients by the number of micro-batches: the
+    gradients of the step's mean loss, as one process computes them."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    def loss_fn(output, _target):
+        return loss_of(output)
+    if len(stages) > 1:
+        try:
+            return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        except ValueError as exc:       # the micro-batches do not fill its rounds
+            raise TensorOptError(f"interleaved 1F1B cannot run {n_microbatches} micro-batches over "
+                                 f"{stages[0].group_size} pipeline ranks: {exc}") from exc
+    kind = Schedule1F1B if n_microbatches >= stages[0].num_stages else ScheduleGPipe
+    return kind(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def pipeline_stepper(stages: list, n_microbatches: int, optimizer: torch.optim.Optimizer,
+                     signature: inspect.Signature, model_inputs: tuple[str, ...], reductions: list,
+                     after_schedule: Callable[[], None] | None, dp: int, device: torch.device) -> Stepper:
+    """The Run's stepper: one schedule step over this rank's micro-batches, tied gradients summed over their
+    stages, one optimizer step; returns the step's mean loss: each pipeline's last stage has its replica's
+    mean, summed over the world (the other ranks add zeros) and divided by the replicas."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-    kind = Schedule1F1B if n_microbatches >= stage.num_stages else ScheduleGPipe
-    # the model's forward returns each micro-batch's mean loss; scale_grads divides the summed gradients by
-    # the number of micro-batches: the gradients of the step's mean loss, as one process computes them
-    schedule = kind(stage, n_microbatches, loss_fn=lambda output, _target: loss_of(output), scale_grads=True)
+    schedule = make_schedule(stages, n_microbatches)
     unused_targets = torch.zeros(n_microbatches, device=device)    # the schedule splits a target it never reads
-    last = stage.num_stages - 1
+    is_last = any(stage.is_last for stage in stages)
 
     def step(micro_batches: list[Batch]) -> float:
         named = named_inputs(concatenate(micro_batches), signature, device)
         try:
             kwargs = {name: named[name] for name in model_inputs}
         except KeyError as exc:
-            raise TensorOptError(f"pipeline stage {stage.stage_index} needs the model input {exc}, which the batch "
-                                 "does not hold") from exc
+            raise TensorOptError(f"pipeline stages {[s.stage_index for s in stages]} need the model input {exc}, "
+                                 "which the batch does not hold") from exc
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         schedule.step(target=unused_targets, losses=losses, return_outputs=False, **kwargs)
+        if after_schedule is not None:
+            after_schedule()
         sum_shared_gradients(reductions)
         optimizer.step()
-        mean = torch.stack(losses).detach().float().mean() if stage.is_last else torch.zeros((), device=device)
-        dist.broadcast(mean, src=last)                  # stage s runs on rank s
-        return float(mean)
+        mean = torch.stack(losses).detach().float().mean() if is_last else torch.zeros((), device=device)
+        dist.all_reduce(mean)
+        return float(mean) / dp
     return step
-
-
-def sum_shared_gradients(reductions: list) -> None:
-    """Sum each tied parameter's gradient over the stages holding a copy (a stage where it got no gradient
-    contributes zeros), so every copy takes the step the one shared parameter would."""
-    import torch.distributed as dist
-    for param, group in reductions:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, group=group)

@@ -38,13 +38,18 @@ def largest_block_bytes(model: nn.Module, plan: dict) -> int:
 def recomputed_modules(model: nn.Module, plan: dict, kind: str = "full") -> list[str]:
     """The block copies the plan recomputes as ``kind`` says (full or selective): on each pipeline stage,
     the stage's first copies of each block, as many as its strategies say (strategies carry copy counts per
-    stage)."""
+    stage). With virtual stages a device's copies are its stages' shares (stages r, r + pp, ...), in order."""
     out = []
+    stages = plan["pp"] * plan.get("virtual_stages", 1)
     for block in plan["blocks"]:
         copies = block_modules(model, {"blocks": [block]})
         per_stage = [s["recompute"] for s in block["strategies"] for _ in range(s["copies"])]
-        strategies = per_stage * plan["pp"]
-        out += [name for name, recompute in zip(copies, strategies) if recompute == kind]
+        size = max(len(copies) // stages, 1)        # copies per (virtual) stage
+        for i, name in enumerate(copies):
+            stage, offset = divmod(i, size)
+            position = (stage // plan["pp"]) * size + offset   # among its device's copies
+            if position < len(per_stage) and per_stage[position] == kind:
+                out.append(name)
     return out
 
 

@@ -215,7 +215,7 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                 copies = model.blocks[0][0].repeats // pp if model.blocks else 1
                 virtual = [v for v in divisors(copies) if v <= space.max_virtual_stages and (v == 1 or m % pp == 0)] \
                     if pp > 1 else [1]
-                zeros = [z for z in space.zero_stages if pp == 1 or z <= 1]
+                zeros = list(space.zero_stages)
                 globals_ = [(v, z, off) for v in virtual for z in zeros
                             for off in ((False, True) if space.offload and z >= 1 else (False,))]
                 yield dp, tp, pp, branches, mb, globals_

@@ -1,0 +1,34 @@
+"""What the torch engine runs with pipeline stages, as the planner's table says it: single process, no workers."""
+
+import dataclasses
+
+import pytest
+
+from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.runtime.torch_engine import recomputed_modules
+from tensoropt.search.engines import choose_engine, unsupported
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+
+def _plan(**change) -> dict:
+    base = Plan(devices=4, dp=2, tp=1, pp=2, micro_batch=2, global_batch=8, zero=0, offload=False,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 1))),))
+    return dataclasses.replace(base, **change).to_json()
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_pipelines_with_data_parallelism_run_on_torch(zero):
+    assert choose_engine(_plan(zero=zero)) == "torch" and not unsupported(_plan(zero=zero), "torch")
+
+
+def test_pipelines_with_tensor_parallelism_are_refused_with_the_reason():
+    assert unsupported(_plan(devices=8, tp=2, zero=2), "torch") == ["pipeline stages combined with tensor parallelism"]
+
+
+def test_recomputed_copies_follow_each_device_s_stages():
+    """4 layers, pp2 x 2 virtual stages: device 0 holds layers 0 and 2, device 1 layers 1 and 3; each device
+    recomputes its first copy (layer 0 on device 0, layer 1 on device 1)."""
+    model = DecoderLM(TransformerConfig(hidden_size=8, num_layers=4, num_attention_heads=2, ffn_hidden_size=16,
+                                        seq_length=4, vocab_size=16))
+    assert recomputed_modules(model, _plan(virtual_stages=1)) == ["layers.0", "layers.2"]
+    assert recomputed_modules(model, _plan(virtual_stages=2)) == ["layers.0", "layers.1"]
