@@ -1,5 +1,6 @@
-"""Pipeline stages in the torch engine: real torchrun workers over gloo, one stage each, compared with the
-same script run alone; and the cut itself (which stage reads, relays and sends what) in one process."""
+"""Pipeline stages in the torch engine: real torchrun workers over gloo (one stage each, two interleaved stages
+each, or stages of two data-parallel replicas), compared with the same script run alone; and the cut itself
+(which stage reads, relays and sends what) in one process."""
 
 import dataclasses
 import json
@@ -36,14 +37,7 @@ def _two_stages(plan: Plan, micro_batch: int, full_recompute: int) -> Plan:
     (8, 2),     # 1 micro-batch (fewer than stages): GPipe, every layer recomputed
 ])
 def test_two_stages_match_one_process(reference, chosen, tmp_path, micro_batch, full_recompute):
-    plan = _two_stages(chosen, micro_batch, full_recompute)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--run-dir",
-                           tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "losses.json").read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
+    data = _launch(_two_stages(chosen, micro_batch, full_recompute), tmp_path, 2)
     # the same sums in another order (micro-batch means averaged, gradients scaled after accumulation)
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
 
@@ -104,3 +98,11 @@ def test_a_plan_the_model_cannot_be_cut_into_is_refused():
         split_spec(model, _plan(3, 1))
     with pytest.raises(TensorOptError, match="the plan puts"):
         split_spec(model, _plan(2, 1))              # 2 copies per stage in the model, 1 in the plan
+
+
+def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_path):
+    """pp2 x 2 virtual stages (interleaved 1F1B over 4 micro-batches): device 0 holds layers 0 and 2 with the
+    embedding, device 1 layers 1 and 3 with the tied head, whose gradients are summed over the two devices."""
+    plan = dataclasses.replace(_two_stages(chosen, 2, 1), virtual_stages=2)
+    data = _launch(plan, tmp_path, 2)
+    np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
