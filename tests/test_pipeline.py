@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli
+from conftest import REPO
+from workers import GPT_SCRIPT, dry_run_plan, losses_alone, tensoropt_cli
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
@@ -42,10 +43,10 @@ def test_two_stages_match_one_process(reference, chosen, tmp_path, micro_batch, 
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
 
 
-def _launch(plan: Plan, tmp_path, devices: int) -> dict:
+def _launch(plan: Plan, tmp_path, devices: int, script: str = SCRIPT) -> dict:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", devices, "--plan", path, "--run-dir",
+    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--plan", path, "--run-dir",
                            tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
@@ -106,3 +107,23 @@ def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_pat
     plan = dataclasses.replace(_two_stages(chosen, 2, 1), virtual_stages=2)
     data = _launch(plan, tmp_path, 2)
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
+
+
+def test_three_dimensional_interleaved_meta_built_matches_one_process(chosen, tmp_path):
+    """pp2 x tp2 x dp2 with 2 virtual stages per rank (8 workers), ZeRO 3, selective recomputation, a tiny GPT
+    built on meta: the losses are the script's alone, and rank 0 holds stages 0 and 2 (layers 0 and 2, the
+    embedding) with every linear split over tp (Megatron's columns and rows) and then over dp (FSDP2's rows)."""
+    script = str(REPO / "tests" / "train_stages.py")
+    alone = losses_alone(script, tmp_path / "alone.json")
+    strategies = ((LayerStrategy("selective"), 1), (LayerStrategy("none"), 1))
+    plan = dataclasses.replace(chosen, devices=8, dp=2, tp=2, pp=2, virtual_stages=2, zero=3, offload=False,
+                               micro_batch=1, global_batch=8, tp_branches=("attn", "mlp"),
+                               blocks=(BlockPlan("layers.*", strategies),))
+    data = _launch(plan, tmp_path, 8, script)
+    np.testing.assert_allclose(data["losses"], alone, rtol=2e-5)
+    shapes = {name.replace("_checkpoint_wrapped_module.", ""): shape for name, shape in data["local_shapes"].items()}
+    assert {name.split(".")[1] for name in shapes if name.startswith("layers.")} == {"0", "2"}
+    for layer in ("0", "2"):
+        assert shapes[f"layers.{layer}.attn.qkv.weight"] == [3 * 32 // 4, 32]       # columns / tp, then rows / dp
+        assert shapes[f"layers.{layer}.attn.proj.weight"] == [32 // 2, 32 // 2]     # rows / dp, columns / tp
+        assert shapes[f"layers.{layer}.mlp.up.weight"] == [64 // 4, 32]

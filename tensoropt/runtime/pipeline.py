@@ -1,19 +1,23 @@
-"""Pipeline stages for the torch engine, with ``torch.distributed.pipelining``, composed with data parallelism.
+"""Pipeline stages for the torch engine, with ``torch.distributed.pipelining``, composed with data and tensor
+parallelism.
 
-The devices form one mesh with named dimensions ``("pp", "dp")`` (pipeline outermost, as torchtitan lays
-it out): the ranks of one ``dp`` coordinate form one pipeline, those of one ``pp`` coordinate hold the same
-stages and average their gradients. The model is cut into ``pp * virtual_stages`` stages
-(``pipeline_split``); pipeline rank ``r`` holds stages ``r, r + pp, ...`` (one with plain 1F1B, several
-with interleaved 1F1B, Narayanan et al. 2021, https://arxiv.org/abs/2104.04473). Each stage is wrapped for
-data parallelism over the ``dp`` group: DDP under ZeRO 0 (``PipelineStage`` itself skips DDP's all-reduce
-on all but the last micro-batch's backward), FSDP2 ``fully_shard`` on every block copy and the stage module
-under ZeRO 2/3 (reduce-scattered after every micro-batch's backward, as the cost model prices it and as
-the un-piped engine runs it; under ZeRO 2 the parameters stay gathered until the step ends).
+The devices form one mesh with named dimensions ``("pp", "dp", "tp")`` (pipeline outermost, tensor
+parallelism innermost, as torchtitan lays it out): the ranks of one (dp, tp) coordinate form one pipeline,
+those of one (pp, tp) coordinate hold the same stages and average their gradients, those of one (pp, dp)
+coordinate split their stages' block copies by Megatron-LM's layout (``pipeline_tp``). The model is cut
+into ``pp * virtual_stages`` stages (``pipeline_split``); pipeline rank ``r`` holds stages ``r, r + pp, ...``
+(one with plain 1F1B, several with interleaved 1F1B, Narayanan et al. 2021,
+https://arxiv.org/abs/2104.04473). Each stage is wrapped for data parallelism over the ``dp`` group: DDP
+under ZeRO 0 (``PipelineStage`` itself skips DDP's all-reduce on all but the last micro-batch's backward),
+FSDP2 ``fully_shard`` on every block copy and the stage module under ZeRO 2/3 (reduce-scattered after every
+micro-batch's backward, as the cost model prices it and as the un-piped engine runs it; under ZeRO 2 the
+parameters stay gathered until the step ends), over the tensor-parallel shards where tp > 1 (2-D DTensors,
+as FSDP2 composes with tensor parallelism).
 
 Parameters used on several stages (tied input and output embeddings) are copied onto each stage by the
 split; their gradients are summed over those stages (on this rank, then over the pipeline ranks that hold
-them, within one ``dp`` coordinate) before the optimizer step, so the copies take identical steps and stay
-equal, as the one shared parameter of the unsplit model would.
+them, within one (dp, tp) coordinate) before the optimizer step, so the copies take identical steps and
+stay equal, as the one shared parameter of the unsplit model would.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .device import local_tensor, to_device
 from .materialize import Materializer, tied_parameters
 from .param_groups import build_optimizer
 from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
+from .pipeline_tp import check_before_cutting, shard_stage
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, place, recompute_wrappers, replace_module
 
@@ -38,7 +43,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
                    device: torch.device, materializer: Materializer | None = None,
                    example_inputs: Batch | None = None) -> tuple[nn.Module, object, Run]:
     """Cut ``model`` into the plan's stages and return this rank's (stage module, optimizer, Run): one stage
-    module, or a ``ModuleList`` of them in stage order with virtual stages. Only this rank's stages are put on
+    module, or a ``merged_view`` of them with virtual stages. Only this rank's stages are put on
     ``device`` (a meta-built model: only they get storage)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -46,15 +51,14 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     if example_inputs is None:
         raise TensorOptError("pipeline stages are cut by tracing one micro-batch: pass example_inputs to "
                              "tensoropt.parallelize")
-    if plan["tp"] > 1:
-        raise TensorOptError(f"plan {plan['summary']} combines pipeline stages with tensor parallelism, which the "
-                             "torch engine does not run")
-    pp, dp, virtual = plan["pp"], plan["dp"], plan.get("virtual_stages", 1)
-    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    pp, dp, tp, virtual = plan["pp"], plan["dp"], plan["tp"], plan.get("virtual_stages", 1)
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
     mine = [pp_rank + k * pp for k in range(virtual)]
     tied, recomputed = tied_parameters(model), recompute_wrappers(model, plan)
     signature = inspect.signature(model.forward)
+    if tp > 1:
+        check_before_cutting(model, plan, mesh["tp"], device, example_inputs)
     if materializer is not None:        # a meta-built model is cut on meta, buffers too (their values are kept)
         model._apply(lambda t: t.to("meta"))
     trace_device = next(iter(model.parameters())).device
@@ -69,8 +73,15 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     for s in mine:
         module = pipe.get_stage_module(s)
         retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
-        place(module, device, materializer)         # before tying: a meta-built stage gets new parameters
+        # before tying: a meta-built stage gets new parameters. Materialising replays the model's construction
+        # from the generator's state; every stage of this rank starts from the same one, and the last leaves
+        # the generator where the model built for real would have
+        with torch.random.fork_rng(_rng_devices(device), enabled=materializer is not None and s != mine[-1],
+                                   device_type=device.type):
+            place(module, device, materializer)
         shared[s] = tie_within_stage(module, tied, held[s])
+        if tp > 1:                                  # before recomputation wraps the copies
+            shard_stage(module, plan, mesh["tp"])
         for name in sorted(recomputed.keys() & {n for n, _ in module.named_modules()}):
             replace_module(module, name, recomputed[name])
         modules.append(module)
@@ -88,10 +99,34 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         inputs = tuple(dict.fromkeys(name for w in wirings for name in w.model_inputs))
         after_schedule = reshard_all(modules) if plan["zero"] == 2 else None
         stepper = pipeline_stepper(stages, plan["gradient_accumulation"], optimizer, signature, inputs, reductions,
-                                   after_schedule, dp, device)
+                                   after_schedule, dp * tp, device)
     run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"],
               plan["global_batch"], plan, "torch", stepper, device=device)
-    return (modules[0] if virtual == 1 else nn.ModuleList(modules)), optimizer, run
+    return (modules[0] if virtual == 1 else merged_view(modules)), optimizer, run
+
+
+def merged_view(modules: list[nn.Module]) -> nn.Module:
+    """One module holding the parameters and buffers of several stage modules under the model's own names
+    (``layers.0`` from one stage, ``layers.2`` from another): what a script gets back with virtual stages, for
+    its parameters, state dict and optimizer, not to be called (the schedule runs the stages)."""
+    view = nn.Module()
+    for module in modules:
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, kind).items():
+                getattr(view, kind).setdefault(name, tensor)
+    children: dict[str, list[nn.Module]] = {}
+    for module in modules:
+        for name, child in module._modules.items():
+            if child is not None:
+                children.setdefault(name, []).append(child)
+    for name, group in children.items():
+        view.add_module(name, group[0] if len(group) == 1 else merged_view(group))
+    return view
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    """The accelerator generators ``fork_rng`` saves besides the CPU's: this rank's device's."""
+    return [device.index] if device.type != "cpu" and device.index is not None else []
 
 
 class Stage(PipelineStage):
@@ -148,10 +183,11 @@ def shared_gradient_groups(shared: dict[int, dict[int, nn.Parameter]], tied: lis
     """(this rank's copies, process group over the pipeline ranks holding one) for each tied parameter held by
     several stages; the group is None when only this rank holds them. ``shared``: {stage: {tied group index:
     parameter}} for this rank's stages. Every rank creates the same groups in the same order, as
-    ``new_group`` requires: one per ``dp`` coordinate, the ranks of one pipeline."""
+    ``new_group`` requires: one per (dp, tp) coordinate, the ranks of one pipeline."""
     import torch.distributed as dist
-    pp, dp = mesh["pp"].size(), mesh["dp"].size()
-    grid, my_dp = mesh.mesh, mesh.get_local_rank("dp")
+    pp = mesh["pp"].size()
+    columns = mesh.mesh.reshape(pp, -1)            # one column per (dp, tp) coordinate: the ranks of one pipeline
+    mine = int((columns == dist.get_rank()).nonzero()[0, 1])
     out, groups = [], {}
     for index, group in enumerate(tied):
         stages = [s for s, names in enumerate(held) if any(name in names for name in group)]
@@ -160,7 +196,7 @@ def shared_gradient_groups(shared: dict[int, dict[int, nn.Parameter]], tied: lis
         ranks = tuple(sorted({s % pp for s in stages}))
         if len(ranks) > 1 and ranks not in groups:
             groups[ranks] = mesh["pp"].get_group() if len(ranks) == pp else \
-                [dist.new_group([int(grid[r, d]) for r in ranks]) for d in range(dp)][my_dp]
+                [dist.new_group([int(columns[r, c]) for r in ranks]) for c in range(columns.shape[1])][mine]
         params = [by_index[index] for _, by_index in sorted(shared.items()) if index in by_index]
         if params:
             out.append((params, groups.get(ranks)))
@@ -232,10 +268,11 @@ def make_schedule(stages: list, n_microbatches: int):
 
 def pipeline_stepper(stages: list, n_microbatches: int, optimizer: torch.optim.Optimizer,
                      signature: inspect.Signature, model_inputs: tuple[str, ...], reductions: list,
-                     after_schedule: Callable[[], None] | None, dp: int, device: torch.device) -> Stepper:
+                     after_schedule: Callable[[], None] | None, copies: int, device: torch.device) -> Stepper:
     """The Run's stepper: one schedule step over this rank's micro-batches, tied gradients summed over their
     stages, one optimizer step; returns the step's mean loss: each pipeline's last stage has its replica's
-    mean, summed over the world (the other ranks add zeros) and divided by the replicas."""
+    mean (each of its tensor-parallel ranks the same one), summed over the world (the other ranks add zeros) and
+    divided by ``copies``, the number of last-stage ranks (dp x tp)."""
     import torch.distributed as dist
     schedule = make_schedule(stages, n_microbatches)
     unused_targets = torch.zeros(n_microbatches, device=device)    # the schedule splits a target it never reads
@@ -257,5 +294,5 @@ def pipeline_stepper(stages: list, n_microbatches: int, optimizer: torch.optim.O
         optimizer.step()
         mean = torch.stack(losses).detach().float().mean() if is_last else torch.zeros((), device=device)
         dist.all_reduce(mean)
-        return float(mean) / dp
+        return float(mean) / copies
     return step

@@ -33,8 +33,6 @@ def unsupported(plan: dict, engine: str) -> list[str]:
         ] if needed]
     return [what for what, needed in common + [
         ("ZeRO 1", plan["zero"] == 1), ("optimizer offload", plan["offload"]),
-        # the stage modules are traced graphs: their linears are aten calls, not modules tensor parallelism can shard
-        ("pipeline stages combined with tensor parallelism", plan["pp"] > 1 and plan["tp"] > 1),
         ("tensor and data parallelism without ZeRO 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] < 2),
     ] if needed]
 
