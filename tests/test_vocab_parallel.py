@@ -123,15 +123,19 @@ def test_gpt_tp2_splits_the_tied_vocabulary_and_saves_whole_weights(tmp_path):
                                                         "tied": True, "vocab": 128}
     assert "vocabulary split over tp" in run["stdout"]
     np.testing.assert_allclose(run["out"]["losses"], alone, rtol=2e-5)
-    whole = np.load(tmp_path / "alone.npy")
-    np.testing.assert_allclose(np.load(tmp_path / "tp.npy"), whole, rtol=2e-5, atol=1e-6)
+    # AdamW divides each gradient by its own running size, so a weight whose gradient is near float32 rounding
+    # (biases near zero) moves by up to lr either way: an absolute tolerance 100x below lr (1e-3) covers it
+    whole, sharded = np.load(tmp_path / "alone.npy"), np.load(tmp_path / "tp.npy")
+    assert sharded.shape == whole.shape                           # every weight whole: embed.weight is 128 x 64
+    np.testing.assert_allclose(sharded, whole, rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(sharded[:128 * 64], whole[:128 * 64], rtol=2e-5, atol=1e-7)   # embed.weight first
     model = DecoderLM(TransformerConfig(hidden_size=64, num_layers=4, num_attention_heads=4, ffn_hidden_size=256,
                                         seq_length=32, vocab_size=128))
     state = model.state_dict()
     dcp.load({"model": state}, checkpoint_id=str(next(ckpt.glob("step-*"))))
     assert state["embed.weight"].shape == (128, 64)
-    loaded = torch.cat([state[k].flatten() for k in sorted(state) if k in dict(model.named_parameters())])
-    np.testing.assert_allclose(loaded.numpy(), whole, rtol=2e-5, atol=1e-6)
+    loaded = torch.cat([state[k].flatten() for k in sorted(state)])      # as train_gpt.py --save-params flattens
+    np.testing.assert_allclose(loaded.numpy(), whole, rtol=2e-5, atol=1e-5)
 
 
 @pytest.mark.slow
