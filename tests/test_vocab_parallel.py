@@ -4,7 +4,6 @@ replicated where the model or the degree refuses it); and real 2- and 4-worker g
 the script run alone, with whole weights out of ``full_state_dict`` and checkpoints."""
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -13,19 +12,19 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from conftest import EXAMPLES, REPO
 from torch import nn
+from train_zloss import build as build_zloss
 from workers import dry_run_plan, losses_alone, tensoropt_cli, tp2
 
 from tensoropt.cost.layer import LooseOps
 from tensoropt.cost.model import ModelCost
 from tensoropt.cost.profile import PROFILES_DIR, Cluster, load_profile
+from tensoropt.errors import TensorOptError
 from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.runtime.vocab_parallel import apply_vocab_parallel, check_vocab, vocab_entry
 from tensoropt.space.tp_check import check_tensor_parallel, with_tp_checks
 from tensoropt.space.vocab import check_vocab_modules, vocab_layout, with_vocab_check
-
-sys.path.insert(0, str(REPO / "tests"))
-from train_zloss import build as build_zloss  # noqa: E402
 
 GPT, HF, ZLOSS = str(EXAMPLES / "train_gpt.py"), str(EXAMPLES / "train_hf.py"), str(REPO / "tests" / "train_zloss.py")
 H, SEQ = 64, 32
@@ -92,6 +91,25 @@ def test_the_head_is_priced_as_it_runs():
     assert loose_cost(odd, 4) == loose_cost(odd, 1)
     ops = ModelCost(odd, fold(odd), Cluster(4, 4, load_profile(str(PROFILES_DIR / "cpu-2core.json")))).tail_ops
     assert LooseOps(ops, Cluster(4, 4, load_profile("h100-80gb")), vocab_layout(odd)).split(2)
+
+
+def test_the_runtime_refuses_a_layout_the_model_does_not_have():
+    """Hand-edited or stale plans stop in one line before anything is sharded."""
+    entry = {"enabled": True, "embedding": "embed", "head": "head", "tied": False, "vocab": 128}
+    embedding, head = nn.Embedding(128, H), nn.Linear(H, 128, bias=False)
+    check_vocab(entry, embedding, head, 2)
+    with pytest.raises(TensorOptError, match="does not divide the vocabulary of 128"):
+        check_vocab(entry, embedding, head, 3)
+    with pytest.raises(TensorOptError, match="has 130 rows"):
+        check_vocab(entry, nn.Embedding(130, H), head, 2)
+    head.weight = embedding.weight
+    with pytest.raises(TensorOptError, match="not tied"):
+        check_vocab(entry, embedding, head, 2)
+    assert not vocab_entry({})["enabled"]                          # written without one: replicated
+    with pytest.raises(TensorOptError, match="a ScaledHead where an Linear was captured"):
+        model = gpt()
+        model.head = ScaledHead(128)
+        apply_vocab_parallel(model, {"vocab_parallel": entry}, None)
 
 
 # ---- real workers (5 launches) ----------------------------------------------------------------------------

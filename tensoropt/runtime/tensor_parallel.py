@@ -6,7 +6,7 @@ up/gate: weight split by output features, the input replicated) and ``RowwisePar
 linears (attention output projection, MLP down: weight split by input features, the partial outputs
 summed by one all-reduce). The ops between them run on the rank's share of heads or features, so a
 model must take head counts from its tensors (``view(b, s, -1, head_dim)``), as Hugging Face models and
-``tensoropt.models.transformer`` do. Everything else (norms, residual stream, embeddings) is replicated.
+``tensoropt.models.transformer`` do. Norms and the residual stream are replicated; the vocabulary, below.
 
 Which modules those linears are comes from plan.json's ``tp_layout`` (see ``tensoropt.space.tp_layout``),
 which the launcher derives from the captured graph's block analysis: the runtime shards exactly what the
