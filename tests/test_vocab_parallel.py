@@ -129,6 +129,7 @@ def launch(script, tmp_path, *args, devices: int = 2, plan=None, script_args=())
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_gpt_tp2_splits_the_tied_vocabulary_and_saves_whole_weights(tmp_path):
     """The built-in GPT (tied embedding and head) under the launcher's tp2 plan: its losses, its final weights
     gathered by ``full_state_dict``, and the weights of its last checkpoint loaded into the model built whole,
@@ -157,6 +158,7 @@ def test_gpt_tp2_splits_the_tied_vocabulary_and_saves_whole_weights(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_hugging_face_gpt2_tied_embeddings_tp2(tmp_path):
     """``GPT2LMHeadModel`` (``tie_word_embeddings``): ``wte`` and ``lm_head`` stay one parameter, its gradient the
     sum of both uses, and Hugging Face's own loss runs on the vocabulary-split logits."""
@@ -168,6 +170,7 @@ def test_hugging_face_gpt2_tied_embeddings_tp2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_gpt_dp2_tp2_fsdp2_splits_the_vocabulary(tmp_path):
     """4 workers: FSDP2 (ZeRO 3) over dp2 on top of the vocabulary-split embedding and head over tp2."""
     import dataclasses
@@ -180,6 +183,7 @@ def test_gpt_dp2_tp2_fsdp2_splits_the_vocabulary(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_a_model_that_cannot_split_the_vocabulary_is_priced_and_run_replicated(tmp_path):
     """The z-loss GPT under tp2: plan.json says why the vocabulary stays replicated, the launch summary too, its
     predicted memory prices the whole head on each rank, and it trains to the losses of the script run alone."""
