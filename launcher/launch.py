@@ -27,6 +27,7 @@ from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, searc
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan
 from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
+from tensoropt.space.vocab import VOCAB_PARALLEL_KEY, vocab_layout
 
 from .argv import torchrun_argv
 from .capture import capture_script
@@ -158,11 +159,13 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
                graph: OpGraph, device_kind: str) -> Path:
     """Write plan.json (and for DeepSpeed the exact config it trains with) into the run directory;
     the plan names the kind of device its workers train on (``cuda`` or ``cpu``), and a tensor-parallel
-    plan carries which linears of each block are column- and row-parallel."""
+    plan carries which linears of each block are column- and row-parallel, and whether (and which modules) the
+    vocabulary is split."""
     run_dir.mkdir(parents=True, exist_ok=True)
     extra: dict = {"engine": engine, "device": device_kind}
     if point.plan.tp > 1:
         extra[TP_LAYOUT_KEY] = tp_layout(graph)
+        extra[VOCAB_PARALLEL_KEY] = vocab_layout(graph).for_tp(point.plan.tp)
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
         write_json_atomic(config_path, deepspeed_config(point.plan.to_json()))
@@ -189,7 +192,10 @@ def describe(plan: dict, engine: str) -> str:
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
         return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
+    vocab = plan.get(VOCAB_PARALLEL_KEY) or {}
     parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
+             ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.get("enabled") else
+              f"vocabulary replicated ({vocab.get('reason')})") if plan["tp"] > 1 and vocab else "",
              f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
              {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
               3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),

@@ -18,6 +18,7 @@ import numpy as np
 from ..graph.ir import Op
 from ..space.block import BlockSpace
 from ..space.plan import LayerStrategy
+from ..space.vocab import VocabLayout
 from .comm import all_gather_s, all_reduce_s
 from .ops import OpArrays, op_times
 from .profile import Cluster
@@ -144,32 +145,39 @@ class LooseOps:
     """The ops before the first block (first stage) or after the last one (last stage), costed at any
     (tp, micro-batch): their per-op arrays and vocabulary split are worked out once per model.
 
-    With tp > 1 the vocabulary dimension is split (Megatron's vocabulary-parallel embedding and
-    cross-entropy): ops that read the embedding table or produce vocabulary-sized tensors divide by
-    tp, at the cost of one all-reduce of the hidden state in the forward (embedding output) and one
-    in the backward (head input gradient)."""
+    With tp > 1 and a model whose vocabulary can be split over tp ranks (``space.vocab``: the layout the runtime
+    applies, Megatron's vocabulary-parallel embedding and cross-entropy), the ops that read the embedding table
+    or head weight, or produce or read vocabulary-sized tensors, divide by tp, at the cost of one all-reduce of
+    the hidden state in the forward (embedding output) and one in the backward (head input gradient). Where the
+    vocabulary stays replicated (the model refuses the split, or tp does not divide it) they are priced whole on
+    every rank, with no vocabulary all-reduce: full logits, full table and head weights."""
 
-    def __init__(self, ops: tuple[Op, ...], cluster: Cluster, vocab: int | None) -> None:
-        self.ops, self.cluster = ops, cluster
-        self.vocab_split = np.zeros(len(ops), dtype=bool)   # ops that divide by tp
-        self.hidden_bytes = 0.0                              # the embedding's output: all-reduced when tp > 1
-        if vocab:
+    def __init__(self, ops: tuple[Op, ...], cluster: Cluster, layout: VocabLayout | None) -> None:
+        self.ops, self.cluster, self.layout = ops, cluster, layout or VocabLayout(refused="no vocabulary")
+        self.vocab_split = np.zeros(len(ops), dtype=bool)   # ops that divide by tp when the vocabulary is split
+        self.hidden_bytes = 0.0                              # the embedding's output: all-reduced when split
+        vocab, params = self.layout.vocab, set(self.layout.params)
+        if not self.layout.refused:
             for i, op in enumerate(ops):
-                reads_table = any(r.kind == "param" and vocab in m.shape for m, r in zip(op.inputs, op.sources))
+                reads_table = any(r.kind == "param" and r.name in params for r in op.sources)
                 sized = any(m.shape and m.shape[-1] == vocab for m in op.outputs + op.inputs)
                 self.vocab_split[i] = reads_table or sized
-                if op.kind == "embedding":
+                if op.kind == "embedding" and reads_table:
                     self.hidden_bytes = max(self.hidden_bytes, float(op.outputs[0].nbytes))
         self.arrays = OpArrays.of(ops, cluster.profile) if ops else None
         self.params = _param_elements(ops, range(len(ops)))
 
+    def split(self, tp: int) -> bool:
+        """Whether the vocabulary is split over ``tp`` ranks (as the runtime decides: ``VocabLayout.why_not``)."""
+        return tp > 1 and not self.layout.why_not(tp)
+
     def cost(self, tp: int, micro_batch: int) -> LooseCost:
         if not self.ops:
             return LooseCost(0.0, 0.0, 0.0)
-        shard = np.where(self.vocab_split, float(tp), 1.0) if tp > 1 else np.ones(len(self.ops))
-        hidden_bytes = self.hidden_bytes if tp > 1 else 0.0
+        split = self.split(tp)
+        shard = np.where(self.vocab_split, float(tp), 1.0) if split else np.ones(len(self.ops))
+        hidden_bytes = self.hidden_bytes if split else 0.0
         fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
         comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, self.cluster) if hidden_bytes else 0.0
         activations = float((self.arrays.saved_bytes * micro_batch / shard).sum())
         return LooseCost(float((fwd + bwd).sum()) + comm, activations, float((self.params / shard).sum()))
-

@@ -39,6 +39,7 @@ from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.plan import BlockPlan, LayerStrategy, Plan
 from ..space.tp_check import tp_checks
+from ..space.vocab import vocab_layout
 from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from .layer import BlockCost, LooseCost, LooseOps
 from .profile import Cluster
@@ -101,8 +102,7 @@ class ModelCost:
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
         self.tail_ops = tuple(op for op in folded.loose_ops if op.index >= last_block and folded.blocks)
         self.middle_ops = tuple(op for op in folded.loose_ops if first_block <= op.index < last_block)
-        vocab = {op.inputs[0].shape[0] for op in graph.ops if op.kind == "embedding"}
-        self.vocab = max(vocab) if vocab else None
+        self.vocab = vocab_layout(graph)      # split over tp or replicated, as the runtime will run it
         # a script under autocast keeps a 16-bit copy of every weight it computes with for the step (autocast's
         # weight cache; the products save it for backward): bytes per parameter; 0 without autocast, or for
         # weights already in its dtype

@@ -6,15 +6,15 @@ up/gate: weight split by output features, the input replicated) and ``RowwisePar
 linears (attention output projection, MLP down: weight split by input features, the partial outputs
 summed by one all-reduce). The ops between them run on the rank's share of heads or features, so a
 model must take head counts from its tensors (``view(b, s, -1, head_dim)``), as Hugging Face models and
-``tensoropt.models.transformer`` do. Everything else (norms, residual stream, embeddings) is replicated.
+``tensoropt.models.transformer`` do. Norms and the residual stream are replicated; the vocabulary, below.
 
 Which modules those linears are comes from plan.json's ``tp_layout`` (see ``tensoropt.space.tp_layout``),
 which the launcher derives from the captured graph's block analysis: the runtime shards exactly what the
 cost model assumed, and never guesses from module names.
 
-Known differences from the cost model: the vocabulary (embedding and LM head) stays replicated, while
-the cost model assumes a vocabulary-parallel embedding and head; so each rank holds the full embedding
-and computes the full logits. Sequence parallelism is not applied (plans that need it are refused
+The vocabulary (embedding, LM head and the cross-entropy on the logits) is split over the same ranks where
+plan.json's ``vocab_parallel`` says the model allows it (``runtime.vocab_parallel``), and stays replicated,
+as it was priced, where it does not. Sequence parallelism is not applied (plans that need it are refused
 before they get here, see ``tensoropt.search.engines.unsupported``).
 """
 
@@ -25,11 +25,14 @@ from torch import nn
 from ..errors import TensorOptError
 from ..space.tp_layout import TP_LAYOUT_KEY
 from .torch_engine import block_modules
+from .vocab_parallel import apply_vocab_parallel
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example_inputs=None) -> None:
+def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example_inputs=None) -> bool:
     """Shard, in place, the linears of the plan's tensor-parallel branches over ``tp_mesh``, after checking on
-    a small real input that the sharded blocks compute what the whole ones do (``tp_guard``)."""
+    a small real input that the sharded blocks compute what the whole ones do (``tp_guard``), and the
+    vocabulary where the plan splits it; returns whether it did (the step then computes the loss under
+    ``loss_parallel``, ``vocab_parallel.loss_context``)."""
     tp = tp_mesh.size()
     blocks = {}
     for block, branches in sharded_branches(plan).items():
@@ -48,6 +51,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example
     for copies, branches in blocks.values():
         for name in copies:
             shard_copy(model.get_submodule(name), branches, tp_mesh)
+    return apply_vocab_parallel(model, plan, tp_mesh)
 
 
 def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh) -> None:
