@@ -112,7 +112,9 @@ def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_pat
 def test_three_dimensional_interleaved_meta_built_matches_one_process(chosen, tmp_path):
     """pp2 x tp2 x dp2 with 2 virtual stages per rank (8 workers), ZeRO 3, selective recomputation, a tiny GPT
     built on meta: the losses are the script's alone, and rank 0 holds stages 0 and 2 (layers 0 and 2, the
-    embedding) with every linear split over tp (Megatron's columns and rows) and then over dp (FSDP2's rows)."""
+    embedding) with every linear split over tp (Megatron's columns and rows) and then over dp (FSDP2's rows),
+    the embedding by vocabulary (plan.json's vocab_parallel; the tied head on the last stage too, its loss
+    under loss_parallel)."""
     script = str(REPO / "tests" / "train_stages.py")
     alone = losses_alone(script, tmp_path / "alone.json")
     strategies = ((LayerStrategy("selective"), 1), (LayerStrategy("none"), 1))
@@ -123,6 +125,7 @@ def test_three_dimensional_interleaved_meta_built_matches_one_process(chosen, tm
     np.testing.assert_allclose(data["losses"], alone, rtol=2e-5)
     shapes = {name.replace("_checkpoint_wrapped_module.", ""): shape for name, shape in data["local_shapes"].items()}
     assert {name.split(".")[1] for name in shapes if name.startswith("layers.")} == {"0", "2"}
+    assert shapes["embed.weight"] == [64 // 4, 32]              # the vocabulary split over tp, then rows over dp
     for layer in ("0", "2"):
         assert shapes[f"layers.{layer}.attn.qkv.weight"] == [3 * 32 // 4, 32]       # columns / tp, then rows / dp
         assert shapes[f"layers.{layer}.attn.proj.weight"] == [32 // 2, 32 // 2]     # rows / dp, columns / tp

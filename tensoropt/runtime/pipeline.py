@@ -34,9 +34,10 @@ from .device import local_tensor, to_device
 from .materialize import Materializer, tied_parameters
 from .param_groups import build_optimizer
 from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
-from .pipeline_tp import check_before_cutting, shard_stage
+from .pipeline_tp import check_before_cutting, shard_stage, shard_vocabulary
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, place, recompute_wrappers, replace_module
+from .vocab_parallel import LossContext, loss_context
 
 
 def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.Optimizer] | None, plan: dict,
@@ -69,7 +70,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
                              f"the plan has {n_stages}: every block copy must be called once by the model's forward")
     held = [{name for name, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)}
             for s in range(n_stages)]
-    modules, wirings, shared = [], [], {}
+    modules, wirings, shared, vocab_split = [], [], {}, False
     for s in mine:
         module = pipe.get_stage_module(s)
         retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
@@ -82,6 +83,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         shared[s] = tie_within_stage(module, tied, held[s])
         if tp > 1:                                  # before recomputation wraps the copies
             shard_stage(module, plan, mesh["tp"])
+            vocab_split |= shard_vocabulary(module, plan, mesh["tp"])
         for name in sorted(recomputed.keys() & {n for n, _ in module.named_modules()}):
             replace_module(module, name, recomputed[name])
         modules.append(module)
@@ -99,7 +101,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         inputs = tuple(dict.fromkeys(name for w in wirings for name in w.model_inputs))
         after_schedule = reshard_all(modules) if plan["zero"] == 2 else None
         stepper = pipeline_stepper(stages, plan["gradient_accumulation"], optimizer, signature, inputs, reductions,
-                                   after_schedule, dp * tp, device)
+                                   after_schedule, dp * tp, loss_context(vocab_split), device)
     run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"],
               plan["global_batch"], plan, "torch", stepper, device=device)
     return (modules[0] if virtual == 1 else merged_view(modules)), optimizer, run
@@ -268,7 +270,8 @@ def make_schedule(stages: list, n_microbatches: int):
 
 def pipeline_stepper(stages: list, n_microbatches: int, optimizer: torch.optim.Optimizer,
                      signature: inspect.Signature, model_inputs: tuple[str, ...], reductions: list,
-                     after_schedule: Callable[[], None] | None, copies: int, device: torch.device) -> Stepper:
+                     after_schedule: Callable[[], None] | None, copies: int, loss_context: LossContext,
+                     device: torch.device) -> Stepper:
     """The Run's stepper: one schedule step over this rank's micro-batches, tied gradients summed over their
     stages, one optimizer step; returns the step's mean loss: each pipeline's last stage has its replica's
     mean (each of its tensor-parallel ranks the same one), summed over the world (the other ranks add zeros) and
@@ -287,12 +290,14 @@ def pipeline_stepper(stages: list, n_microbatches: int, optimizer: torch.optim.O
                                  "which the batch does not hold") from exc
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        schedule.step(target=unused_targets, losses=losses, return_outputs=False, **kwargs)
+        with loss_context():                # the logits sharded by vocabulary: forwards and backwards under it
+            schedule.step(target=unused_targets, losses=losses, return_outputs=False, **kwargs)
         if after_schedule is not None:
             after_schedule()
         sum_shared_gradients(reductions)
         optimizer.step()
-        mean = torch.stack(losses).detach().float().mean() if is_last else torch.zeros((), device=device)
+        mean = torch.stack([local_tensor(loss) for loss in losses]).detach().float().mean() if is_last \
+            else torch.zeros((), device=device)
         dist.all_reduce(mean)
         return float(mean) / copies
     return step

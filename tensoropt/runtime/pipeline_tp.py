@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
 
 from ..errors import TensorOptError
 from .tensor_parallel import check_degree, shard_copy, sharded_branches
 from .torch_engine import block_modules
+from .vocab_parallel import vocab_entry, vocab_styles
 
 
 def check_before_cutting(model: nn.Module, plan: dict, tp_mesh, device: torch.device, example_inputs) -> None:
@@ -45,23 +47,82 @@ def shard_stage(stage_module: nn.Module, plan: dict, tp_mesh) -> None:
             shard_copy(copy, branches, tp_mesh)
 
 
+def shard_vocabulary(stage_module: nn.Module, plan: dict, tp_mesh) -> bool:
+    """Split the vocabulary as plan.json says (``vocab_parallel``) in the modules this stage calls: the embedding
+    on the first stage, the head on the last (a stage holding a tied one's weight without calling it gets the
+    sharded parameter, so the tie survives). Whether this stage computes its loss on sharded logits."""
+    entry = vocab_entry(plan)
+    if not entry.get("enabled"):
+        return False
+    called = {n.target for n in stage_module.graph.nodes if n.op == "call_module"}
+    embed_style, head_style = vocab_styles()
+    split = False
+    for name, kind, style in ((entry["embedding"], nn.Embedding, embed_style), (entry["head"], nn.Linear, head_style)):
+        if name not in called:
+            continue
+        module = _restore(stage_module, name, name, kind)
+        if module.weight.shape[0] != entry["vocab"] or entry["vocab"] % tp_mesh.size():
+            raise TensorOptError(f"{name} holds {module.weight.shape[0]} vocabulary rows, the plan splits "
+                                 f"{entry['vocab']} over {tp_mesh.size()} devices: re-plan with `tensoropt launch`")
+        parallelize_module(module, tp_mesh, style)
+        if entry["tied"]:
+            other = entry["head"] if name == entry["embedding"] else entry["embedding"]
+            if _holds(stage_module, other):
+                stage_module.get_submodule(other).weight = module.weight
+        split |= kind is nn.Linear
+    if split:
+        _drop_metadata_asserts(stage_module)
+    return split
+
+
+def _drop_metadata_asserts(stage_module: nn.Module) -> None:
+    """Remove the trace's dtype/device checks on tensors (``aten._assert_tensor_metadata``, recorded for the
+    logits' ``.float()``): DTensor has no sharding rule for them, and they compute nothing."""
+    graph = stage_module.graph
+    asserts = [n for n in graph.nodes if n.op == "call_function"
+               and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
+    for node in asserts:
+        graph.erase_node(node)
+    if asserts:
+        stage_module.recompile()
+
+
+def _holds(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _restore_linear(copy: nn.Module, name: str, full_name: str) -> None:
-    """Replace the traced linear ``name`` of ``copy`` by an ``nn.Linear`` over the same parameters."""
-    traced = copy.get_submodule(name)
-    if isinstance(traced, nn.Linear):
-        return
+    _restore(copy, name, full_name, nn.Linear)
+
+
+def _restore(owner_module: nn.Module, name: str, full_name: str, kind: type) -> nn.Module:
+    """Replace the traced ``name`` of ``owner_module`` (one ``aten.linear`` or ``aten.embedding`` on its weight)
+    by an ``nn.Linear`` / ``nn.Embedding`` over the same parameters; returns it."""
+    traced = owner_module.get_submodule(name)
+    if isinstance(traced, kind):
+        return traced
+    op = torch.ops.aten.linear.default if kind is nn.Linear else torch.ops.aten.embedding.default
     calls = [n for n in getattr(traced, "graph", torch.fx.Graph()).nodes if n.op == "call_function"]
     weight, bias = traced._parameters.get("weight"), traced._parameters.get("bias")
-    if len(calls) != 1 or calls[0].target is not torch.ops.aten.linear.default or weight is None or weight.dim() != 2:
-        raise TensorOptError(f"pipeline stage module {full_name} is not one linear (aten.linear on its weight) after "
-                             "tracing, so tensor parallelism cannot shard it inside a pipeline: plan with --tp 1 or "
-                             "--pp 1")
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
-    linear.weight = weight
-    if bias is not None:
-        linear.bias = bias
+    plain = kind is nn.Linear or (len(calls) == 1 and len(calls[0].args) == 2 and not bias)
+    if len(calls) != 1 or calls[0].target is not op or weight is None or weight.dim() != 2 or not plain:
+        raise TensorOptError(f"pipeline stage module {full_name} is not one {op.__name__.split('.')[0]} on its weight "
+                             "after tracing, so tensor parallelism cannot shard it inside a pipeline: plan with --tp 1 "
+                             "or --pp 1")
+    if kind is nn.Linear:
+        module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+        if bias is not None:
+            module.bias = bias
+    else:
+        module = nn.Embedding(weight.shape[0], weight.shape[1], device="meta", dtype=weight.dtype)
+    module.weight = weight
     owner, _, attr = name.rpartition(".")
-    setattr(copy.get_submodule(owner) if owner else copy, attr, linear)
+    setattr(owner_module.get_submodule(owner) if owner else owner_module, attr, module)
+    return module
 
 
-__all__ = ["check_before_cutting", "shard_stage"]
+__all__ = ["check_before_cutting", "shard_stage", "shard_vocabulary"]
