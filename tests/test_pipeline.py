@@ -101,11 +101,15 @@ def test_a_plan_the_model_cannot_be_cut_into_is_refused():
         split_spec(model, _plan(2, 1))              # 2 copies per stage in the model, 1 in the plan
 
 
-def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_path):
-    """pp2 x 2 virtual stages (interleaved 1F1B over 4 micro-batches): device 0 holds layers 0 and 2 with the
-    embedding, device 1 layers 1 and 3 with the tied head, whose gradients are summed over the two devices."""
-    plan = dataclasses.replace(_two_stages(chosen, 2, 1), virtual_stages=2)
-    data = _launch(plan, tmp_path, 2)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_path, tp):
+    """pp2 x 2 virtual stages (interleaved 1F1B over 4 micro-batches): pipeline rank 0 holds layers 0 and 2 with
+    the embedding, rank 1 layers 1 and 3 with the tied head, whose gradients are summed over the two. With tp2
+    (4 workers, no data parallelism: plain DTensor gradients, the embedding's one replicated) the stages' linears
+    and the vocabulary are split too."""
+    plan = dataclasses.replace(_two_stages(chosen, 2, 1), virtual_stages=2, devices=2 * tp, tp=tp,
+                               tp_branches=("attn", "mlp") if tp > 1 else ())
+    data = _launch(plan, tmp_path, 2 * tp)
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
 
 

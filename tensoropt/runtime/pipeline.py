@@ -214,6 +214,10 @@ def sum_shared_gradients(reductions: list) -> None:
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif getattr(param.grad, "placements", None) != getattr(param, "placements", None):
+                # a vocabulary-split embedding's gradient comes back replicated: laid out as its parameter
+                # (a local slice), so every stage's copy sums the same rows
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         grads = [local_tensor(param.grad) for param in params]
         total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
         if group is not None:
