@@ -4,9 +4,9 @@ parallelism.
 The devices form one mesh with named dimensions ``("pp", "dp", "tp")`` (pipeline outermost, tensor
 parallelism innermost, as torchtitan lays it out): the ranks of one (dp, tp) coordinate form one pipeline,
 those of one (pp, tp) coordinate hold the same stages and average their gradients, those of one (pp, dp)
-coordinate split their stages' block copies by Megatron-LM's layout (``pipeline_tp``). The model is cut
-into ``pp * virtual_stages`` stages (``pipeline_split``); pipeline rank ``r`` holds stages ``r, r + pp, ...``
-(one with plain 1F1B, several with interleaved 1F1B, Narayanan et al. 2021,
+coordinate split their stages' block copies, embedding and head by Megatron-LM's layout (``pipeline_tp``).
+The model is cut into ``pp * virtual_stages`` stages (``pipeline_split``); pipeline rank ``r`` holds
+stages ``r, r + pp, ...`` (one with plain 1F1B, several with interleaved 1F1B, Narayanan et al. 2021,
 https://arxiv.org/abs/2104.04473). Each stage is wrapped for data parallelism over the ``dp`` group: DDP
 under ZeRO 0 (``PipelineStage`` itself skips DDP's all-reduce on all but the last micro-batch's backward),
 FSDP2 ``fully_shard`` on every block copy and the stage module under ZeRO 2/3 (reduce-scattered after every

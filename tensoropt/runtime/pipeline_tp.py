@@ -10,6 +10,10 @@ as the un-piped engine shards the model. The ops between the linears were traced
 asked for: a model that takes head counts from its tensors (``view(b, s, -1, head_dim)``, which
 ``tensor_parallel`` requires anyway) is traced with that ``-1`` and runs on its rank's share of heads.
 
+The vocabulary is split as plan.json's ``vocab_parallel`` says (``runtime.vocab_parallel``'s styles): the
+embedding the first stage calls and the head the last stage calls are given back as ``nn.Embedding`` /
+``nn.Linear`` in the same way, and the stepper runs the schedule under ``loss_parallel``.
+
 The sharded-versus-whole check (``tp_guard``) runs on the whole model before it is cut, on its original
 block copies.
 """
