@@ -34,3 +34,8 @@ def test_recomputed_copies_follow_each_device_s_stages():
                                         seq_length=4, vocab_size=16))
     assert recomputed_modules(model, _plan(virtual_stages=1)) == ["layers.0", "layers.2"]
     assert recomputed_modules(model, _plan(virtual_stages=2)) == ["layers.0", "layers.1"]
+
+
+def test_sequence_parallelism_inside_pipeline_stages_is_refused_with_the_reason():
+    plan = _plan(devices=8, tp=2, zero=3, blocks=(BlockPlan("layers.*", ((LayerStrategy("none", True), 2),)),))
+    assert "sequence parallelism inside pipeline stages" in unsupported(plan, "torch")

@@ -34,6 +34,9 @@ def unsupported(plan: dict, engine: str) -> list[str]:
     return [what for what, needed in common + [
         ("ZeRO 1", plan["zero"] == 1), ("optimizer offload", plan["offload"]),
         ("tensor and data parallelism without ZeRO 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] < 2),
+        # the pipeline's stage modules are traced with the stream's full sequence between their block copies
+        ("sequence parallelism inside pipeline stages",
+         plan["pp"] > 1 and any(s["sequence_parallel"] for s in strategies)),
     ] if needed]
 
 
