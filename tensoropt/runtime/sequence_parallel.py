@@ -153,8 +153,7 @@ def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: 
         if isinstance(x, DTensor):      # a recomputation re-entering: already converted
             return None
         if arrives_sharded:
-            handed = relay.get(id(x))
-            if handed is None or handed() is not x:
+            if not any(_same_values(ref(), x) for ref in relay.values()):
                 raise TensorOptError(f"{name} runs sequence-parallel after another such copy, but its input is not "
                                      "that copy's output (the model changes the stream between its blocks): plan "
                                      "this model without sequence parallelism")
@@ -180,7 +179,7 @@ def _leave(name: str, stays_sharded: bool, gathers: _GatherOnce, relay: dict):
             raise TensorOptError(f"{name}'s output is not its sequence-sharded stream: plan this model without "
                                  "sequence parallelism")
         y = first.to_local() if stays_sharded else first.redistribute(first.device_mesh, [Replicate()]).to_local()
-        if stays_sharded:       # (by id: a recomputation re-enters with an earlier copy's output)
+        if stays_sharded:       # all kept: a recomputation re-enters with an earlier copy's output
             for key in [k for k, ref in relay.items() if ref() is None]:
                 del relay[key]
             relay[id(y)] = weakref.ref(y)
@@ -190,6 +189,13 @@ def _leave(name: str, stays_sharded: bool, gathers: _GatherOnce, relay: dict):
             return [y, *output[1:]]
         return y
     return leave
+
+
+def _same_values(handed: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether ``x`` is the share a copy handed on, or a view of it (FSDP2 hooks the outputs of the modules it
+    wraps through a view)."""
+    return handed is not None and handed.shape == x.shape and \
+        handed.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
 def layout_of(plan: dict, block: str) -> list[dict]:
