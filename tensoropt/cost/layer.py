@@ -83,8 +83,10 @@ class BlockCost:
                 # all-reduce fwd + bwd; under SP all-gather + reduce-scatter of the same volume each way
                 total += 2 * all_reduce_s(nbytes, tp, 1, self.cluster)
             elif sequence_parallel:
-                # a replicated branch on a sequence-split stream gathers its input, and its gradient
-                total += 3 * all_gather_s(nbytes, tp, 1, self.cluster)
+                # a replicated branch on a sequence-split stream gathers its input in the forward and its output's
+                # gradient in the backward; its output and input gradient are sliced locally
+                # (runtime.sequence_parallel)
+                total += 2 * all_gather_s(nbytes, tp, 1, self.cluster)
         return total
 
     def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int) -> LayerCost:

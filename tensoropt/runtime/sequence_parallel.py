@@ -39,19 +39,22 @@ from .torch_engine import block_modules
 SEQUENCE_DIM = 1
 
 
-def sequence_parallel_copies(model: nn.Module, plan: dict) -> dict[str, tuple[bool, bool]]:
-    """{copy module name: (its input arrives sharded, its output stays sharded)} for every copy the plan runs
-    sequence-parallel; a copy hands its share on only to the next copy of the same block that is SP too."""
+def sequence_parallel_copies(model: nn.Module, plan: dict) -> dict[str, tuple[bool, bool, bool]]:
+    """{copy module name: (its input arrives sharded, its output stays sharded, it keeps its activations)} for
+    every copy the plan runs sequence-parallel; a copy hands its share on only to the next copy of the same block
+    that is SP too; a copy without recomputation keeps only its share of the branches' gathered inputs."""
     if plan["tp"] < 2:
         return {}
     out = {}
     for block in plan["blocks"]:
         copies = block_modules(model, {"blocks": [block]})
-        per_stage = [s.get("sequence_parallel", False) for s in block["strategies"] for _ in range(s["copies"])]
-        flags = per_stage * plan["pp"]
+        per_stage = [(s.get("sequence_parallel", False), s["recompute"] == "none") for s in block["strategies"]
+                     for _ in range(s["copies"])]
+        flags = [sp for sp, _ in per_stage] * plan["pp"]
+        keeps = [keep for _, keep in per_stage] * plan["pp"]
         for i, (name, sp) in enumerate(zip(copies, flags)):
             if sp:
-                out[name] = (i > 0 and flags[i - 1], i + 1 < len(flags) and flags[i + 1])
+                out[name] = (i > 0 and flags[i - 1], i + 1 < len(flags) and flags[i + 1], keeps[i])
     return out
 
 
@@ -63,11 +66,14 @@ def block_of(plan: dict, copy_name: str, model: nn.Module) -> str:
 
 
 def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], sharded: list[dict], tp_mesh,
-                            handoff: tuple[bool, bool], relay: dict | None = None) -> None:
+                            handoff: tuple[bool, bool, bool], relay: dict | None = None) -> None:
     """Make one already tensor-sharded copy run its stream on the rank's share of the sequence (module doc).
     ``layout``: every branch of the block (plan.json's ``tp_layout``), ``sharded``: those the plan shards,
-    ``handoff``: (input arrives sharded, output stays sharded), ``relay``: shared by a run of copies so that a
-    copy can check it receives the very share its predecessor handed on."""
+    ``handoff``: (input arrives sharded, output stays sharded, keeps its activations: then the gathered inputs
+    autograd saves are kept as the rank's share and gathered again in the backward, as Megatron-LM does, so the
+    copy holds ``1/tp`` of them as the cost model prices; not under recomputation, whose own saved-tensor hooks
+    must stay innermost), ``relay``: shared by a run of copies so that a copy can check it receives the very
+    share its predecessor handed on."""
     names = {b["branch"] for b in sharded}
     gathers = _GatherOnce(tp_mesh)
     linears = set()
@@ -81,7 +87,7 @@ def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], shar
         linears |= set(branch["column"]) | set(branch["row"])
     _replicate_stream_parameters(copy, linears, tp_mesh)
     relay = {} if relay is None else relay
-    copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay), with_kwargs=True)
+    copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay, handoff[2]), with_kwargs=True)
     copy.register_forward_hook(_leave(name, handoff[1], gathers, relay), with_kwargs=True)
 
 
@@ -91,10 +97,27 @@ class _GatherOnce:
     their input gradients one reduce-scatter."""
 
     def __init__(self, mesh) -> None:
-        self.mesh, self.done = mesh, {}
+        self.mesh, self.done, self.saving = mesh, {}, None
 
     def clear(self) -> None:
         self.done = {}
+        if self.saving is not None:
+            self.saving.__exit__(None, None, None)
+            self.saving = None
+
+    def save_shares(self) -> None:
+        """Until ``clear``: a gathered input autograd saves is kept as the share it was gathered from."""
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self.saving.__enter__()
+
+    def pack(self, t: torch.Tensor):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        for share, whole in self.done.values():
+            w = whole._local_tensor
+            if local.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and local.is_contiguous() \
+                    and local.storage_offset() == w.storage_offset() and local.numel() == w.numel():
+                return _Share(share, t.shape, isinstance(t, DTensor), self.mesh)
+        return t
 
     def hook(self, local: bool):
         def gather(module, args):
@@ -109,6 +132,21 @@ class _GatherOnce:
             whole = self.done[key][1]
             return (whole.to_local() if local else whole, *args[1:])
         return gather
+
+
+class _Share:
+    """A saved gathered input, held as the rank's share of it (see ``_GatherOnce.save_shares``)."""
+
+    def __init__(self, share: DTensor, shape: torch.Size, distributed: bool, mesh) -> None:
+        self.share, self.shape, self.distributed, self.mesh = share, shape, distributed, mesh
+
+
+def _unpack(packed):
+    if not isinstance(packed, _Share):
+        return packed
+    with torch.no_grad():
+        whole = packed.share.redistribute(packed.mesh, [Replicate()])
+    return whole.view(packed.shape) if packed.distributed else whole.to_local().view(packed.shape)
 
 
 def _slice_output(mesh):
@@ -143,7 +181,7 @@ def _stream_position(args: tuple, kwargs: dict) -> tuple[str, int | str]:
     raise TensorOptError("a sequence-parallel block received no tensor to carry as its stream")
 
 
-def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict):
+def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict, keeps: bool):
     tp = mesh.size()
 
     def enter(_module, args, kwargs):
@@ -165,6 +203,8 @@ def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: 
                                      f"that {tp} divides, or plan without sequence parallelism")
             stream = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(
                 mesh, [Shard(SEQUENCE_DIM)])
+        if keeps and torch.is_grad_enabled():
+            gathers.save_shares()
         if where == "args":
             return (*args[:key], stream, *args[key + 1:]), kwargs
         return args, {**kwargs, key: stream}

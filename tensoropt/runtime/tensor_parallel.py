@@ -55,11 +55,11 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example
         relay: dict = {}
         for name in copies:
             shard_copy(model.get_submodule(name), branches, tp_mesh, layout_of(plan, block) if name in sp else None,
-                       name, sp.get(name, (False, False)), relay)
+                       name, sp.get(name, (False, False, False)), relay)
 
 
 def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh, sp_layout: list[dict] | None = None, name: str = "",
-               handoff: tuple[bool, bool] = (False, False), relay: dict | None = None) -> None:
+               handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None) -> None:
     """Shard one copy of a block: its branches' column and row linears, as the layout describes them; with
     ``sp_layout`` (every branch of the block) the copy runs sequence-parallel too."""
     from torch.distributed.tensor.parallel import parallelize_module
