@@ -14,7 +14,7 @@ from torch import nn
 from workers import ENV, dry_run_plan, losses_alone, tensoropt_cli, tp2
 
 import tensoropt
-from tensoropt.cost.model import ModelCost
+from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.search.engines import ENGINE_SPACES, unsupported
@@ -74,6 +74,18 @@ def test_the_planner_offers_sequence_parallelism_where_the_stream_is_per_token_a
     mixing = _block_cost(_RunningMeanLM())
     assert mixing.space.branches and "aten.cumsum" in mixing.space.sequence_refused
     assert not any(s.sequence_parallel for s in layer_options(mixing, 2, torch_space))
+
+
+def test_a_plan_running_a_position_mixing_stream_sequence_parallel_does_not_fit_the_model():
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    graph = tensoropt.capture(_RunningMeanLM(), (ids, ids), cache=False).graph
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(2, 2, load_profile("h100-80gb")))
+    [(block, _)] = model.blocks
+    plan = Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=1, global_batch=2, tp_branches=model.branch_names,
+                dtype="float32", blocks=(BlockPlan(block.name, ((LayerStrategy("none", True), 2),)),))
+    with pytest.raises(ValueError, match="sequence parallelism cannot split the stream of block 'layers.*'.*cumsum"):
+        estimate(model, plan)
+    estimate(model, dataclasses.replace(plan, blocks=(BlockPlan(block.name, ((LayerStrategy("none"), 2),)),)))
 
 
 def test_torch_runs_sequence_parallel_plans_and_deepspeed_refuses_them():
