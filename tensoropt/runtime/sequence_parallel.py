@@ -16,6 +16,11 @@ A branch the plan leaves replicated runs whole on every rank inside an SP copy: 
 its output sliced back to the rank's share (backward: the output gradient all-gathered, the input gradient
 sliced): two all-gathers of the branch's activations per copy, as ``cost.layer`` prices it.
 
+Autograd saves a column linear's input for its backward: a copy without recomputation keeps the share instead of
+the gathered whole and gathers it again in the backward (Megatron-LM's way; saved-tensor hooks), so it holds
+``1/tp`` of its stream activations. Under recomputation those hooks would shadow the recomputation's own (hooks do
+not nest), so a selectively recomputed SP copy keeps its gathered inputs whole; ``cost.layer`` prices both.
+
 Between copies the stream is a plain tensor: the rank's share between two consecutive SP copies of a block
 (no communication), the whole sequence elsewhere. The first SP copy of a run slices its input (backward:
 all-gather), the last gathers its output (backward: slice), as ``cost.model.chain_sums`` prices the layout
@@ -56,13 +61,6 @@ def sequence_parallel_copies(model: nn.Module, plan: dict) -> dict[str, tuple[bo
             if sp:
                 out[name] = (i > 0 and flags[i - 1], i + 1 < len(flags) and flags[i + 1], keeps[i])
     return out
-
-
-def block_of(plan: dict, copy_name: str, model: nn.Module) -> str:
-    for block in plan["blocks"]:
-        if copy_name in block_modules(model, {"blocks": [block]}):
-            return block["block"]
-    raise TensorOptError(f"{copy_name} is no copy of the plan's blocks")
 
 
 def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], sharded: list[dict], tp_mesh,
