@@ -10,6 +10,10 @@ rounding. The block's inputs are those the model's forward hands it, found by a 
 that block; floating-point inputs are filled with random numbers, integer ones with zeros and masks with
 True, which is enough to tell a correct layout (equal up to rounding) from a wrong one (different everywhere).
 It costs one block copy in float32 for a moment, before the model itself is given memory.
+
+A block the plan runs sequence-parallel is also run that way (``sequence_parallel``: its stream split along the
+sequence, entered and left whole): code outside the branches that mixes positions, which the planner's analysis
+(``space.sp_check``) should have refused, gives other outputs there, or fails inside DTensor, and stops the run.
 """
 
 from __future__ import annotations
