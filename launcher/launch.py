@@ -189,6 +189,7 @@ def describe(plan: dict, engine: str) -> str:
     """The configuration the workers will apply, in words (DeepSpeed's is its config file)."""
     full, selective = (sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == kind)
                        for kind in ("full", "selective"))
+    sequence = sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["sequence_parallel"])
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
         return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
@@ -199,6 +200,7 @@ def describe(plan: dict, engine: str) -> str:
              f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
              {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
               3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
+             f"sequence parallel in {sequence} block copies per stage" if sequence and plan["tp"] > 1 else "",
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
              f"attention core recomputed (selective) in {selective} block copies per stage" if selective else "",
              f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples"]

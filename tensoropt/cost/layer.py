@@ -4,7 +4,8 @@ Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 20
 branch costs one all-reduce of its output in the forward and one of its input gradient in the
 backward; under sequence parallelism (Korthikanti et al. 2022) each all-reduce becomes an
 all-gather plus a reduce-scatter of the same total volume, and the stream's ops and activations
-divide by tp. Activation memory is what the captured graph says autograd keeps, divided by the
+divide by tp (a copy without recomputation gathers its branches' inputs once more in the backward, having
+kept only its share of them). Activation memory is what the captured graph says autograd keeps, divided by the
 op's shard; recomputation keeps less and runs more (Chen et al. 2016; Korthikanti et al. 2022):
 ``selective`` drops the attention core, ``full`` keeps only the block's input.
 """
@@ -50,6 +51,13 @@ def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
     return out
 
 
+def _column_input_bytes(ops: tuple[Op, ...], columns: tuple[int, ...]) -> float:
+    """Bytes of the distinct activations a branch's column linears read: what sequence parallelism gathers."""
+    inputs = {(r.kind, r.index, r.slot): meta.nbytes for c in columns for meta, r in zip(ops[c].inputs, ops[c].sources)
+              if r.kind in ("local", "prev")}
+    return float(sum(inputs.values()))
+
+
 class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
@@ -62,6 +70,7 @@ class BlockCost:
         self._cache: dict[tuple, LayerCost] = {}
         self._op_cache: dict[tuple, tuple] = {}
         self._branch_nbytes = {b: float(sum(ops[r].outputs[0].nbytes for r in b.row)) for b in space.branches}
+        self._gathered_nbytes = {b: _column_input_bytes(ops, b.column) for b in space.branches}
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -84,8 +93,10 @@ class BlockCost:
                 # all-reduce fwd + bwd; under SP all-gather + reduce-scatter of the same volume each way
                 total += 2 * all_reduce_s(nbytes, tp, 1, self.cluster)
             elif sequence_parallel:
-                # a replicated branch on a sequence-split stream gathers its input, and its gradient
-                total += 3 * all_gather_s(nbytes, tp, 1, self.cluster)
+                # a replicated branch on a sequence-split stream gathers its input in the forward and its output's
+                # gradient in the backward; its output and input gradient are sliced locally
+                # (runtime.sequence_parallel)
+                total += 2 * all_gather_s(nbytes, tp, 1, self.cluster)
         return total
 
     def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int) -> LayerCost:
@@ -117,6 +128,15 @@ class BlockCost:
             recompute, transient = float(fwd[self.core].sum()), float(saved[self.core].sum())
         else:
             kept, recompute, transient = all_saved, 0.0, 0.0
+        if sp:
+            # under sequence parallelism a copy without recomputation keeps its branches' gathered inputs as the
+            # share and gathers them again in the backward (Megatron-LM's way); a selectively recomputed one
+            # keeps them whole, as the runtime's saved-tensor hooks cannot nest (runtime.sequence_parallel)
+            gathered = [self._gathered_nbytes[b] * micro_batch for b in self.space.branches]
+            if strategy.recompute == "none":
+                comm += sum(all_gather_s(nbytes, tp, 1, self.cluster) for nbytes in gathered)
+            elif strategy.recompute == "selective":
+                kept += sum(gathered) * (1 - 1 / tp)
         params = float((self.params / np.where(self._sharded_params(tp_branches), tp, 1)).sum())
         return LayerCost(float(fwd.sum()), float(bwd.sum()), recompute, comm, kept, transient, params)
 

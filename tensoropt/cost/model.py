@@ -148,6 +148,21 @@ class ModelCost:
                 raise ValueError(f"this model has no tensor-parallel branch {name!r} (its branches: "
                                  f"{', '.join(self.branch_names) or 'none'})")
 
+    def check_sequence_parallel(self, plan: Plan) -> None:
+        """A one-line error for a plan running a copy sequence-parallel that the block analysis does not allow
+        (a stream op mixing positions, a sequence ``tp`` does not divide; ``space.sp_check``)."""
+        by_name = {block.name: cost.space for block, cost in self.blocks}
+        for bp in plan.blocks:
+            space = by_name.get(bp.block)
+            if space is None or not any(s.sequence_parallel for s, n in bp.strategies if n):
+                continue
+            if space.sequence_refused:
+                raise ValueError(f"sequence parallelism cannot split the stream of block {bp.block!r}: "
+                                 f"{space.sequence_refused}")
+            if not space.sp_allowed(plan.tp):
+                raise ValueError(f"sequence parallelism over {plan.tp} devices splits the {space.seq_len} positions "
+                                 f"of block {bp.block!r} unevenly: use a tp that divides the sequence length")
+
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
         """(first stage, last stage) costs of the ops outside blocks."""
         split = pp > 1                   # which stages hold them matters, not how many stages there are
@@ -338,6 +353,7 @@ def estimate(model: ModelCost, plan: Plan) -> Estimate:
     """The what-if of one plan."""
     if plan.tp > 1:
         model.check_branches(plan.tp_branches)
+        model.check_sequence_parallel(plan)
     ctx = Context.of(plan)
     stage = _stage_counts(model, plan)
     time = back = acts = transient = params = 0.0
