@@ -28,6 +28,7 @@ from ..errors import TensorOptError
 from .device import to_device
 from .materialize import Materializer, tie, tied_parameters
 from .param_groups import build_optimizer
+from .precision import autocast_forward, of_plan
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, recompute_wrappers, replace_module
 
@@ -109,7 +110,9 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         replace_module(stage_module, name, recomputed[name])
     wiring = stage_wiring(pipe.split_gm.graph, rank)
     del pipe                                        # the other stages' modules go with it
-    stage = PipelineStage(Relay(stage_module, wiring), rank, pp, device)
+    relay = Relay(stage_module, wiring)
+    autocast_forward(relay, of_plan(plan), device)                  # bf16-mixed: the stage computes in bf16
+    stage = PipelineStage(relay, rank, pp, device)
     optimizer = build_optimizer(optimizer_fn, stage_module.parameters())
     stepper = None
     if optimizer is not None:
