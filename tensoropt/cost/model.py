@@ -26,6 +26,27 @@ keeps float32 states as above, computes and saves activations in the autocast's 
 it), and holds a 16-bit copy of every weight it computes with for the step (autocast caches the casts, and
 the products save them for backward): 2 more bytes per parameter of the stage, over tp but not over dp
 (the copies are of the gathered weights), counted in ``other_bytes``.
+
+Named precisions (the plan's ``precision``, ``tensoropt launch --precision``; ``state_bytes``), bytes per
+parameter as each engine holds them, before dividing over dp as above:
+- ``32-true``: 4 + 4 + 8 (AdamW's two float32 moments, Loshchilov & Hutter 2019), every engine.
+- ``bf16-true``: 2 + 2 + 4 (torch: the model cast to bf16; DeepSpeed: ``bf16_master_weights_and_grads`` and
+  ``bf16_optimizer_states``, its ZeRO 1-2 partition a bf16 copy, 2/dp).
+- ``bf16-mixed`` on DeepSpeed (``master_weights``): 2 + 2 + 12, ZeRO's K = 12 (Rajbhandari et al. 2020,
+  sec. 3.1): bf16 weights and gradients, float32 master weights and two moments (``BF16_Optimizer``, ZeRO's
+  float32 partitions); gradients accumulated in bf16 (``data_types.grad_accum_dtype``), so no float32 copy.
+- ``bf16-mixed`` on the torch engine (``torch_mixed``): the weights themselves are float32. Without FSDP2:
+  4 + 4 + 8, plus autocast's bf16 copy of every weight (2, kept for the step: autocast caches the casts of
+  leaf float32 tensors that need gradients, and the products save them for backward; torch.amp docs). With
+  FSDP2 (torch ``fully_shard`` docs, ``MixedPrecisionPolicy``: parameters gathered in ``param_dtype``,
+  gradients reduced in ``reduce_dtype``, sharded parameters kept in their own dtype): ZeRO 3 holds float32
+  shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated, the
+  gathered unit freed after use, as the transient of one unit at a time is not priced here for any plan)
+  and reduce-scatters float32 (4); ZeRO 2 (``reshard_after_forward=False``) keeps the gathered bf16 weights
+  through the step (2, whole) beside the float32 shard (4/dp). Autocast over FSDP2's bf16 weights casts
+  nothing, so it caches no copy.
+Compute and activations come from the graph's op dtypes: the launcher captures the script in the precision it
+plans (``launcher.capture``), so bf16 plans compute at the bf16 peak and save bf16 activations.
 """
 
 from __future__ import annotations
@@ -91,7 +112,7 @@ def torch_mixed(zero: int) -> StateBytes:
     float32 shards (4/dp) are the master; a unit's weights are gathered in bf16 (2) and its gradients reduced
     in float32 (4/dp kept); ZeRO 2 keeps the gathered bf16 weights through the step (2, whole) beside the
     float32 shard (4/dp, counted as ``partition_copy``). The fused step moves 7 x 4 bytes."""
-    words = "bf16-mixed: float32 weights and AdamW states, bf16 compute"
+    words = "float32 weights and AdamW states, bf16 compute"
     if zero >= 2:
         return StateBytes(weight=2 if zero == 2 else 4, grad=4, optimizer=8, adam_moved=28, partition_copy=4,
                           gathered=2, cast_copy=0, precision=words + " (FSDP2 gathers bf16 weights, reduces "
