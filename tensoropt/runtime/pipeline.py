@@ -28,7 +28,7 @@ from ..errors import TensorOptError
 from .device import to_device
 from .materialize import Materializer, tie, tied_parameters
 from .param_groups import build_optimizer
-from .precision import autocast_forward, of_plan
+from .precision import autocast_forward, of_plan, traced_autocast
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, recompute_wrappers, replace_module
 
@@ -95,7 +95,8 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         model._apply(lambda t: t.to("meta"))
     trace_device = next(iter(model.parameters())).device
     args, kwargs = to_device(example_micro_batch(example_inputs, plan["micro_batch"]), trace_device)
-    pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec(model, plan))
+    with traced_autocast(of_plan(plan), trace_device):        # bf16-mixed: the stages' graphs compute in bf16
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec(model, plan))
     if pipe.num_stages != pp:
         raise TensorOptError(f"cutting the model before its block copies gave {pipe.num_stages} pipeline stages, "
                              f"the plan has {pp}: every block copy must be called once by the model's forward")
@@ -111,7 +112,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     wiring = stage_wiring(pipe.split_gm.graph, rank)
     del pipe                                        # the other stages' modules go with it
     relay = Relay(stage_module, wiring)
-    autocast_forward(relay, of_plan(plan), device)                  # bf16-mixed: the stage computes in bf16
+    autocast_forward(relay, of_plan(plan), device)                  # and runs under the autocast it was traced in
     stage = PipelineStage(relay, rank, pp, device)
     optimizer = build_optimizer(optimizer_fn, stage_module.parameters())
     stepper = None

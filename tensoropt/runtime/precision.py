@@ -25,6 +25,7 @@ in it, the reference a launched run in that precision is compared with.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -93,6 +94,18 @@ def autocast_forward(module: nn.Module, precision: str | None, device: torch.dev
         module.forward = functools.partial(_under_autocast, module.forward, device.type)
 
 
+def traced_autocast(precision: str | None, device: torch.device):
+    """bf16-mixed where the model is traced into a graph (pipeline stages, ``torch.export``): the trace runs under
+    the autocast, so the graph itself casts as autocast does (and its message dtypes say so)."""
+    if precision != "bf16-mixed":
+        return contextlib.nullcontext()
+    if device.type == "meta":       # autocast acts on no meta tensor: the graph would not say what runs
+        raise TensorOptError("bf16-mixed pipeline stages are traced under autocast, which does not act on a model "
+                             "built on the meta device: build it for real, or launch with --precision bf16-true or "
+                             "32-true")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
 def words(precision: str | None, engine: str, zero: int) -> str:
     """What the engine holds and computes in under ``precision``, for the launch summary."""
     if precision is None:
@@ -110,4 +123,4 @@ def words(precision: str | None, engine: str, zero: int) -> str:
 
 
 __all__ = ["PRECISION_ENV", "autocast_forward", "cast_model", "checked", "fsdp_kwargs", "of_plan",
-           "parameter_dtype", "words"]
+           "parameter_dtype", "traced_autocast", "words"]
