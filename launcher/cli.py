@@ -68,10 +68,11 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     check_nodes(nnodes, node_rank, master_addr, dry_run)
     devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None, profile,
                        dry_run)
-    if precision is None:
+    named = precision is not None
+    if not named:
         precision = (plan_path and _read_plan(plan_path).get("precision")) or L.default_precision()
     graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
-    L.check_precision(graph, precision)
+    precision = L.check_precision(graph, precision, named)
     if elastic and not dry_run:
         from .elastic import ElasticOptions, run_elastic
         options = ElasticOptions(Path(checkpoint_dir), checkpoint_every, min_gpus,

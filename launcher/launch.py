@@ -63,8 +63,10 @@ def training_dtype(graph: OpGraph) -> str:
 
 
 def default_precision(graph: OpGraph | None = None) -> str:
-    """The precision to plan when none is named: the one the graph was captured in (``capture_script``),
-    else ``TENSOROPT_PRECISION``, else bf16-mixed."""
+    """The precision to plan when none is named: bf16-mixed for a script under its own bf16 autocast, else the
+    one the graph was captured in (``capture_script``), else ``TENSOROPT_PRECISION``, else bf16-mixed."""
+    if graph is not None and script_autocast(graph) == "bfloat16":
+        return "bf16-mixed"
     named = (graph.meta("precision") if graph is not None else None) or os.environ.get(PRECISION_ENV)
     return checked(named, PRECISION_ENV) if named else "bf16-mixed"
 
@@ -75,12 +77,17 @@ def script_autocast(graph: OpGraph) -> str | None:
     return None if graph.meta("precision") == "bf16-mixed" else graph.meta("autocast")
 
 
-def check_precision(graph: OpGraph, precision: str) -> None:
-    """A script under its own bf16 autocast computes in bf16 whatever the engine does: only bf16-mixed says
-    what it runs (``runtime.precision``)."""
-    if script_autocast(graph) == "bfloat16" and precision != "bf16-mixed":
+def check_precision(graph: OpGraph, precision: str, named: bool = True) -> str:
+    """The precision to run: ``precision``, except for a script under its own bf16 autocast, which computes in
+    bf16 whatever the engine does, so only bf16-mixed says what it runs (``runtime.precision``): a precision
+    ``named`` on the command line that contradicts it is a one-line error, a default (``--plan``'s,
+    ``TENSOROPT_PRECISION``) gives way to it."""
+    if script_autocast(graph) != "bfloat16" or precision == "bf16-mixed":
+        return precision
+    if named:
         raise TensorOptError(f"the script trains under its own torch.autocast(bfloat16), which --precision "
                              f"{precision} would contradict: use --precision bf16-mixed or remove the autocast")
+    return "bf16-mixed"
 
 
 def planned_precision(plan: Plan, engine: str, precision: str) -> Plan:
@@ -214,7 +221,7 @@ def precision(plan: Plan, graph: OpGraph | None = None) -> str:
     held = state_bytes(plan.dtype, plan.master_weights, plan.precision, plan.zero).precision
     words = f"{plan.precision_name} ({held})" if plan.precision else held
     autocast = script_autocast(graph) if graph is not None else None
-    return words + (f"; compute and activations in {autocast} under the script's own autocast" if autocast else "")
+    return words + (f"; compute and activations in {autocast} under the script's autocast" if autocast else "")
 
 
 def describe(plan: dict, engine: str) -> str:

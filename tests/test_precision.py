@@ -124,9 +124,11 @@ def test_deepspeed_config_per_precision():
 def test_a_script_under_its_own_autocast_runs_bf16_mixed_only(small_gpt):
     graph, _ = small_gpt
     autocast = dataclasses.replace(graph, metadata=graph.metadata + (("autocast", "bfloat16"),))
-    check_precision(autocast, "bf16-mixed")
+    assert check_precision(autocast, "bf16-mixed") == "bf16-mixed"
     with pytest.raises(TensorOptError, match="own torch.autocast.*--precision bf16-mixed"):
-        check_precision(autocast, "32-true")
+        check_precision(autocast, "32-true")                                      # named on the command line
+    assert check_precision(autocast, "32-true", named=False) == "bf16-mixed"      # a default gives way
+    assert check_precision(graph, "32-true") == "32-true"
 
 
 def test_parallelize_alone_applies_a_precision_only_when_asked(monkeypatch):

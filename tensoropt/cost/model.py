@@ -112,7 +112,7 @@ def torch_mixed(zero: int) -> StateBytes:
     float32 shards (4/dp) are the master; a unit's weights are gathered in bf16 (2) and its gradients reduced
     in float32 (4/dp kept); ZeRO 2 keeps the gathered bf16 weights through the step (2, whole) beside the
     float32 shard (4/dp, counted as ``partition_copy``). The fused step moves 7 x 4 bytes."""
-    words = "float32 weights and AdamW states, bf16 compute"
+    words = "float32 weights, gradients and AdamW states, bf16 compute"
     if zero >= 2:
         return StateBytes(weight=2 if zero == 2 else 4, grad=4, optimizer=8, adam_moved=28, partition_copy=4,
                           gathered=2, cast_copy=0, precision=words + " (FSDP2 gathers bf16 weights, reduces "
