@@ -76,9 +76,10 @@ def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_pa
 
 def test_deepspeed_trains_a_bf16_model_in_bf16_mode(tmp_path):
     """bf16-mixed is priced as mixed precision (2 + 2 + 12 bytes per parameter): DeepSpeed's bf16 mode with bf16
-    gradients, communication and float32 master weights. The first loss is the script's alone in bf16-mixed
-    exactly (autocast over the same weights, float32 holding the bf16 values the script built); later ones differ
-    as DeepSpeed's bf16 gradients and their reduction make them."""
+    gradients, communication and float32 master weights. The first loss is the script's alone in bf16-mixed up to
+    DeepSpeed's bf16 residual stream (its weights are bf16, so are the embedding's outputs and the sums on them,
+    which autocast alone keeps in float32; 4.6e-5 measured); later ones differ as DeepSpeed's bf16 gradients and
+    their reduction make them."""
     alone = _alone(tmp_path, "--dtype", "bfloat16", env={**ENV, "TENSOROPT_PRECISION": "bf16-mixed"})
     result = _launch(tmp_path, "deepspeed", 3, "--dtype", "bfloat16", precision="bf16-mixed")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -87,7 +88,7 @@ def test_deepspeed_trains_a_bf16_model_in_bf16_mode(tmp_path):
         assert (got["bf16_enabled"], got["weight_dtype"], got["gradient_dtype"], got["communication_dtype"],
                 got["master_dtype"]) == (True, "torch.bfloat16", "torch.bfloat16", "torch.bfloat16", "torch.float32")
         assert got["peak_bytes"] < alone["model_bytes"], got
-        assert got["losses"][0] == pytest.approx(alone["losses"][0], rel=1e-6)
+        assert got["losses"][0] == pytest.approx(alone["losses"][0], rel=2e-4)
         np.testing.assert_allclose(got["losses"], alone["losses"], rtol=1e-3)
 
 
