@@ -92,6 +92,12 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
             data, source = fetch(master_addr, master_port, node_rank), "node 0's plan"
             why = f"node 0's plan, shared at {master_addr}:{plan_port(master_port)}, priced for this model here"
             engine = data.get("engine") or engine                       # node 0 chose it
+            if data.get("precision", precision) != precision:          # and its precision: every node runs one
+                if named:
+                    raise TensorOptError(f"node 0 runs --precision {data['precision']}, this node was given "
+                                         f"{precision}: give every node the same --precision")
+                precision = data["precision"]
+                graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
         point, engine = _load_plan(data, source, graph, devices, per_node, engine, precision)
         if point.peak_memory_bytes > devices.memory_bytes:
             raise TensorOptError(f"{source} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
