@@ -117,7 +117,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")
     click.echo(f"model states: {L.precision(point.plan, graph)}")
-    click.echo(L.describe(point.plan.to_json(), engine))
+    click.echo(L.describe(json.loads(plan_file.read_text()), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
     if dry_run:

@@ -29,6 +29,7 @@ from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, searc
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan, compute_dtype
 from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
+from tensoropt.space.vocab import VOCAB_PARALLEL_KEY, vocab_layout
 
 from .argv import torchrun_argv
 from .capture import capture_script
@@ -199,11 +200,13 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
                graph: OpGraph, device_kind: str) -> Path:
     """Write plan.json (and for DeepSpeed the exact config it trains with) into the run directory;
     the plan names the kind of device its workers train on (``cuda`` or ``cpu``), and a tensor-parallel
-    plan carries which linears of each block are column- and row-parallel."""
+    plan carries which linears of each block are column- and row-parallel, and whether (and which modules) the
+    vocabulary is split."""
     run_dir.mkdir(parents=True, exist_ok=True)
     extra: dict = {"engine": engine, "device": device_kind}
     if point.plan.tp > 1:
         extra[TP_LAYOUT_KEY] = tp_layout(graph)
+        extra[VOCAB_PARALLEL_KEY] = vocab_layout(graph).for_tp(point.plan.tp)
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
         write_json_atomic(config_path, deepspeed_config(point.plan.to_json()))
@@ -228,14 +231,19 @@ def describe(plan: dict, engine: str) -> str:
     """The configuration the workers will apply, in words (DeepSpeed's is its config file)."""
     full, selective = (sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == kind)
                        for kind in ("full", "selective"))
+    sequence = sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["sequence_parallel"])
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
         return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
             f"; precision {precision_words(of_plan(plan), engine, plan['zero'])}") + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
+    vocab = plan.get(VOCAB_PARALLEL_KEY) or {}
     parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
+             ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.get("enabled") else
+              f"vocabulary replicated ({vocab.get('reason')})") if plan["tp"] > 1 and vocab else "",
              f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
              {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
               3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
+             f"sequence parallel in {sequence} block copies per stage" if sequence and plan["tp"] > 1 else "",
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
              f"attention core recomputed (selective) in {selective} block copies per stage" if selective else "",
              f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples",

@@ -17,6 +17,7 @@ from .graph.ir import OpGraph
 from .graph.precision import active_autocast
 from .models import ModelSource, example_shape, in_dtype, module_identity, resolve_model
 from .space.tp_check import check_tensor_parallel, with_tp_checks
+from .space.vocab import check_vocab_modules, with_vocab_check
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
 CAPTURE_VERSION = 8
@@ -83,6 +84,7 @@ def capture(model: str | nn.Module, example_inputs: tuple | Mapping | None = Non
         "batch_size": str(src.get("batch_size") or ""), "seq_len": str(src.get("seq_len") or ""),
     }.items())))
     graph = with_tp_checks(graph, check_tensor_parallel(module, inputs, graph))
+    graph = with_vocab_check(graph, check_vocab_modules(module, graph))
     seconds = time.perf_counter() - start
     graph = replace(graph, fingerprint=key,
                     metadata=tuple(sorted((dict(graph.metadata) | {"trace_seconds": f"{seconds:.6f}"}).items())))

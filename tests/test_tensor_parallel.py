@@ -107,7 +107,8 @@ def test_only_the_planned_branches_are_sharded(tmp_path):
     assert params["layers.3.mlp.down.weight"] == [[64, 128], [64, 256]]     # row: input features split
     assert params["layers.3.mlp.down.bias"] == [[64], [64]]                 # added once, after the all-reduce
     assert params["layers.0.attn.qkv.weight"] == [None, [192, 64]]          # attention not planned: replicated
-    assert params["embed.weight"] == [None, [128, 64]]                      # vocabulary replicated
+    assert params["embed.weight"] == [[64, 64], [128, 64]]                  # vocabulary split (rows)
+    assert "head.weight" not in params                                      # tied to it: still one parameter
 
 
 def test_layout_comes_from_the_graphs_branches(write_json):

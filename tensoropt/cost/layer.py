@@ -4,7 +4,8 @@ Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 20
 branch costs one all-reduce of its output in the forward and one of its input gradient in the
 backward; under sequence parallelism (Korthikanti et al. 2022) each all-reduce becomes an
 all-gather plus a reduce-scatter of the same total volume, and the stream's ops and activations
-divide by tp. Activation memory is what the captured graph says autograd keeps, divided by the
+divide by tp (a copy without recomputation gathers its branches' inputs once more in the backward, having
+kept only its share of them). Activation memory is what the captured graph says autograd keeps, divided by the
 op's shard; recomputation keeps less and runs more (Chen et al. 2016; Korthikanti et al. 2022):
 ``selective`` drops the attention core, ``full`` keeps only the block's input.
 """
@@ -18,6 +19,7 @@ import numpy as np
 from ..graph.ir import Op
 from ..space.block import BlockSpace
 from ..space.plan import LayerStrategy
+from ..space.vocab import VocabLayout
 from .comm import all_gather_s, all_reduce_s
 from .ops import OpArrays, op_times
 from .profile import Cluster
@@ -49,6 +51,13 @@ def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
     return out
 
 
+def _column_input_bytes(ops: tuple[Op, ...], columns: tuple[int, ...]) -> float:
+    """Bytes of the distinct activations a branch's column linears read: what sequence parallelism gathers."""
+    inputs = {(r.kind, r.index, r.slot): meta.nbytes for c in columns for meta, r in zip(ops[c].inputs, ops[c].sources)
+              if r.kind in ("local", "prev")}
+    return float(sum(inputs.values()))
+
+
 class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
@@ -61,6 +70,7 @@ class BlockCost:
         self._cache: dict[tuple, LayerCost] = {}
         self._op_cache: dict[tuple, tuple] = {}
         self._branch_nbytes = {b: float(sum(ops[r].outputs[0].nbytes for r in b.row)) for b in space.branches}
+        self._gathered_nbytes = {b: _column_input_bytes(ops, b.column) for b in space.branches}
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -83,8 +93,10 @@ class BlockCost:
                 # all-reduce fwd + bwd; under SP all-gather + reduce-scatter of the same volume each way
                 total += 2 * all_reduce_s(nbytes, tp, 1, self.cluster)
             elif sequence_parallel:
-                # a replicated branch on a sequence-split stream gathers its input, and its gradient
-                total += 3 * all_gather_s(nbytes, tp, 1, self.cluster)
+                # a replicated branch on a sequence-split stream gathers its input in the forward and its output's
+                # gradient in the backward; its output and input gradient are sliced locally
+                # (runtime.sequence_parallel)
+                total += 2 * all_gather_s(nbytes, tp, 1, self.cluster)
         return total
 
     def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int) -> LayerCost:
@@ -116,6 +128,15 @@ class BlockCost:
             recompute, transient = float(fwd[self.core].sum()), float(saved[self.core].sum())
         else:
             kept, recompute, transient = all_saved, 0.0, 0.0
+        if sp:
+            # under sequence parallelism a copy without recomputation keeps its branches' gathered inputs as the
+            # share and gathers them again in the backward (Megatron-LM's way); a selectively recomputed one
+            # keeps them whole, as the runtime's saved-tensor hooks cannot nest (runtime.sequence_parallel)
+            gathered = [self._gathered_nbytes[b] * micro_batch for b in self.space.branches]
+            if strategy.recompute == "none":
+                comm += sum(all_gather_s(nbytes, tp, 1, self.cluster) for nbytes in gathered)
+            elif strategy.recompute == "selective":
+                kept += sum(gathered) * (1 - 1 / tp)
         params = float((self.params / np.where(self._sharded_params(tp_branches), tp, 1)).sum())
         return LayerCost(float(fwd.sum()), float(bwd.sum()), recompute, comm, kept, transient, params)
 
@@ -144,32 +165,39 @@ class LooseOps:
     """The ops before the first block (first stage) or after the last one (last stage), costed at any
     (tp, micro-batch): their per-op arrays and vocabulary split are worked out once per model.
 
-    With tp > 1 the vocabulary dimension is split (Megatron's vocabulary-parallel embedding and
-    cross-entropy): ops that read the embedding table or produce vocabulary-sized tensors divide by
-    tp, at the cost of one all-reduce of the hidden state in the forward (embedding output) and one
-    in the backward (head input gradient)."""
+    With tp > 1 and a model whose vocabulary can be split over tp ranks (``space.vocab``: the layout the runtime
+    applies, Megatron's vocabulary-parallel embedding and cross-entropy), the ops that read the embedding table
+    or head weight, or produce or read vocabulary-sized tensors, divide by tp, at the cost of one all-reduce of
+    the hidden state in the forward (embedding output) and one in the backward (head input gradient). Where the
+    vocabulary stays replicated (the model refuses the split, or tp does not divide it) they are priced whole on
+    every rank, with no vocabulary all-reduce: full logits, full table and head weights."""
 
-    def __init__(self, ops: tuple[Op, ...], cluster: Cluster, vocab: int | None) -> None:
-        self.ops, self.cluster = ops, cluster
-        self.vocab_split = np.zeros(len(ops), dtype=bool)   # ops that divide by tp
-        self.hidden_bytes = 0.0                              # the embedding's output: all-reduced when tp > 1
-        if vocab:
+    def __init__(self, ops: tuple[Op, ...], cluster: Cluster, layout: VocabLayout | None) -> None:
+        self.ops, self.cluster, self.layout = ops, cluster, layout or VocabLayout(refused="no vocabulary")
+        self.vocab_split = np.zeros(len(ops), dtype=bool)   # ops that divide by tp when the vocabulary is split
+        self.hidden_bytes = 0.0                              # the embedding's output: all-reduced when split
+        vocab, params = self.layout.vocab, set(self.layout.params)
+        if not self.layout.refused:
             for i, op in enumerate(ops):
-                reads_table = any(r.kind == "param" and vocab in m.shape for m, r in zip(op.inputs, op.sources))
+                reads_table = any(r.kind == "param" and r.name in params for r in op.sources)
                 sized = any(m.shape and m.shape[-1] == vocab for m in op.outputs + op.inputs)
                 self.vocab_split[i] = reads_table or sized
-                if op.kind == "embedding":
+                if op.kind == "embedding" and reads_table:
                     self.hidden_bytes = max(self.hidden_bytes, float(op.outputs[0].nbytes))
         self.arrays = OpArrays.of(ops, cluster.profile) if ops else None
         self.params = _param_elements(ops, range(len(ops)))
 
+    def split(self, tp: int) -> bool:
+        """Whether the vocabulary is split over ``tp`` ranks (as the runtime decides: ``VocabLayout.why_not``)."""
+        return tp > 1 and not self.layout.why_not(tp)
+
     def cost(self, tp: int, micro_batch: int) -> LooseCost:
         if not self.ops:
             return LooseCost(0.0, 0.0, 0.0)
-        shard = np.where(self.vocab_split, float(tp), 1.0) if tp > 1 else np.ones(len(self.ops))
-        hidden_bytes = self.hidden_bytes if tp > 1 else 0.0
+        split = self.split(tp)
+        shard = np.where(self.vocab_split, float(tp), 1.0) if split else np.ones(len(self.ops))
+        hidden_bytes = self.hidden_bytes if split else 0.0
         fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
         comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, self.cluster) if hidden_bytes else 0.0
         activations = float((self.arrays.saved_bytes * micro_batch / shard).sum())
         return LooseCost(float((fwd + bwd).sum()) + comm, activations, float((self.params / shard).sum()))
-

@@ -61,6 +61,7 @@ from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.plan import BlockPlan, LayerStrategy, Plan
 from ..space.tp_check import tp_checks
+from ..space.vocab import vocab_layout
 from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from .layer import BlockCost, LooseCost, LooseOps
 from .profile import Cluster
@@ -155,8 +156,7 @@ class ModelCost:
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
         self.tail_ops = tuple(op for op in folded.loose_ops if op.index >= last_block and folded.blocks)
         self.middle_ops = tuple(op for op in folded.loose_ops if first_block <= op.index < last_block)
-        vocab = {op.inputs[0].shape[0] for op in graph.ops if op.kind == "embedding"}
-        self.vocab = max(vocab) if vocab else None
+        self.vocab = vocab_layout(graph)      # split over tp or replicated, as the runtime will run it
         # a script under autocast keeps a 16-bit copy of every weight it computes with for the step (autocast's
         # weight cache; the products save it for backward): bytes per parameter; 0 without autocast, or for
         # weights already in its dtype
@@ -201,6 +201,21 @@ class ModelCost:
             if name not in self.branch_names:
                 raise ValueError(f"this model has no tensor-parallel branch {name!r} (its branches: "
                                  f"{', '.join(self.branch_names) or 'none'})")
+
+    def check_sequence_parallel(self, plan: Plan) -> None:
+        """A one-line error for a plan running a copy sequence-parallel that the block analysis does not allow
+        (a stream op mixing positions, a sequence ``tp`` does not divide; ``space.sp_check``)."""
+        by_name = {block.name: cost.space for block, cost in self.blocks}
+        for bp in plan.blocks:
+            space = by_name.get(bp.block)
+            if space is None or not any(s.sequence_parallel for s, n in bp.strategies if n):
+                continue
+            if space.sequence_refused:
+                raise ValueError(f"sequence parallelism cannot split the stream of block {bp.block!r}: "
+                                 f"{space.sequence_refused}")
+            if not space.sp_allowed(plan.tp):
+                raise ValueError(f"sequence parallelism over {plan.tp} devices splits the {space.seq_len} positions "
+                                 f"of block {bp.block!r} unevenly: use a tp that divides the sequence length")
 
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
         """(first stage, last stage) costs of the ops outside blocks."""
@@ -397,6 +412,7 @@ def estimate(model: ModelCost, plan: Plan) -> Estimate:
     """The what-if of one plan."""
     if plan.tp > 1:
         model.check_branches(plan.tp_branches)
+        model.check_sequence_parallel(plan)
     ctx = Context.of(plan)
     stage = _stage_counts(model, plan)
     time = back = acts = transient = params = 0.0

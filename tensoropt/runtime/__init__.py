@@ -145,6 +145,7 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     from ..graph.capture import trace_module
     from ..models import example_shape
     from ..space.tp_check import check_tensor_parallel, with_tp_checks
+    from ..space.vocab import check_vocab_modules, with_vocab_check
     batch, seq = example_shape(inputs)
     cast_model(model, precision)
     meta = {"batch_size": str(batch or ""), "seq_len": str(seq or ""), "global_batch": str(global_batch),
@@ -152,6 +153,7 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
         graph = trace_module(model, inputs, type(model).__name__, meta, require_loss=True)
     graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
+    graph = with_vocab_check(graph, check_vocab_modules(model, graph))
     write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
 
 

@@ -63,9 +63,11 @@ def split_batch(batch: Batch, part: int, parts: int) -> Batch:
 
 
 def plain_stepper(model, optimizer, before_micro_batch: Callable[[bool], object] | None = None,
-                  dp_group=None) -> Stepper:
+                  dp_group=None, loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                  ) -> Stepper:
     """Forward and backward every micro-batch, then one optimizer step (one process, DDP, FSDP2, TP);
-    the loss is averaged over ``dp_group`` (default: every rank).
+    the loss is averaged over ``dp_group`` (default: every rank). Each micro-batch's forward and backward
+    run inside ``loss_context()`` (torch's ``loss_parallel`` for vocabulary-split logits, which needs both).
 
     ``before_micro_batch(last)`` is told whether the coming micro-batch is the step's last, for the
     engine to communicate as the cost model assumes: DDP reduces gradients after the last only,
@@ -76,9 +78,11 @@ def plain_stepper(model, optimizer, before_micro_batch: Callable[[bool], object]
         for i, micro in enumerate(micro_batches):
             if before_micro_batch:
                 before_micro_batch(i == len(micro_batches) - 1)
-            loss = loss_of(call_model(model, micro)) / len(micro_batches)
-            loss.backward()
-            total = loss.detach().float() if total is None else total + loss.detach().float()
+            with loss_context():
+                loss = loss_of(call_model(model, micro)) / len(micro_batches)
+                loss.backward()
+            value = local_tensor(loss.detach()).float()      # loss_parallel's loss is a replicated DTensor
+            total = value if total is None else total + value
         optimizer.step()
         return mean_over_group(total, dp_group)
     return step

@@ -6,16 +6,16 @@ up/gate: weight split by output features, the input replicated) and ``RowwisePar
 linears (attention output projection, MLP down: weight split by input features, the partial outputs
 summed by one all-reduce). The ops between them run on the rank's share of heads or features, so a
 model must take head counts from its tensors (``view(b, s, -1, head_dim)``), as Hugging Face models and
-``tensoropt.models.transformer`` do. Everything else (norms, residual stream, embeddings) is replicated.
+``tensoropt.models.transformer`` do. Norms and the residual stream are replicated; the vocabulary, below.
 
 Which modules those linears are comes from plan.json's ``tp_layout`` (see ``tensoropt.space.tp_layout``),
 which the launcher derives from the captured graph's block analysis: the runtime shards exactly what the
 cost model assumed, and never guesses from module names.
 
-Known differences from the cost model: the vocabulary (embedding and LM head) stays replicated, while
-the cost model assumes a vocabulary-parallel embedding and head; so each rank holds the full embedding
-and computes the full logits. Sequence parallelism is not applied (plans that need it are refused
-before they get here, see ``tensoropt.search.engines.unsupported``).
+The vocabulary (embedding, LM head and the cross-entropy on the logits) is split over the same ranks where
+plan.json's ``vocab_parallel`` says the model allows it (``runtime.vocab_parallel``), and stays replicated,
+as it was priced, where it does not. Copies the plan runs sequence-parallel are set up by
+``sequence_parallel``.
 """
 
 from __future__ import annotations
@@ -24,13 +24,19 @@ from torch import nn
 
 from ..errors import TensorOptError
 from ..space.tp_layout import TP_LAYOUT_KEY
+from .sequence_parallel import apply_sequence_parallel, layout_of, sequence_parallel_copies
 from .torch_engine import block_modules
+from .vocab_parallel import apply_vocab_parallel
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example_inputs=None) -> None:
-    """Shard, in place, the linears of the plan's tensor-parallel branches over ``tp_mesh``, after checking on
-    a small real input that the sharded blocks compute what the whole ones do (``tp_guard``)."""
+def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example_inputs=None) -> bool:
+    """Shard, in place, the linears of the plan's tensor-parallel branches over ``tp_mesh`` (and run the copies
+    the plan marks sequence-parallel on the rank's share of the sequence, ``sequence_parallel``), after checking
+    on a small real input that the sharded blocks compute what the whole ones do (``tp_guard``), and the
+    vocabulary where the plan splits it; returns whether it did (the step then computes the loss under
+    ``loss_parallel``, ``vocab_parallel.loss_context``)."""
     tp = tp_mesh.size()
+    sp = sequence_parallel_copies(model, plan)
     blocks = {}
     for block, branches in sharded_branches(plan).items():
         check_degree(block, branches, tp)
@@ -41,19 +47,31 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example
         for name in copies:
             check_linears(model.get_submodule(name), name, branches, tp)
         blocks[block] = (copies, branches)
+    for block in plan["blocks"]:      # sequence-parallel copies of a block none of whose branches is sharded
+        copies = block_modules(model, {"blocks": [block]})
+        if block["block"] not in blocks and any(c in sp for c in copies):
+            blocks[block["block"]] = (copies, [])
     if example_inputs is not None:
         from .tp_guard import check_sharded_blocks
         check_sharded_blocks(model, example_inputs, {b: (c[0], br) for b, (c, br) in blocks.items()}, tp_mesh,
-                             device)
-    for copies, branches in blocks.values():
+                             device, {b: layout_of(plan, b) for b, (c, _) in blocks.items() if c[0] in sp})
+    for block, (copies, branches) in blocks.items():
+        relay: dict = {}
         for name in copies:
-            shard_copy(model.get_submodule(name), branches, tp_mesh)
+            shard_copy(model.get_submodule(name), branches, tp_mesh, layout_of(plan, block) if name in sp else None,
+                       name, sp.get(name, (False, False, False)), relay)
+    return apply_vocab_parallel(model, plan, tp_mesh)
 
 
-def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh) -> None:
-    """Shard one copy of a block: its branches' column and row linears, as the layout describes them."""
+def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh, sp_layout: list[dict] | None = None, name: str = "",
+               handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None) -> None:
+    """Shard one copy of a block: its branches' column and row linears, as the layout describes them; with
+    ``sp_layout`` (every branch of the block) the copy runs sequence-parallel too."""
     from torch.distributed.tensor.parallel import parallelize_module
-    parallelize_module(copy, tp_mesh, styles(copy, branches, tp_mesh.size()))
+    if branches:
+        parallelize_module(copy, tp_mesh, styles(copy, branches, tp_mesh.size(), sp_layout is not None))
+    if sp_layout is not None:
+        apply_sequence_parallel(copy, name, sp_layout, branches, tp_mesh, handoff, relay)
 
 
 def sharded_branches(plan: dict) -> dict[str, list[dict]]:
@@ -84,14 +102,15 @@ def check_degree(block: str, branches: list[dict], tp: int) -> None:
                                  f"{branch['branch']!r} in block {block!r}: tp must divide {branch['max_tp']}")
 
 
-def styles(copy: nn.Module, branches: list[dict], tp: int) -> dict:
-    """``parallelize_module``'s plan for one block copy: module name -> its column or row style."""
+def styles(copy: nn.Module, branches: list[dict], tp: int, sequence_parallel: bool = False) -> dict:
+    """``parallelize_module``'s plan for one block copy: module name -> its column or row style (under sequence
+    parallelism the row linears reduce-scatter along the sequence)."""
     from .tp_styles import column_style, row_style
     out = {}
     for branch in branches:
         segments = branch.get("segments", {})
         out |= {name: column_style(copy.get_submodule(name), segments.get(name), tp) for name in branch["column"]}
-        out |= {name: row_style(copy.get_submodule(name)) for name in branch["row"]}
+        out |= {name: row_style(copy.get_submodule(name), sequence_parallel) for name in branch["row"]}
     return out
 
 

@@ -17,6 +17,7 @@ from .materialize import Materializer
 from .param_groups import build_optimizer
 from .precision import autocast_forward, cast_model, fsdp_kwargs, of_plan
 from .run import Run, plain_stepper
+from .vocab_parallel import loss_context
 
 
 def block_modules(model: nn.Module, plan: dict) -> list[str]:
@@ -91,9 +92,10 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
     dp, tp = plan["dp"], plan["tp"]
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan["zero"] >= 2 \
         else None
+    vocab_split = False             # the logits sharded by vocabulary: the loss runs under loss_parallel
     if tp > 1:
         from .tensor_parallel import apply_tensor_parallel
-        apply_tensor_parallel(model, plan, mesh["tp"], device, example_inputs)
+        vocab_split = apply_tensor_parallel(model, plan, mesh["tp"], device, example_inputs)
     apply_recompute(model, plan)
     autocast_forward(model, precision, device)
     before_micro_batch = None
@@ -120,7 +122,8 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
     optimizer = build_optimizer(optimizer_fn, model.parameters())
     dp_rank = rank // tp
     run = Run(rank, world, dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
-              plan, "torch", plain_stepper(model, optimizer, before_micro_batch) if optimizer else None, device=device)
+              plan, "torch", plain_stepper(model, optimizer, before_micro_batch, loss_context=loss_context(vocab_split))
+              if optimizer else None, device=device)
     return model, optimizer, run
 
 

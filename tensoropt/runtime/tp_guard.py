@@ -10,6 +10,10 @@ rounding. The block's inputs are those the model's forward hands it, found by a 
 that block; floating-point inputs are filled with random numbers, integer ones with zeros and masks with
 True, which is enough to tell a correct layout (equal up to rounding) from a wrong one (different everywhere).
 It costs one block copy in float32 for a moment, before the model itself is given memory.
+
+A block the plan runs sequence-parallel is also run that way (``sequence_parallel``: its stream split along the
+sequence, entered and left whole): code outside the branches that mixes positions, which the planner's analysis
+(``space.sp_check``) should have refused, gives other outputs there, or fails inside DTensor, and stops the run.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ SEED = 0
 
 
 def check_sharded_blocks(model: nn.Module, example_inputs, first_copies: dict[str, tuple[str, list[dict]]],
-                         tp_mesh, device: torch.device) -> None:
+                         tp_mesh, device: torch.device, sp_layouts: dict[str, list[dict]] | None = None) -> None:
     """Raise a one-line error naming the block and branches whose sharded output differs from the whole one.
-    ``first_copies``: {block: (module name of its first copy, the branches the plan shards in it)}."""
+    ``first_copies``: {block: (module name of its first copy, the branches the plan shards in it)};
+    ``sp_layouts``: {block: all its branches} of the blocks the plan runs sequence-parallel, checked that way too."""
+    sp_layouts = sp_layouts or {}
     from ..space.tp_check import first_copy_inputs
     inputs = example_inputs if isinstance(example_inputs, (tuple, Mapping)) else (example_inputs,)
     found = first_copy_inputs(model, inputs, {name for name, _ in first_copies.values()},
@@ -42,7 +48,9 @@ def check_sharded_blocks(model: nn.Module, example_inputs, first_copies: dict[st
                                  "shards: the plan was made for another model")
         args, kwargs = _real(found[name], device)
         whole = _probe(model.get_submodule(name), device)
-        if _sharded_difference(whole, branches, tp_mesh, args, kwargs) <= RELATIVE_TOLERANCE:
+        if block in sp_layouts:
+            _check_sequence_parallel(whole, name, branches, sp_layouts[block], tp_mesh, args, kwargs)
+        if not branches or _sharded_difference(whole, branches, tp_mesh, args, kwargs) <= RELATIVE_TOLERANCE:
             continue
         wrong = [b for b in branches if _sharded_difference(whole, [b], tp_mesh, args, kwargs) > RELATIVE_TOLERANCE]
         names = ", ".join(f"{b['branch']} ({'+'.join(b['column'])} -> {'+'.join(b['row'])})" for b in wrong or branches)
@@ -52,11 +60,32 @@ def check_sharded_blocks(model: nn.Module, example_inputs, first_copies: dict[st
             "training); plan this model with --tp 1")
 
 
-def _sharded_difference(whole: nn.Module, branches: list[dict], tp_mesh, args: tuple, kwargs: dict) -> float:
-    """The relative difference between ``whole``'s output and that of a copy with ``branches`` sharded."""
+def _check_sequence_parallel(whole: nn.Module, name: str, branches: list[dict], layout: list[dict], tp_mesh,
+                             args: tuple, kwargs: dict) -> None:
+    """The copy run sequence-parallel (its stream split along dim 1, ``sequence_parallel``) must compute what the
+    whole one does: a block whose code outside the branches mixes positions, or reads the stream with anything
+    but per-token ops, fails here (or raises inside DTensor, which says the same)."""
+    why = ""
+    try:
+        difference = _sharded_difference(whole, branches, tp_mesh, args, kwargs, layout)
+    except TensorOptError:
+        raise
+    except Exception as exc:     # the model's code failing on a sequence share is the finding
+        difference, why = float("inf"), f" ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})"
+    if difference > RELATIVE_TOLERANCE:
+        raise TensorOptError(
+            f"sequence parallelism over {tp_mesh.size()} devices changes what {name} computes{why}: its ops outside "
+            "the tensor-parallel branches do not run on a share of the sequence (checked on a test input before "
+            "training); plan this model without sequence parallelism")
+
+
+def _sharded_difference(whole: nn.Module, branches: list[dict], tp_mesh, args: tuple, kwargs: dict,
+                        sp_layout: list[dict] | None = None) -> float:
+    """The relative difference between ``whole``'s output and that of a copy with ``branches`` sharded (and run
+    sequence-parallel, entered and left with the whole sequence, with ``sp_layout``)."""
     from .tensor_parallel import shard_copy
     sharded = copying.deepcopy(whole)
-    shard_copy(sharded, branches, tp_mesh)
+    shard_copy(sharded, branches, tp_mesh, sp_layout, "the sequence-parallel probe")
     with torch.no_grad():
         return _difference(sharded(*args, **kwargs), whole(*args, **kwargs))
 

@@ -79,9 +79,11 @@ def column_style(module: nn.Module, segments: list[int] | None, tp: int) -> Colw
     return Columns(transposed, torch.tensor(segment_order(tuple(segments), tp)) if segments else None)
 
 
-def row_style(module: nn.Module) -> RowwiseParallel:
-    """The style that shards ``module``'s input features (the ranks' partial outputs are summed)."""
-    return ConvRows() if linear_kind(module) == "conv1d" else RowwiseParallel()
+def row_style(module: nn.Module, sequence_parallel: bool = False) -> RowwiseParallel:
+    """The style that shards ``module``'s input features (the ranks' partial outputs are summed: all-reduced,
+    or reduce-scattered along the sequence, dim 1, into a sequence-sharded DTensor under sequence parallelism)."""
+    kwargs = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}
+    return ConvRows(**kwargs) if linear_kind(module) == "conv1d" else RowwiseParallel(**kwargs)
 
 
 __all__ = ["Columns", "ConvRows", "column_style", "row_style"]

@@ -14,7 +14,7 @@ from ..errors import TensorOptError
 ENGINES = ("torch", "deepspeed")          # in order of preference when both run a plan
 
 ENGINE_SPACES = {
-    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
+    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=True,
                   offload=False, max_virtual_stages=1),
     "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
                       offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
@@ -24,10 +24,10 @@ ENGINE_SPACES = {
 def unsupported(plan: dict, engine: str) -> list[str]:
     """What a plan (its JSON) needs that ``engine`` does not apply; empty when it can run it."""
     strategies = [s for b in plan["blocks"] for s in b["strategies"]]
-    common = [("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
-              ("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1)]
+    common = [("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1)]
     if engine == "deepspeed":
         return [what for what, needed in common + [
+            ("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
             ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),
             ("optimizer offload without ZeRO", plan["offload"] and plan["zero"] == 0),
             # DeepSpeed keeps a float32 master copy under ZeRO 0 (BF16_Optimizer): bf16 master weights need 1-3

@@ -88,7 +88,7 @@ class SearchResult:
 
 def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStrategy]:
     recompute = [r for r in space.recompute if r != "selective" or cost.space.attention_core]
-    sps = (False, True) if tp > 1 and space.sequence_parallel else (False,)
+    sps = (False, True) if space.sequence_parallel and cost.space.sp_allowed(tp) else (False,)
     return [LayerStrategy(r, sp) for r in recompute for sp in sps]
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ..graph.fold import common_scope
 from ..graph.ir import Op
 from .fused import FeatureLayout, feature_layout
+from .sp_check import sequence_refusal
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,16 @@ class BlockSpace:
     attention_core: tuple[int, ...]  # ops with an s x s output: what selective recomputation drops
     carried_bytes: int               # bytes entering the block from the previous copy (its checkpoint)
     refused: tuple[tuple[str, str], ...] = ()   # (branch, why) of branches that cannot be sharded
+    sequence_refused: str = "not analysed"       # why the stream cannot be split by sequence ("" if it can)
+    seq_len: int | None = None
 
     def tp_allowed(self, tp: int) -> bool:
         return tp == 1 or (bool(self.branches) and all(b.max_tp % tp == 0 for b in self.branches))
+
+    def sp_allowed(self, tp: int) -> bool:
+        """Whether a copy may run sequence-parallel over ``tp`` ranks: a per-token stream (``space.sp_check``) whose
+        sequence ``tp`` divides."""
+        return tp > 1 and not self.sequence_refused and bool(self.seq_len) and self.seq_len % tp == 0
 
 
 def _weight(op: Op):
@@ -137,7 +145,8 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
     in_branch = {i for b in branches for i in b.ops}
     stream = tuple(i for i in range(n) if i not in in_branch)
     core = tuple(sorted({i for b in branches for i in _attention_core(ops, b)}))
-    return BlockSpace(tuple(branches), stream, core, carried_bytes, tuple(sorted(refused)))
+    return BlockSpace(tuple(branches), stream, core, carried_bytes, tuple(sorted(refused)),
+                      sequence_refusal(ops, in_branch, seq_len), seq_len)
 
 
 def _attention_core(ops: tuple[Op, ...], branch: Branch) -> set[int]:

@@ -1,0 +1,244 @@
+"""Sequence parallelism with tensor parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", sec. 4.2.2), for the copies the plan marks ``sequence_parallel``.
+
+In such a copy the residual stream, and every op outside the column -> row branches (norms, dropouts, residual
+adds), runs on the rank's ``1/tp`` share of the sequence (dim 1, batch-first); the planner offers it only to
+blocks whose ops outside the branches are per token (``space.sp_check``) and whose sequence ``tp`` divides.
+Entering a branch the stream is all-gathered along the sequence (once per distinct input: q, k and v reading
+the same normed tensor share one gather, whose backward is one reduce-scatter); leaving it, the row linears'
+partial outputs are reduce-scattered along the sequence instead of all-reduced. Two placements of
+``torch.distributed.tensor`` carry this: the stream inside the copy is a ``DTensor`` sharded on dim 1, the
+parameters outside the branches (norm weights) are ``Replicate`` ``DTensor``s, so the gradients each rank
+computes on its share come out ``Partial`` and are summed over the tensor-parallel group (by the optimizer's
+DTensor ops, or by FSDP2 before its reduce-scatter, see ``fsdp._fully_shard._fsdp_param``).
+
+A branch the plan leaves replicated runs whole on every rank inside an SP copy: its input is all-gathered,
+its output sliced back to the rank's share (backward: the output gradient all-gathered, the input gradient
+sliced): two all-gathers of the branch's activations per copy, as ``cost.layer`` prices it.
+
+Autograd saves a column linear's input for its backward: a copy without recomputation keeps the share instead of
+the gathered whole and gathers it again in the backward (Megatron-LM's way; saved-tensor hooks), so it holds
+``1/tp`` of its stream activations. Under recomputation those hooks would shadow the recomputation's own (hooks do
+not nest), so a selectively recomputed SP copy keeps its gathered inputs whole; ``cost.layer`` prices both.
+
+Between copies the stream is a plain tensor: the rank's share between two consecutive SP copies of a block
+(no communication), the whole sequence elsewhere. The first SP copy of a run slices its input (backward:
+all-gather), the last gathers its output (backward: slice), as ``cost.model.chain_sums`` prices the layout
+changes. The stream is the block's first tensor argument and its output (or the output's first element);
+other inputs (masks, rotary tables, positions) stay whole and are used inside the branches on the whole
+sequence.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..errors import TensorOptError
+from ..space.tp_layout import TP_LAYOUT_KEY
+from .torch_engine import block_modules
+
+SEQUENCE_DIM = 1
+
+
+def sequence_parallel_copies(model: nn.Module, plan: dict) -> dict[str, tuple[bool, bool, bool]]:
+    """{copy module name: (its input arrives sharded, its output stays sharded, it keeps its activations)} for
+    every copy the plan runs sequence-parallel; a copy hands its share on only to the next copy of the same block
+    that is SP too; a copy without recomputation keeps only its share of the branches' gathered inputs."""
+    if plan["tp"] < 2:
+        return {}
+    out = {}
+    for block in plan["blocks"]:
+        copies = block_modules(model, {"blocks": [block]})
+        per_stage = [(s.get("sequence_parallel", False), s["recompute"] == "none") for s in block["strategies"]
+                     for _ in range(s["copies"])]
+        flags = [sp for sp, _ in per_stage] * plan["pp"]
+        keeps = [keep for _, keep in per_stage] * plan["pp"]
+        for i, (name, sp) in enumerate(zip(copies, flags)):
+            if sp:
+                out[name] = (i > 0 and flags[i - 1], i + 1 < len(flags) and flags[i + 1], keeps[i])
+    return out
+
+
+def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], sharded: list[dict], tp_mesh,
+                            handoff: tuple[bool, bool, bool], relay: dict | None = None) -> None:
+    """Make one already tensor-sharded copy run its stream on the rank's share of the sequence (module doc).
+    ``layout``: every branch of the block (plan.json's ``tp_layout``), ``sharded``: those the plan shards,
+    ``handoff``: (input arrives sharded, output stays sharded, keeps its activations: then the gathered inputs
+    autograd saves are kept as the rank's share and gathered again in the backward, as Megatron-LM does, so the
+    copy holds ``1/tp`` of them as the cost model prices; not under recomputation, whose own saved-tensor hooks
+    must stay innermost), ``relay``: shared by a run of copies so that a copy can check it receives the very
+    share its predecessor handed on."""
+    names = {b["branch"] for b in sharded}
+    gathers = _GatherOnce(tp_mesh)
+    linears = set()
+    for branch in layout:
+        local = branch["branch"] not in names
+        for column in branch["column"]:
+            copy.get_submodule(column).register_forward_pre_hook(gathers.hook(local), prepend=True)
+        if local:
+            for row in branch["row"]:
+                copy.get_submodule(row).register_forward_hook(_slice_output(tp_mesh))
+        linears |= set(branch["column"]) | set(branch["row"])
+    _replicate_stream_parameters(copy, linears, tp_mesh)
+    relay = {} if relay is None else relay
+    copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay, handoff[2]), with_kwargs=True)
+    copy.register_forward_hook(_leave(name, handoff[1], gathers, relay), with_kwargs=True)
+
+
+class _GatherOnce:
+    """All-gathers a column linear's sequence-sharded input, once per input tensor within a copy's forward
+    (Megatron-LM gathers once per branch), so that q, k and v reading one normed tensor share one gather and
+    their input gradients one reduce-scatter."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh, self.done, self.saving = mesh, {}, None
+
+    def clear(self) -> None:
+        self.done = {}
+        if self.saving is not None:
+            self.saving.__exit__(None, None, None)
+            self.saving = None
+
+    def save_shares(self) -> None:
+        """Until ``clear``: a gathered input autograd saves is kept as the share it was gathered from."""
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self.saving.__enter__()
+
+    def pack(self, t: torch.Tensor):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        for share, whole in self.done.values():
+            w = whole._local_tensor
+            if local.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and local.is_contiguous() \
+                    and local.storage_offset() == w.storage_offset() and local.numel() == w.numel():
+                return _Share(share, t.shape, isinstance(t, DTensor), self.mesh)
+        return t
+
+    def hook(self, local: bool):
+        def gather(module, args):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                raise TensorOptError(f"under sequence parallelism a branch's linear ({type(module).__name__}) reads "
+                                     "a tensor that is not the block's sequence-sharded stream: plan this model "
+                                     "without sequence parallelism")
+            key = id(x)
+            if key not in self.done:
+                self.done[key] = (x, x.redistribute(self.mesh, [Replicate()]))
+            whole = self.done[key][1]
+            return (whole.to_local() if local else whole, *args[1:])
+        return gather
+
+
+class _Share:
+    """A saved gathered input, held as the rank's share of it (see ``_GatherOnce.save_shares``)."""
+
+    def __init__(self, share: DTensor, shape: torch.Size, distributed: bool, mesh) -> None:
+        self.share, self.shape, self.distributed, self.mesh = share, shape, distributed, mesh
+
+
+def _unpack(packed):
+    if not isinstance(packed, _Share):
+        return packed
+    with torch.no_grad():
+        whole = packed.share.redistribute(packed.mesh, [Replicate()])
+    return whole.view(packed.shape) if packed.distributed else whole.to_local().view(packed.shape)
+
+
+def _slice_output(mesh):
+    """A replicated branch's output (whole sequence, equal on every rank) as the rank's share of the stream."""
+    def slice_(_module, _args, output):
+        return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(
+            mesh, [Shard(SEQUENCE_DIM)])
+    return slice_
+
+
+def _replicate_stream_parameters(copy: nn.Module, linears: set[str], mesh) -> None:
+    """Parameters outside the branches' linears (norm weights and biases) as ``Replicate`` DTensors: they meet
+    the sequence-sharded stream, and their gradients (partial sums over the rank's tokens) are summed over the
+    tensor-parallel group."""
+    for module_name, module in copy.named_modules():
+        if any(module_name == n or module_name.startswith(n + ".") for n in linears):
+            continue
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
+                                                          requires_grad=param.requires_grad))
+
+
+def _stream_position(args: tuple, kwargs: dict) -> tuple[str, int | str]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return "args", i
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return "kwargs", k
+    raise TensorOptError("a sequence-parallel block received no tensor to carry as its stream")
+
+
+def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict, keeps: bool):
+    tp = mesh.size()
+
+    def enter(_module, args, kwargs):
+        gathers.clear()
+        where, key = _stream_position(args, kwargs)
+        x = args[key] if where == "args" else kwargs[key]
+        if isinstance(x, DTensor):      # a recomputation re-entering: already converted
+            return None
+        if arrives_sharded:
+            if not any(_same_values(ref(), x) for ref in relay.values()):
+                raise TensorOptError(f"{name} runs sequence-parallel after another such copy, but its input is not "
+                                     "that copy's output (the model changes the stream between its blocks): plan "
+                                     "this model without sequence parallelism")
+            stream = DTensor.from_local(x, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+        else:
+            if x.dim() < 2 or x.shape[SEQUENCE_DIM] % tp:
+                raise TensorOptError(f"sequence parallelism over {tp} devices splits dim {SEQUENCE_DIM} of {name}'s "
+                                     f"input {tuple(x.shape)}, which {tp} does not divide: use a sequence length "
+                                     f"that {tp} divides, or plan without sequence parallelism")
+            stream = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(
+                mesh, [Shard(SEQUENCE_DIM)])
+        if keeps and torch.is_grad_enabled():
+            gathers.save_shares()
+        if where == "args":
+            return (*args[:key], stream, *args[key + 1:]), kwargs
+        return args, {**kwargs, key: stream}
+    return enter
+
+
+def _leave(name: str, stays_sharded: bool, gathers: _GatherOnce, relay: dict):
+    def leave(_module, _args, _kwargs, output):
+        gathers.clear()
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        if not isinstance(first, DTensor):
+            raise TensorOptError(f"{name}'s output is not its sequence-sharded stream: plan this model without "
+                                 "sequence parallelism")
+        y = first.to_local() if stays_sharded else first.redistribute(first.device_mesh, [Replicate()]).to_local()
+        if stays_sharded:       # all kept: a recomputation re-enters with an earlier copy's output
+            for key in [k for k, ref in relay.items() if ref() is None]:
+                del relay[key]
+            relay[id(y)] = weakref.ref(y)
+        if isinstance(output, tuple):
+            return (y, *output[1:])
+        if isinstance(output, list):
+            return [y, *output[1:]]
+        return y
+    return leave
+
+
+def _same_values(handed: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether ``x`` is the share a copy handed on, or a view of it (FSDP2 hooks the outputs of the modules it
+    wraps through a view)."""
+    return handed is not None and handed.shape == x.shape and \
+        handed.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def layout_of(plan: dict, block: str) -> list[dict]:
+    """Every branch of ``block`` that plan.json's layout names (sharded or not)."""
+    return plan.get(TP_LAYOUT_KEY, {}).get(block, [])
+
+
+__all__ = ["apply_sequence_parallel", "layout_of", "sequence_parallel_copies"]

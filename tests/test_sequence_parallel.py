@@ -1,0 +1,180 @@
+"""Sequence parallelism in the torch engine (``runtime.sequence_parallel``): which blocks the planner offers it to,
+and real torchrun runs over gloo on CPU, compared with the same script run alone (float32, rtol 2e-5)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import EXAMPLES, REPO
+from torch import nn
+from workers import ENV, dry_run_plan, losses_alone, tensoropt_cli, tp2
+
+import tensoropt
+from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.search.engines import ENGINE_SPACES, unsupported
+from tensoropt.search.ft import SearchSpace, layer_options
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+GPT, LLAMA = str(EXAMPLES / "train_gpt.py"), str(EXAMPLES / "train_llama_hf.py")
+BATCH, SEQ, HIDDEN = 2, 32, 64       # as in tests/sp_block_probe.py
+
+
+def _block_cost(model: nn.Module, seq: int = SEQ):
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    graph = tensoropt.capture(model, (ids, ids), cache=False).graph
+    [(_, cost)] = ModelCost(graph, tensoropt.fold(graph), Cluster(2, 2, load_profile("h100-80gb"))).blocks
+    return cost
+
+
+def _gpt(attention: str = "flash", seq: int = SEQ) -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(TransformerConfig(hidden_size=HIDDEN, num_layers=2, num_attention_heads=4, ffn_hidden_size=256,
+                                       seq_length=seq, vocab_size=128, attention=attention))
+
+
+class _RunningMean(nn.Module):
+    """A block whose stream, outside its MLP branch, averages over the positions so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 128), nn.Linear(128, HIDDEN)
+
+    def forward(self, x):
+        x = x + self.down(torch.relu(self.up(self.norm(x))))
+        return x.cumsum(1) / torch.arange(1, x.shape[1] + 1, device=x.device).view(1, -1, 1)
+
+
+class _RunningMeanLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.layers, self.head = nn.Embedding(128, HIDDEN), nn.ModuleList(
+            _RunningMean() for _ in range(2)), nn.Linear(HIDDEN, 128)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_the_planner_offers_sequence_parallelism_where_the_stream_is_per_token_and_tp_divides_the_sequence():
+    torch_space = SearchSpace(8, **ENGINE_SPACES["torch"])
+    gpt = _block_cost(_gpt())
+    assert gpt.space.sequence_refused == "" and gpt.space.sp_allowed(2)
+    assert LayerStrategy("none", True) in layer_options(gpt, 2, torch_space)
+    assert not any(s.sequence_parallel for s in layer_options(gpt, 1, torch_space))
+    odd = _block_cost(_gpt(seq=30), seq=30)
+    assert odd.space.sp_allowed(2) and not odd.space.sp_allowed(4)      # 4 does not divide 30 positions
+    mixing = _block_cost(_RunningMeanLM())
+    assert mixing.space.branches and "aten.cumsum" in mixing.space.sequence_refused
+    assert not any(s.sequence_parallel for s in layer_options(mixing, 2, torch_space))
+
+
+def test_a_plan_running_a_position_mixing_stream_sequence_parallel_does_not_fit_the_model():
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    graph = tensoropt.capture(_RunningMeanLM(), (ids, ids), cache=False).graph
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(2, 2, load_profile("h100-80gb")))
+    [(block, _)] = model.blocks
+    plan = Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=1, global_batch=2, tp_branches=model.branch_names,
+                dtype="float32", blocks=(BlockPlan(block.name, ((LayerStrategy("none", True), 2),)),))
+    with pytest.raises(ValueError, match="sequence parallelism cannot split the stream of block 'layers.*'.*cumsum"):
+        estimate(model, plan)
+    estimate(model, dataclasses.replace(plan, blocks=(BlockPlan(block.name, ((LayerStrategy("none"), 2),)),)))
+
+
+def test_torch_runs_sequence_parallel_plans_and_deepspeed_refuses_them():
+    plan = {"tp": 2, "pp": 1, "dp": 1, "devices": 2, "zero": 0, "offload": False, "virtual_stages": 1,
+            "blocks": [{"block": "layers.*", "strategies": [{"recompute": "none", "sequence_parallel": True,
+                                                               "copies": 4}]}]}
+    assert unsupported(plan, "torch") == []
+    assert "sequence parallelism" in unsupported(plan, "deepspeed")
+
+
+def _launch(script, plan: Plan, tmp_path, *script_args) -> list[float]:
+    """``tensoropt launch --plan`` for 3 steps; the losses rank 0 wrote."""
+    name = plan.summary().replace(" ", "_").replace("[", "").replace("]", "").replace(",", "_")
+    path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", plan.devices, "--plan", path, "--engine",
+                           "torch", "--run-dir", tmp_path / f"run-{name}", "--", "--steps", 3, "--out", out,
+                           *script_args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sequence parallel in" in result.stdout
+    data = json.loads(out.read_text())
+    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
+    return data["losses"]
+
+
+def _with(plan: Plan, *strategies: tuple[str, bool, int], **changes) -> Plan:
+    (block,) = plan.blocks
+    chain = tuple((LayerStrategy(r, sp), n) for r, sp, n in strategies)
+    return dataclasses.replace(plan, blocks=(BlockPlan(block.block, chain),), **changes)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_share_of_the_stream(tmp_path):
+    """One torchrun of tests/sp_block_probe.py: outputs and every gradient of an SP copy (both branches sharded,
+    or attention replicated; no, full and selective recomputation; fused and eager attention) equal the whole
+    copy's; the activations an SP copy keeps are what the cost model prices (which also counts the copy's output,
+    kept by the next copy: whole under tensor parallelism, a share under SP); a block that averages over the
+    sequence outside its branches is stopped by the check before training."""
+    out = tmp_path / "probe.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             str(REPO / "tests" / "sp_block_probe.py"), out], env=ENV, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(out.read_text())
+    assert len(probe["max_difference"]) == 12
+    assert all(d < 1e-5 for d in probe["max_difference"].values()), probe["max_difference"]
+    cost = _block_cost(_gpt("flash"))
+    priced = {sp: cost.layer(LayerStrategy("none", sp), 2, ("attn", "mlp"), BATCH).activation_bytes
+              for sp in (False, True)}
+    output_bytes = BATCH * SEQ * HIDDEN * 4
+    assert probe["kept_bytes"]["tp"] == priced[False] - output_bytes
+    assert probe["kept_bytes"]["sp"] == priced[True] - output_bytes / 2
+    assert probe["kept_bytes"]["sp"] < probe["kept_bytes"]["tp"]
+    assert probe["refused"].startswith("sequence parallelism over 2 devices changes what mixes.0 computes")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_gpt_tp2_sequence_parallel_matches_one_process(tmp_path):
+    """Every copy SP (the first fully recomputed), then a chain mixing replicated and SP copies with attention
+    left replicated (gathered whole inside the SP copies)."""
+    alone = losses_alone(GPT, tmp_path / "alone.json")
+    (tmp_path / "dry").mkdir()
+    base = tp2(dry_run_plan(GPT, tmp_path / "dry"), ("attn", "mlp"), micro_batch=4)
+    every = _with(base, ("full", True, 1), ("none", True, 3))
+    np.testing.assert_allclose(_launch(GPT, every, tmp_path), alone, rtol=2e-5)
+    mixed = _with(base, ("none", False, 2), ("full", True, 1), ("none", True, 1), tp_branches=("mlp",))
+    np.testing.assert_allclose(_launch(GPT, mixed, tmp_path), alone, rtol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_hugging_face_llama_tp2_mixed_sequence_parallel_matches_one_process(tmp_path):
+    """Separate q/k/v (one gather for the three) and gate/up projections, RMSNorm weights as replicated DTensors."""
+    alone = losses_alone(LLAMA, tmp_path / "alone.json")
+    (tmp_path / "dry").mkdir()
+    base = tp2(dry_run_plan(LLAMA, tmp_path / "dry"), ("self_attn", "mlp"), micro_batch=4)
+    plan = _with(base, ("none", False, 1), ("full", True, 1), ("none", True, 2))
+    np.testing.assert_allclose(_launch(LLAMA, plan, tmp_path), alone, rtol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_gpt_tp2_sequence_parallel_with_fsdp2_over_dp2_matches_one_process(tmp_path):
+    """4 workers: FSDP2 (ZeRO 3) over dp reduces the norms' gradients, partial over the sequence shares, on the
+    tensor-parallel axis too; foreach AdamW over DTensors of both meshes."""
+    alone = losses_alone(GPT, tmp_path / "alone.json", "--foreach")
+    (tmp_path / "dry").mkdir()
+    base = tp2(dry_run_plan(GPT, tmp_path / "dry", devices=4), ("attn", "mlp"), micro_batch=2)
+    plan = _with(base, ("full", False, 1), ("full", True, 1), ("none", True, 2), dp=2, zero=3)
+    np.testing.assert_allclose(_launch(GPT, plan, tmp_path, "--foreach"), alone, rtol=2e-5)
