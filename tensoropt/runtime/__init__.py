@@ -147,9 +147,10 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     from ..space.tp_check import check_tensor_parallel, with_tp_checks
     from ..space.vocab import check_vocab_modules, with_vocab_check
     batch, seq = example_shape(inputs)
-    cast_model(model, precision)
     meta = {"batch_size": str(batch or ""), "seq_len": str(seq or ""), "global_batch": str(global_batch),
-            "sources": json.dumps(_user_sources())} | ({"precision": precision} if precision else {})
+            "sources": json.dumps(_user_sources())} | ({"precision": precision} if precision else {}) | (
+        {"meta_built": "1"} if has_meta_tensors(model) else {})      # see runtime.precision.traced_autocast
+    cast_model(model, precision)
     with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
         graph = trace_module(model, inputs, type(model).__name__, meta, require_loss=True)
     graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
