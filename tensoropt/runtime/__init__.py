@@ -43,7 +43,7 @@ from ..search.engines import ENGINES, choose_engine, unsupported
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .param_groups import build_optimizer
-from .precision import PRECISION_ENV, autocast_forward, cast_model, of_plan
+from .precision import PRECISION_ENV, autocast_forward, cast_model, cuda_attention_policy, of_plan
 from .run import Run, exit_on_out_of_memory, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
@@ -151,7 +151,10 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
             "sources": json.dumps(_user_sources())} | ({"precision": precision} if precision else {}) | (
         {"meta_built": "1"} if has_meta_tensors(model) else {})      # see runtime.precision.traced_autocast
     cast_model(model, precision)
-    with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
+    with contextlib.ExitStack() as scope:
+        if precision == "bf16-mixed":       # as the engines run it: on GPUs, CUDA's autocast (see precision.py)
+            scope.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            scope.enter_context(cuda_attention_policy())
         graph = trace_module(model, inputs, type(model).__name__, meta, require_loss=True)
     graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
     graph = with_vocab_check(graph, check_vocab_modules(model, graph))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -94,6 +95,26 @@ def autocast_forward(module: nn.Module, precision: str | None, device: torch.dev
         module.forward = functools.partial(_under_autocast, module.forward, device.type)
 
 
+@contextlib.contextmanager
+def cuda_attention_policy() -> Iterator[None]:
+    """Within: under an autocast, ``scaled_dot_product_attention`` computes in the autocast's dtype, as CUDA's
+    autocast runs it (its lower-precision list); the CPU's leaves it to its inputs' dtype, so float32 queries
+    (after a float32 rotary embedding, say) would be captured, and priced, as float32 attention that a GPU worker
+    never runs. For the launcher's capture in bf16-mixed only: nothing computes there."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def lower(query, key, value, *args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        if dtype is not None:
+            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+        return original(query, key, value, *args, **kwargs)
+    torch.nn.functional.scaled_dot_product_attention = lower
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
 def traced_autocast(precision: str | None, device: torch.device):
     """bf16-mixed where the model is traced into a graph (pipeline stages, ``torch.export``): the trace runs under
     the autocast, so the graph itself casts as autocast does (and its message dtypes say so)."""
@@ -122,5 +143,5 @@ def words(precision: str | None, engine: str, zero: int) -> str:
     return "bf16-mixed: float32 weights, gradients and AdamW states; autocast(bfloat16) around the forward"
 
 
-__all__ = ["PRECISION_ENV", "autocast_forward", "cast_model", "checked", "fsdp_kwargs", "of_plan",
-           "parameter_dtype", "traced_autocast", "words"]
+__all__ = ["PRECISION_ENV", "autocast_forward", "cast_model", "checked", "cuda_attention_policy", "fsdp_kwargs",
+           "of_plan", "parameter_dtype", "traced_autocast", "words"]
