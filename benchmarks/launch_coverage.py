@@ -59,7 +59,8 @@ def frontier_fastest(preset: str, per_node: int, nodes: int, global_batch: int, 
     from tensoropt.search.ft import SearchSpace, search
     from tensoropt.space.plan import Plan
 
-    graph = capture_script(SCRIPT, ["--model", preset, "--global-batch", str(global_batch)])
+    graph = capture_script(SCRIPT, ["--model", preset, "--global-batch", str(global_batch)],
+                           precision=chosen.get("precision"))
     devices = detect("cuda", per_node, None, None, dry_run=True)
     devices = dataclasses.replace(devices, count=per_node * nodes)
     plan = Plan.from_json(chosen)
@@ -71,7 +72,7 @@ def frontier_fastest(preset: str, per_node: int, nodes: int, global_batch: int, 
 
 def precision_space(space, plan):
     """The search space priced in the plan's precision (model-state bytes per parameter)."""
-    return dataclasses.replace(space, dtype=plan.dtype, master_weights=plan.master_weights)
+    return dataclasses.replace(space, dtype=plan.dtype, master_weights=plan.master_weights, precision=plan.precision)
 
 
 def main() -> None:

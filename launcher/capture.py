@@ -20,7 +20,7 @@ from pathlib import Path
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.cache import GraphCache, fingerprint
 from tensoropt.graph.ir import OpGraph
-from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV
+from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV, PRECISION_ENV
 
 from .argv import capture_argv
 
@@ -40,29 +40,37 @@ def _unchanged(graph: OpGraph) -> bool:
     return bool(sources) and all(_stamp(path) == [path, size, mtime] for path, size, mtime in sources)
 
 
-def cache_key(script: str, args: list[str]) -> str:
+def cache_key(script: str, args: list[str], precision: str | None = None) -> str:
     from tensoropt.api import CAPTURE_VERSION
     return "launch-" + fingerprint({"script": str(Path(script).resolve()), "args": args, "python": sys.executable,
-                                    "cwd": os.getcwd(), "capture_version": CAPTURE_VERSION})
+                                    "cwd": os.getcwd(), "capture_version": CAPTURE_VERSION} |
+                                   ({"precision": precision} if precision else {}))
 
 
-def capture_script(script: str, args: list[str], use_cache: bool = True, timeout_s: float = 600) -> OpGraph:
+def capture_script(script: str, args: list[str], use_cache: bool = True, timeout_s: float = 600,
+                   precision: str | None = None) -> OpGraph:
     """The script's model graph: from the cache when its sources are unchanged, else by running it
-    once in capture mode (``tensoropt.parallelize`` writes the graph and exits)."""
-    cache, key = GraphCache(), cache_key(script, args)
+    once in capture mode (``tensoropt.parallelize`` writes the graph and exits). With ``precision`` the
+    model is captured as the engines will run it in that precision (``TENSOROPT_PRECISION`` in capture
+    mode: cast, and under a bf16 autocast for bf16-mixed), so its ops carry the dtypes they compute in and
+    the cost model prices compute and activations in them."""
+    cache, key = GraphCache(), cache_key(script, args, precision)
     if use_cache and (graph := cache.load(key)) is not None and _unchanged(graph):
         return graph
-    graph = run_capture(script, args, timeout_s)
+    graph = run_capture(script, args, timeout_s, precision)
     if use_cache:
         cache.store(key, graph)
     return graph
 
 
-def run_capture(script: str, args: list[str], timeout_s: float) -> OpGraph:
+def run_capture(script: str, args: list[str], timeout_s: float, precision: str | None = None) -> OpGraph:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "graph.json"
         env = {**os.environ, CAPTURE_ENV: str(out)}
         env.pop(PLAN_ENV, None)
+        env.pop(PRECISION_ENV, None)
+        if precision:
+            env[PRECISION_ENV] = precision
         try:
             result = subprocess.run(capture_argv(script, args), env=env, capture_output=True, text=True,
                                     timeout=timeout_s)

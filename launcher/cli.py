@@ -12,7 +12,7 @@ from tensoropt.cli.common import limit_options, parse_bytes
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import choose_engine
 from tensoropt.search.ft import FrontierPoint
-from tensoropt.space.plan import Plan
+from tensoropt.space.plan import PRECISIONS, Plan
 
 from . import launch as L
 from .nodes import check_nodes, fetch, plan_port, publish
@@ -33,6 +33,10 @@ from .nodes import check_nodes, fetch, plan_port, publish
 @click.option("--plan", "plan_path", default=None, help="run this plan (a previous launch's plan.json)")
 @click.option("--engine", type=click.Choice(["deepspeed", "torch"]), default=None,
               help="run with this engine (default: the plan decides: torch where it can, else DeepSpeed)")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="bf16-mixed (float32 weights and AdamW states, bf16 compute), bf16-true (all bf16) or 32-true (all "
+                   "float32), as PyTorch Lightning names them (default: --plan's, else $TENSOROPT_PRECISION, else "
+                   "bf16-mixed)")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--master-addr", default=None)
@@ -50,9 +54,9 @@ from .nodes import check_nodes, fetch, plan_port, publish
               help='elastic: JSON file {"gpus": N} with the devices available now (watched while the job runs)')
 @limit_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, nnodes, node_rank, master_addr,
-           master_port, gpus_per_node, dry_run, run_dir, no_cache, elastic, checkpoint_dir, checkpoint_every, min_gpus,
-           resources_file, script_args, limits):
+def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, precision, nnodes, node_rank,
+           master_addr, master_port, gpus_per_node, dry_run, run_dir, no_cache, elastic, checkpoint_dir,
+           checkpoint_every, min_gpus, resources_file, script_args, limits):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
@@ -64,7 +68,11 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     check_nodes(nnodes, node_rank, master_addr, dry_run)
     devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None, profile,
                        dry_run)
-    graph = L.capture_script(script, list(script_args), use_cache=not no_cache)
+    named = precision is not None
+    if not named:
+        precision = (plan_path and _read_plan(plan_path).get("precision")) or L.default_precision()
+    graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
+    precision = L.check_precision(graph, precision, named)
     if elastic and not dry_run:
         from .elastic import ElasticOptions, run_elastic
         options = ElasticOptions(Path(checkpoint_dir), checkpoint_every, min_gpus,
@@ -84,14 +92,20 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
             data, source = fetch(master_addr, master_port, node_rank), "node 0's plan"
             why = f"node 0's plan, shared at {master_addr}:{plan_port(master_port)}, priced for this model here"
             engine = data.get("engine") or engine                       # node 0 chose it
-        point, engine = _load_plan(data, source, graph, devices, per_node, engine)
+            if data.get("precision", precision) != precision:          # and its precision: every node runs one
+                if named:
+                    raise TensorOptError(f"node 0 runs --precision {data['precision']}, this node was given "
+                                         f"{precision}: give every node the same --precision")
+                precision = data["precision"]
+                graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
+        point, engine = _load_plan(data, source, graph, devices, per_node, engine, precision)
         if point.peak_memory_bytes > devices.memory_bytes:
             raise TensorOptError(f"{source} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
                                  f"have {devices.memory_bytes / 2**30:.2f} GiB" +
                                  (f"; {devices.note}" if devices.note else ""))
     else:
         point, engine, why, _ = L.plan_for(graph, devices, per_node, objective, "torch" if elastic else engine,
-                                           pipeline=not elastic, limits=limits)   # as elastic.py
+                                           pipeline=not elastic, limits=limits, precision=precision)  # as elastic.py
     if checkpoint_dir and engine != "torch":
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
                              f"on {engine}: add --engine torch")
@@ -138,7 +152,7 @@ def _read_plan(path: str) -> dict:
 
 
 def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int,
-               engine: str | None) -> tuple[FrontierPoint, str]:
+               engine: str | None, precision: str) -> tuple[FrontierPoint, str]:
     """The plan in ``data`` (from ``source``: a file, or node 0) for this script's model on these devices,
     priced again here: a plan's own figures were computed for whatever model and devices it was made for."""
     try:
@@ -154,7 +168,7 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
     if plan.devices != devices.count:
         raise TensorOptError(f"{source} is a plan for {plan.devices} devices, this launch has {devices.count}")
     try:
-        engine = choose_engine(plan.to_json(), engine or data.get("engine"))
+        engine = choose_engine(L.planned_precision(plan, "torch", precision).to_json(), engine or data.get("engine"))
     except TensorOptError as exc:
         raise TensorOptError(f"{source}: {exc}") from exc
-    return L.price(graph, devices, per_node, plan, engine), engine
+    return L.price(graph, devices, per_node, plan, engine, precision), engine

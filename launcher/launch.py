@@ -22,10 +22,12 @@ from tensoropt.graph.ir import OpGraph
 from tensoropt.profiler.run import threads_per_worker
 from tensoropt.runtime import PLAN_ENV
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
+from tensoropt.runtime.precision import PRECISION_ENV, checked, of_plan
+from tensoropt.runtime.precision import words as precision_words
 from tensoropt.search.engines import ENGINE_SPACES, ENGINES, unsupported
 from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
 from tensoropt.search.limits import NO_LIMITS, Limits
-from tensoropt.space.plan import Plan
+from tensoropt.space.plan import Plan, compute_dtype
 from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
 from tensoropt.space.vocab import VOCAB_PARALLEL_KEY, vocab_layout
 
@@ -56,18 +58,55 @@ def choose(points: list[FrontierPoint], memory_bytes: float, objective: str) -> 
 
 
 def training_dtype(graph: OpGraph) -> str:
-    """The precision the script trains in, as its parameters have it (see ``master_weights``)."""
+    """The dtype of most of the script's parameters as captured."""
     dtypes = [meta.dtype for _, meta in graph.params]
     return max(set(dtypes), key=dtypes.count) if dtypes else "bfloat16"
+
+
+def default_precision(graph: OpGraph | None = None) -> str:
+    """The precision to plan when none is named: bf16-mixed for a script under its own bf16 autocast, else the
+    one the graph was captured in (``capture_script``), else ``TENSOROPT_PRECISION``, else bf16-mixed."""
+    if graph is not None and script_autocast(graph) == "bfloat16":
+        return "bf16-mixed"
+    named = (graph.meta("precision") if graph is not None else None) or os.environ.get(PRECISION_ENV)
+    return checked(named, PRECISION_ENV) if named else "bf16-mixed"
+
+
+def script_autocast(graph: OpGraph) -> str | None:
+    """The dtype of the script's own autocast (captured so), None where it has none. A graph captured for
+    bf16-mixed has the capture's autocast: the script's, if any, is the same region (``runtime.precision``)."""
+    return None if graph.meta("precision") == "bf16-mixed" else graph.meta("autocast")
+
+
+def check_precision(graph: OpGraph, precision: str, named: bool = True) -> str:
+    """The precision to run: ``precision``, except for a script under its own bf16 autocast, which computes in
+    bf16 whatever the engine does, so only bf16-mixed says what it runs (``runtime.precision``): a precision
+    ``named`` on the command line that contradicts it is a one-line error, a default (``--plan``'s,
+    ``TENSOROPT_PRECISION``) gives way to it."""
+    if script_autocast(graph) != "bfloat16" or precision == "bf16-mixed":
+        return precision
+    if named:
+        raise TensorOptError(f"the script trains under its own torch.autocast(bfloat16), which --precision "
+                             f"{precision} would contradict: use --precision bf16-mixed or remove the autocast")
+    return "bf16-mixed"
+
+
+def planned_precision(plan: Plan, engine: str, precision: str) -> Plan:
+    """``plan`` in ``precision`` on ``engine``: its compute dtype, and whether the engine keeps a separate float32
+    master copy of bf16 weights (DeepSpeed's bf16 mode; the torch engine's bf16-mixed weights are float32)."""
+    return dataclasses.replace(plan, dtype=compute_dtype(precision), precision=precision,
+                               master_weights=master_weights(engine, precision))
 
 
 def cost_model(graph: OpGraph, devices: Devices, per_node: int) -> ModelCost:
     return ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
 
 
-def price(graph: OpGraph, devices: Devices, per_node: int, plan: Plan, engine: str) -> FrontierPoint:
-    """``plan`` priced for this model on these devices, in the precision the script trains in on ``engine``."""
-    plan = dataclasses.replace(plan, dtype=training_dtype(graph), master_weights=master_weights(engine))
+def price(graph: OpGraph, devices: Devices, per_node: int, plan: Plan, engine: str,
+          precision: str | None = None) -> FrontierPoint:
+    """``plan`` priced for this model on these devices, in ``precision`` (default ``default_precision``) on
+    ``engine``."""
+    plan = planned_precision(plan, engine, precision or default_precision(graph))
     try:
         result = estimate(cost_model(graph, devices, per_node), plan)
     except (KeyError, ValueError, IndexError) as exc:
@@ -75,32 +114,34 @@ def price(graph: OpGraph, devices: Devices, per_node: int, plan: Plan, engine: s
     return FrontierPoint(plan, result.iteration_time_s, result.peak_memory_bytes)
 
 
-def master_weights(engine: str) -> bool:
-    """Whether an engine keeps float32 master weights of a 16-bit model. The torch engine trains the
-    weights in their own dtype (a bf16 script: bf16 weights, gradients and AdamW states, 2 + 2 + 4 bytes
-    per parameter); DeepSpeed's ZeRO optimizer (stages 1-3) keeps float32 partitions of the weights and
-    their AdamW states whatever the model's dtype (``master_weights_and_grads_dtype``, float32 by
-    default): mixed precision, 2 + 2 + 12. Its ZeRO 0 plans are priced so too (a little more memory than
-    they use; on a tie the torch engine's equal plan wins anyway)."""
-    return engine == "deepspeed"
+def master_weights(engine: str, precision: str = "bf16-mixed") -> bool:
+    """Whether an engine keeps a float32 master copy beside bf16 weights: DeepSpeed's bf16 mode does under
+    bf16-mixed (``BF16_Optimizer``, ZeRO's float32 partitions: 2 + 2 + 12 bytes per parameter); the torch engine
+    keeps the weights themselves in float32 (``cost.model.torch_mixed``), and bf16-true / 32-true keep none."""
+    return engine == "deepspeed" and precision == "bf16-mixed"
 
 
 def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str | None = None,
-                   pipeline: bool = True, limits: Limits = NO_LIMITS) -> list[tuple[FrontierPoint, str]]:
+                   pipeline: bool = True, limits: Limits = NO_LIMITS,
+                   precision: str | None = None) -> list[tuple[FrontierPoint, str]]:
     """The frontier of plans an engine can run: one search per engine (``engine`` alone if given),
     merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins.
     ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
     are not resharded yet); so does a model whose forward returns more than the loss tensor (a Hugging
-    Face output), which the pipeline engine cannot split. The user's ``limits`` narrow each engine's
-    part of the space; an engine whose part they empty is not searched."""
-    pipeline = pipeline and graph.meta("output", "tensor") == "tensor"
-    global_batch, dtype = int(graph.meta("global_batch") or 0), training_dtype(graph)
+    Face output), which the pipeline engine cannot split, and a meta-built one in bf16-mixed. The user's
+    ``limits`` narrow each engine's part of the space; an engine whose part they empty is not searched. Every
+    plan is priced in ``precision`` (default ``default_precision``) as its engine holds it."""
+    global_batch, precision = int(graph.meta("global_batch") or 0), precision or default_precision(graph)
+    # bf16-mixed stages are traced under autocast, which does not act on a meta-built model (runtime.precision)
+    pipeline = pipeline and graph.meta("output", "tensor") == "tensor" and not (
+        precision == "bf16-mixed" and graph.meta("meta_built"))
     model = cost_model(graph, devices, per_node)
     candidates = []                          # in ENGINES order: of two equal points the first is kept
     for name in [engine] if engine else ENGINES:
         part = ENGINE_SPACES[name] | ({} if pipeline else {"pipeline_stages": (1,)})
-        space = limits.restrict(SearchSpace(global_batch=global_batch, dtype=dtype,
-                                            master_weights=master_weights(name), **part))
+        space = limits.restrict(SearchSpace(global_batch=global_batch, dtype=compute_dtype(precision),
+                                            master_weights=master_weights(name, precision), precision=precision,
+                                            **part))
         if space is None:
             continue
         result = search(model, devices.count, space)
@@ -110,9 +151,11 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
 
 
 def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, engine: str | None = None,
-             pipeline: bool = True, limits: Limits = NO_LIMITS) -> tuple[FrontierPoint, str, str, int]:
-    """(point, engine, why, frontier size) for the devices found, within the user's ``limits``."""
-    front = runnable_front(graph, devices, per_node, engine, pipeline, limits)
+             pipeline: bool = True, limits: Limits = NO_LIMITS,
+             precision: str | None = None) -> tuple[FrontierPoint, str, str, int]:
+    """(point, engine, why, frontier size) for the devices found, within the user's ``limits``, in
+    ``precision`` (default ``default_precision``)."""
+    front = runnable_front(graph, devices, per_node, engine, pipeline, limits, precision)
     global_batch = int(graph.meta("global_batch") or 0)
     if not front and limits:
         raise TensorOptError(f"no plan the runtime can apply on {devices.count} devices respects {limits.flags()} "
@@ -178,10 +221,11 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
 
 
 def precision(plan: Plan, graph: OpGraph | None = None) -> str:
-    """The precision the plan was priced with, in words: the model states', and the compute's where the script
-    trains under autocast (captured so, see ``tensoropt.graph.precision``)."""
-    words = state_bytes(plan.dtype, plan.master_weights).precision
-    autocast = graph.meta("autocast") if graph is not None else None
+    """The precision the plan runs and was priced in, in words: its name, the model states' bytes, and the
+    script's own autocast where it trains under one (captured so, see ``tensoropt.graph.precision``)."""
+    held = state_bytes(plan.dtype, plan.master_weights, plan.precision, plan.zero).precision
+    words = f"{plan.precision_name} ({held})" if plan.precision else held
+    autocast = script_autocast(graph) if graph is not None else None
     return words + (f"; compute and activations in {autocast} under the script's autocast" if autocast else "")
 
 
@@ -192,6 +236,7 @@ def describe(plan: dict, engine: str) -> str:
     sequence = sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["sequence_parallel"])
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
         return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
+            f"; precision {precision_words(of_plan(plan), engine, plan['zero'])}") + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
     vocab = plan.get(VOCAB_PARALLEL_KEY) or {}
     parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
@@ -203,10 +248,11 @@ def describe(plan: dict, engine: str) -> str:
              f"sequence parallel in {sequence} block copies per stage" if sequence and plan["tp"] > 1 else "",
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
              f"attention core recomputed (selective) in {selective} block copies per stage" if selective else "",
-             f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples"]
+             f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples",
+             f"precision {precision_words(of_plan(plan), engine, plan['zero'])}"]
     return "torch: " + ", ".join(p for p in parts if p)
 
 
-__all__ = ["ENGINE_SPACES", "OBJECTIVES", "Devices", "capture_script", "choose", "describe", "detect", "main_env",
-           "master_weights", "plan_for", "precision", "price", "run_workers", "runnable_front", "torchrun_argv",
-           "write_plan"]
+__all__ = ["ENGINE_SPACES", "OBJECTIVES", "Devices", "capture_script", "check_precision", "choose", "default_precision",
+           "describe", "detect", "main_env", "master_weights", "plan_for", "planned_precision", "precision", "price",
+           "run_workers", "runnable_front", "torchrun_argv", "write_plan"]

@@ -26,18 +26,20 @@ SCRIPT = str(Path(__file__).parent / "train_measured.py")
 BLOCKS = (BlockPlan("layers.*", ((LayerStrategy("none"), 4),)),)
 
 
-def _alone(tmp_path: Path, *args) -> dict:
+def _alone(tmp_path: Path, *args, env=None) -> dict:
     out = tmp_path / "alone"
-    subprocess.run([sys.executable, SCRIPT, "--out", out, *args], check=True, env=ENV, capture_output=True,
+    subprocess.run([sys.executable, SCRIPT, "--out", out, *args], check=True, env=env or ENV, capture_output=True,
                    timeout=300)
     return json.loads(Path(f"{out}.0.json").read_text())
 
 
-def _launch(tmp_path: Path, engine: str, zero: int, *args, env=None, offload: bool = False
-            ) -> subprocess.CompletedProcess:
-    """Both workers of a dp2 plan on ``engine`` (the launcher's plan for this script, changed to ``zero``)."""
+def _launch(tmp_path: Path, engine: str, zero: int, *args, env=None, offload: bool = False,
+            precision: str = "32-true") -> subprocess.CompletedProcess:
+    """Both workers of a dp2 plan on ``engine`` (the launcher's plan for this script, changed to ``zero``), in
+    ``precision``."""
     plan = dataclasses.replace(dry_run_plan(SCRIPT, tmp_path, 2, *args), dp=2, tp=1, pp=1, virtual_stages=1,
-                               zero=zero, offload=offload, micro_batch=1, tp_branches=(), blocks=BLOCKS)
+                               zero=zero, offload=offload, micro_batch=1, tp_branches=(), blocks=BLOCKS,
+                               precision=precision)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     return tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
@@ -73,19 +75,20 @@ def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_pa
 
 
 def test_deepspeed_trains_a_bf16_model_in_bf16_mode(tmp_path):
-    """The plan is priced as mixed precision (2 + 2 + 12 bytes per parameter): DeepSpeed's bf16 mode with bf16
-    gradients, communication and float32 master weights. The first loss is the script's alone exactly (same
-    bf16 weights); later ones differ as a float32 master copy makes them (the script alone updates bf16
-    weights in place)."""
-    alone = _alone(tmp_path, "--dtype", "bfloat16")
-    result = _launch(tmp_path, "deepspeed", 3, "--dtype", "bfloat16")
+    """bf16-mixed is priced as mixed precision (2 + 2 + 12 bytes per parameter): DeepSpeed's bf16 mode with bf16
+    gradients, communication and float32 master weights. The first loss is the script's alone in bf16-mixed up to
+    DeepSpeed's bf16 residual stream (its weights are bf16, so are the embedding's outputs and the sums on them,
+    which autocast alone keeps in float32; 4.6e-5 measured); later ones differ as DeepSpeed's bf16 gradients and
+    their reduction make them."""
+    alone = _alone(tmp_path, "--dtype", "bfloat16", env={**ENV, "TENSOROPT_PRECISION": "bf16-mixed"})
+    result = _launch(tmp_path, "deepspeed", 3, "--dtype", "bfloat16", precision="bf16-mixed")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "deepspeed.json").read_text())["bf16"]["enabled"] is True
     for got in _ranks(tmp_path):
         assert (got["bf16_enabled"], got["weight_dtype"], got["gradient_dtype"], got["communication_dtype"],
                 got["master_dtype"]) == (True, "torch.bfloat16", "torch.bfloat16", "torch.bfloat16", "torch.float32")
         assert got["peak_bytes"] < alone["model_bytes"], got
-        assert got["losses"][0] == pytest.approx(alone["losses"][0], rel=1e-6)
+        assert got["losses"][0] == pytest.approx(alone["losses"][0], rel=2e-4)
         np.testing.assert_allclose(got["losses"], alone["losses"], rtol=1e-3)
 
 

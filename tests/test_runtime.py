@@ -95,13 +95,16 @@ def test_a_given_plan_is_priced_for_this_model_and_these_devices(write_json):
     graph = capture(write_json("gpt.json", SMALL_GPT), batch_size=1, seq_len=32).graph
     devices = Devices("cuda", 2, 80 * 2**30, load_profile("h100-80gb"))
     plan = Plan.from_json(_plan(zero=2, master_weights=True))
-    priced = price(graph, devices, 2, plan, "torch")
+    priced = price(graph, devices, 2, plan, "torch", "bf16-mixed")
     expected = estimate(ModelCost(graph, fold(graph), Cluster(2, 2, devices.profile)),
-                        dataclasses.replace(plan, master_weights=False))
-    assert priced.plan.master_weights is False and priced.plan.dtype == "bfloat16"
+                        dataclasses.replace(plan, master_weights=False, precision="bf16-mixed"))
+    # the torch engine's bf16-mixed keeps the weights themselves in float32: no separate master copy
+    assert (priced.plan.master_weights, priced.plan.dtype, priced.plan.precision) == (False, "bfloat16", "bf16-mixed")
     assert (priced.iteration_time_s, priced.peak_memory_bytes) == (expected.iteration_time_s,
                                                                    expected.peak_memory_bytes)
-    assert price(graph, devices, 2, plan, "deepspeed").peak_memory_bytes > priced.peak_memory_bytes
+    # ZeRO 2: FSDP2 keeps float32 gradient shards (4/dp bytes per parameter), DeepSpeed's bf16 mode bf16 ones (2/dp)
+    assert price(graph, devices, 2, plan, "deepspeed", "bf16-mixed").peak_memory_bytes < priced.peak_memory_bytes
+    assert price(graph, devices, 2, plan, "torch", "32-true").plan.dtype == "float32"
 
 
 def test_parallelize_alone_trains_one_process_as_the_plain_loop():

@@ -11,7 +11,10 @@ from conftest import EXAMPLES
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 GPT_SCRIPT = str(EXAMPLES / "train_gpt.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}       # two workers, two cores: one thread each
+# two workers, two cores: one thread each. The suite compares launched runs with the script run alone at float32
+# tolerances: both run in 32-true (the launcher's default precision and the script alone's, see runtime.precision);
+# tests of the other precisions name theirs (tests/test_precision.py)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TENSOROPT_PRECISION": "32-true"}
 
 
 def tensoropt_cli(*args, cwd, env=None) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from rich.table import Table
 from ..cost.model import estimate as estimate_plan
 from ..cost.model import state_bytes
 from ..errors import TensorOptError
-from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan
+from ..space.plan import PRECISIONS, RECOMPUTE, BlockPlan, LayerStrategy, Plan, compute_dtype
 from .common import load, model_options
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
@@ -21,7 +21,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
                global_batch: int, recompute: str, sequence_parallel: bool, dtype: str,
-               master_weights: bool = True) -> Plan:
+               master_weights: bool = True, precision: str = "") -> Plan:
     """The plan the flags describe, or one line naming every operand that does not fit."""
     problems = []
     if gpus % (tp * pp):
@@ -50,7 +50,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
     strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
     blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
     return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, False, model_cost.branch_names if tp > 1
-                else (), DTYPES[dtype], blocks, master_weights)
+                else (), DTYPES[dtype], blocks, master_weights, precision)
 
 
 @click.command()
@@ -70,23 +70,30 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
 @click.option("--master-weights/--no-master-weights", default=True, show_default=True,
               help="16-bit weights with a float32 master copy and float32 AdamW states (mixed precision, 2+2+12 "
                    "bytes per parameter), or everything in --dtype (2+2+4)")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="as `tensoropt launch --precision` (sets --dtype): 32-true 4+4+8 bytes per parameter, bf16-true "
+                   "2+2+4, bf16-mixed with --master-weights DeepSpeed's bf16 mode (2+2+12), with --no-master-weights "
+                   "the torch engine's (float32 weights 4+4+8, bf16 compute)")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
-             recompute, sequence_parallel, dtype, master_weights, as_json):
+             recompute, sequence_parallel, dtype, master_weights, precision, as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
     if gpus < 1:
         raise TensorOptError(f"--gpus must be positive, got {gpus}")
+    if precision:
+        dtype = {"float32": "fp32", "bfloat16": "bf16"}[compute_dtype(precision)]
     # a 16-bit model is captured as it is (bf16); float32 training computes and keeps activations in float32
     loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" else None)
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
-                      global_batch, recompute, sequence_parallel, dtype, master_weights)
+                      global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "")
     result = estimate_plan(cost, plan)
     report = {"iteration_time_s": result.iteration_time_s, "peak_memory_bytes": int(result.peak_memory_bytes),
               "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},
               "time_breakdown": result.time_breakdown, "plan": plan.to_json(), "model": loaded.graph.name,
               "device_profile": loaded.profile.name,
-              "precision": state_bytes(plan.dtype, plan.master_weights).precision,
+              "precision": (f"{precision}: " if precision else "") + state_bytes(
+                  plan.dtype, plan.master_weights, plan.precision, plan.zero).precision,
               "fits": result.peak_memory_bytes <= loaded.profile.memory_bytes}
     if as_json:
         click.echo(json.dumps(report))

@@ -37,4 +37,5 @@ def show(path: str, plot_path: str | None) -> None:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise TensorOptError(f"{path}: neither a frontier nor a plan file ({exc})") from exc
     click.echo(plan.summary())
+    click.echo(f"precision: {plan.precision_name}" + ("" if plan.precision else " (as dtype and master_weights say)"))
     click.echo(json.dumps(plan.to_json(), indent=1))

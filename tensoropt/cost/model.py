@@ -26,10 +26,32 @@ keeps float32 states as above, computes and saves activations in the autocast's 
 it), and holds a 16-bit copy of every weight it computes with for the step (autocast caches the casts, and
 the products save them for backward): 2 more bytes per parameter of the stage, over tp but not over dp
 (the copies are of the gathered weights), counted in ``other_bytes``.
+
+Named precisions (the plan's ``precision``, ``tensoropt launch --precision``; ``state_bytes``), bytes per
+parameter as each engine holds them, before dividing over dp as above:
+- ``32-true``: 4 + 4 + 8 (AdamW's two float32 moments, Loshchilov & Hutter 2019), every engine.
+- ``bf16-true``: 2 + 2 + 4 (torch: the model cast to bf16; DeepSpeed: ``bf16_master_weights_and_grads`` and
+  ``bf16_optimizer_states``, its ZeRO 1-2 partition a bf16 copy, 2/dp).
+- ``bf16-mixed`` on DeepSpeed (``master_weights``): 2 + 2 + 12, ZeRO's K = 12 (Rajbhandari et al. 2020,
+  sec. 3.1): bf16 weights and gradients, float32 master weights and two moments (``BF16_Optimizer``, ZeRO's
+  float32 partitions); gradients accumulated in bf16 (``data_types.grad_accum_dtype``), so no float32 copy.
+- ``bf16-mixed`` on the torch engine (``torch_mixed``): the weights themselves are float32. Without FSDP2:
+  4 + 4 + 8, plus autocast's bf16 copy of every weight (2, kept for the step: autocast caches the casts of
+  leaf float32 tensors that need gradients, and the products save them for backward; torch.amp docs). With
+  FSDP2 (torch ``fully_shard`` docs, ``MixedPrecisionPolicy``: parameters gathered in ``param_dtype``,
+  gradients reduced in ``reduce_dtype``, sharded parameters kept in their own dtype): ZeRO 3 holds float32
+  shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated, the
+  gathered unit freed after use, as the transient of one unit at a time is not priced here for any plan)
+  and reduce-scatters float32 (4); ZeRO 2 (``reshard_after_forward=False``) keeps the gathered bf16 weights
+  through the step (2, whole) beside the float32 shard (4/dp). Autocast over FSDP2's bf16 weights casts
+  nothing, so it caches no copy.
+Compute and activations come from the graph's op dtypes: the launcher captures the script in the precision it
+plans (``launcher.capture``), so bf16 plans compute at the bf16 peak and save bf16 activations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,18 +69,25 @@ from .profile import Cluster
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes per parameter of the model states, and bytes one fused Adam step moves per parameter."""
+    """Bytes per parameter of the model states under one ZeRO stage, and bytes one fused Adam step moves per
+    parameter (see the module docstring for each precision and engine)."""
 
-    weight: int
-    grad: int
+    weight: int                  # the weights held: whole under ZeRO 0-2, divided over dp under ZeRO 3
+    grad: int                    # the gradients held and reduced (divided over dp under ZeRO 2-3)
     optimizer: int
     adam_moved: int
     partition_copy: int = 0      # a separate master partition when only the optimizer is sharded (ZeRO 1-2)
     precision: str = ""          # what was assumed, in words (plan files and ``estimate`` say it)
+    gathered: int = 0            # bytes of the weights ZeRO 2-3 gather and compute with, when not ``weight``
+    cast_copy: int | None = None  # autocast's 16-bit copy of float32 weights held for the step; None: as captured
 
     def optimizer_bytes(self, zero: int) -> int:
         """Optimizer-state bytes per parameter (before dividing over dp) under a ZeRO stage."""
         return self.optimizer + (self.partition_copy if zero in (1, 2) else 0)
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.gathered or self.weight
 
 
 # mixed precision (Micikevicius et al. 2018; Rajbhandari et al. 2020: 2 + 2 + K, K = 12); Adam step:
@@ -77,9 +106,34 @@ def own_dtype(dtype: str) -> StateBytes:
                                 "bytes)")
 
 
-def state_bytes(dtype: str, master_weights: bool = True) -> StateBytes:
-    """Model-state sizes for a plan's training dtype: 16-bit types with a float32 master copy train in mixed
-    precision; float32, or any dtype without a master copy, trains the weights themselves (module docstring)."""
+def torch_mixed(zero: int) -> StateBytes:
+    """bf16-mixed in the torch engine: the weights stay float32 and are the master copy. ZeRO 0 (DDP, tensor
+    parallel, one process, pipeline stages): 4 + 4 + 8, and autocast's bf16 copy of every weight, cached for
+    the step (2). ZeRO 2-3 (FSDP2, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``): the
+    float32 shards (4/dp) are the master; a unit's weights are gathered in bf16 (2) and its gradients reduced
+    in float32 (4/dp kept); ZeRO 2 keeps the gathered bf16 weights through the step (2, whole) beside the
+    float32 shard (4/dp, counted as ``partition_copy``). The fused step moves 7 x 4 bytes."""
+    words = "float32 weights, gradients and AdamW states, bf16 compute"
+    if zero >= 2:
+        return StateBytes(weight=2 if zero == 2 else 4, grad=4, optimizer=8, adam_moved=28, partition_copy=4,
+                          gathered=2, cast_copy=0, precision=words + " (FSDP2 gathers bf16 weights, reduces "
+                          "float32 gradients; 4 + 4 + 8 bytes sharded)")
+    return StateBytes(weight=4, grad=4, optimizer=8, adam_moved=28, partition_copy=4, cast_copy=2,
+                      precision=words + " under autocast (4 + 4 + 8 bytes, + 2 for autocast's bf16 weight copies)")
+
+
+def state_bytes(dtype: str, master_weights: bool = True, precision: str = "", zero: int = 0) -> StateBytes:
+    """Model-state sizes for a plan's training precision under ZeRO stage ``zero`` (module docstring).
+
+    ``precision`` "" (plans from before it was named): 16-bit types with a float32 master copy train in mixed
+    precision; float32, or any dtype without a master copy, trains the weights themselves. ``bf16-mixed`` with
+    ``master_weights`` is DeepSpeed's bf16 mode (2 + 2 + 12); without, the torch engine's (``torch_mixed``).
+    ``bf16-true`` is 2 + 2 + 4 and ``32-true`` 4 + 4 + 8 in every engine."""
+    if precision == "bf16-mixed" and not master_weights:
+        return torch_mixed(zero)
+    if precision:        # the engine casts the weights to what it trains: no autocast copy of them is kept
+        named = {"32-true": own_dtype("float32"), "bf16-true": own_dtype("bfloat16")}.get(precision, MIXED_PRECISION)
+        return dataclasses.replace(named, cast_copy=0)
     return MIXED_PRECISION if master_weights and DTYPE_BYTES.get(dtype, 2) < 4 else own_dtype(dtype)
 
 
@@ -193,6 +247,7 @@ class Context:
     tp_branches: tuple[str, ...]
     dtype: str = "bfloat16"          # the training precision: sizes the model states (``state_bytes``)
     master_weights: bool = True      # a float32 master copy of 16-bit weights (mixed precision)
+    precision: str = ""              # one of space.plan.PRECISIONS; "": as dtype and master_weights say
 
     @property
     def micro_batches(self) -> int:
@@ -201,12 +256,13 @@ class Context:
     @staticmethod
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
-                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights)
+                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
-                    self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights)
+                    self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
+                    self.precision)
 
 
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
@@ -229,13 +285,15 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     ints, floats = [], []
     for c in ctxs:
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
-        state = state_bytes(c.dtype, c.master_weights)
+        state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
+        cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
-                     state.weight, state.grad, state.adam_moved, state.optimizer_bytes(c.zero)))
+                     state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
+                     cast))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes))
     per_plan = np.array(ints, dtype=np.int64)[which].T
-    dp, tp, pp, v, m, mb, z, offload, weight, grad, adam_moved, optimizer_bytes = per_plan
+    dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy = per_plan
     loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
@@ -250,7 +308,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     backward = np.asarray(layer_backward_s, dtype=float)
     grad_bytes = grad * params
     units = model.units_per_stage(pp)
-    dp_comm, exposed = _data_parallel_s(dp, tp, z, m, weight * params, grad_bytes, stage_s, backward, cluster, units)
+    dp_comm, exposed = _data_parallel_s(dp, tp, z, m, gathered * params, grad_bytes, stage_s, backward, cluster,
+                                        units)
     opt_params = params / np.where(z >= 1, dp, 1)
     optimizer_s = np.where(offload, opt_params / prof.cpu_adam_params_per_s + 4 * opt_params /
                            prof.pcie_bandwidth_bytes_per_s, opt_params * adam_moved / prof.memory_bytes_per_s)
@@ -262,7 +321,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
-    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + model.autocast_copy_bytes * params
+    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}

@@ -28,6 +28,7 @@ device (a GPU where one is visible).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -42,6 +43,7 @@ from ..search.engines import ENGINES, choose_engine, unsupported
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .param_groups import build_optimizer
+from .precision import PRECISION_ENV, autocast_forward, cast_model, cuda_attention_policy, of_plan
 from .run import Run, exit_on_out_of_memory, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
@@ -87,9 +89,12 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
 def _alone(model: nn.Module, optimizer_fn, global_batch: int | None, materializer: Materializer | None):
     """The script run by hand: the model as the script made it, trained where its parameters are; a
     meta-built one materialised whole on this process's device."""
+    precision = of_plan(None)                   # TENSOROPT_PRECISION: the reference run in a precision
+    cast_model(model, precision)
     if materializer is not None:
         materializer.materialize(model, worker_device(None))
     first = next(iter(model.parameters()), None)
+    autocast_forward(model, precision, first.device if first is not None else torch.device("cpu"))
     optimizer = build_optimizer(optimizer_fn, model.parameters())
     return model, optimizer, Run(global_batch=global_batch or 0, model=model, optimizer=optimizer,
                                  stepper=plain_stepper(model, optimizer) if optimizer else None,
@@ -120,9 +125,10 @@ def _capture_mode(model: nn.Module, optimizer_fn, example_inputs, global_batch) 
                              "the launcher to capture the model")
     from ..graph.precision import active_autocast
     inputs = example_inputs if isinstance(example_inputs, (tuple, Mapping)) else (example_inputs,)
-    _write_capture(model, inputs, global_batch)
     if active_autocast() is not None:             # parallelize itself runs under the script's autocast
+        _write_capture(model, inputs, global_batch)
         raise _Captured(0)
+    _write_capture(model, inputs, global_batch, of_plan(None))
     try:
         optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
     except Exception:                             # an optimizer that cannot be built on meta: the script never steps
@@ -131,16 +137,25 @@ def _capture_mode(model: nn.Module, optimizer_fn, example_inputs, global_batch) 
                                         capture_inputs=inputs)
 
 
-def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int) -> None:
+def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int, precision: str | None = None) -> None:
+    """Capture the model and write its graph; in ``precision`` (the launcher's ``TENSOROPT_PRECISION``) as the
+    engines run it: cast to its weight dtype, and for bf16-mixed traced under a bf16 autocast (the graph's
+    ``precision`` meta then tells the launcher the autocast is the engine's, not the script's)."""
     from ..graph.cache import write_json_atomic
     from ..graph.capture import trace_module
     from ..models import example_shape
     from ..space.tp_check import check_tensor_parallel, with_tp_checks
     from ..space.vocab import check_vocab_modules, with_vocab_check
     batch, seq = example_shape(inputs)
-    graph = trace_module(model, inputs, type(model).__name__, {
-        "batch_size": str(batch or ""), "seq_len": str(seq or ""),
-        "global_batch": str(global_batch), "sources": json.dumps(_user_sources())}, require_loss=True)
+    meta = {"batch_size": str(batch or ""), "seq_len": str(seq or ""), "global_batch": str(global_batch),
+            "sources": json.dumps(_user_sources())} | ({"precision": precision} if precision else {}) | (
+        {"meta_built": "1"} if has_meta_tensors(model) else {})      # see runtime.precision.traced_autocast
+    cast_model(model, precision)
+    with contextlib.ExitStack() as scope:
+        if precision == "bf16-mixed":       # as the engines run it: on GPUs, CUDA's autocast (see precision.py)
+            scope.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            scope.enter_context(cuda_attention_policy())
+        graph = trace_module(model, inputs, type(model).__name__, meta, require_loss=True)
     graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
     graph = with_vocab_check(graph, check_vocab_modules(model, graph))
     write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
@@ -190,5 +205,6 @@ def _user_sources() -> list[list]:
     return out
 
 
-__all__ = ["CAPTURE_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_EVERY_ENV", "ENGINES", "PLAN_ENV", "Run", "choose_engine",
+__all__ = ["CAPTURE_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_EVERY_ENV", "ENGINES", "PLAN_ENV", "PRECISION_ENV", "Run",
+           "choose_engine",
            "meta_init", "parallelize", "unsupported"]

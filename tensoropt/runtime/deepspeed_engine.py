@@ -20,6 +20,7 @@ from torch import nn
 from .device import check_placement, init_process_group
 from .materialize import Materializer
 from .param_groups import build_optimizer
+from .precision import autocast_forward, of_plan
 from .run import Run, call_model, loss_of, mean_over_group
 from .torch_engine import largest_block_bytes, recomputed_modules
 
@@ -50,16 +51,25 @@ def deepspeed_config(plan: dict) -> dict:
 
 
 def precision(plan: dict) -> dict:
-    """The config sections for the plan's ``dtype`` (the model's, written by the launcher), as it was priced
-    (``master_weights``: 2 + 2 + 12 bytes per parameter). A bf16 model: DeepSpeed's bf16 mode, bf16 weights,
-    gradients (``data_types.grad_accum_dtype``; float32 accumulation would add a float32 gradient per parameter
-    under ZeRO 1) and gradient communication, float32 master weights and optimizer states; no overflow check,
-    which skips steps the script run alone takes. Without the section DeepSpeed runs a bf16 model in its float32
-    mode: float32 gradients and communication, twice the bytes priced. Other dtypes: the model's own (float32);
-    float16 would need loss scaling, which no plan prices."""
-    if plan.get("dtype", "bfloat16") != "bfloat16":
+    """The config sections for the plan's precision (``runtime.precision``), holding the bytes it was priced with
+    (``cost.model.state_bytes``):
+
+    - ``bf16-mixed``: DeepSpeed's bf16 mode: bf16 weights, gradients (``data_types.grad_accum_dtype``; float32
+      accumulation would add a float32 gradient per parameter under ZeRO 1) and gradient communication, float32
+      master weights and AdamW states (``BF16_Optimizer`` under ZeRO 0, ZeRO's float32 partitions under 1-3):
+      2 + 2 + 12 bytes per parameter. No overflow check, which would skip steps the script run alone takes.
+    - ``bf16-true``: the bf16 mode with ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``: the
+      partitions DeepSpeed updates and the AdamW states are bf16 too (2 + 2 + 4; DeepSpeed has these under
+      ZeRO 1-3 only, ``search.engines.unsupported`` refuses ZeRO 0).
+    - ``32-true``: no section: DeepSpeed's float32 mode.
+    A plan without a precision (older plan files): bf16-mixed for a bf16 model, float32 mode otherwise. Without
+    the section DeepSpeed would run a bf16 model in its float32 mode: float32 gradients and communication,
+    twice the bytes priced; float16 would need loss scaling, which no plan prices."""
+    name = plan.get("precision") or ("bf16-mixed" if plan.get("dtype", "bfloat16") == "bfloat16" else "32-true")
+    if name == "32-true":
         return {}
-    return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
+    pure = name == "bf16-true"
+    return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": pure, "bf16_optimizer_states": pure,
                      "check_grad_overflow": False},
             "data_types": {"grad_accum_dtype": "bf16"}}
 
@@ -107,11 +117,14 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
     if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
         materializer.block_bytes = largest_block_bytes(model, plan)
+    if named := of_plan(plan):        # the weights in the dtype DeepSpeed trains them in (bf16 mode: bf16)
+        model.to(torch.float32 if named == "32-true" else torch.bfloat16)
     if plan["zero"] == 3:
         partition(model, device, config, materializer)
     else:
         place(model, device, materializer)
     apply_recompute(model, plan, config)
+    autocast_forward(model, of_plan(plan), device)      # bf16-mixed: norms and losses in float32, as alone
     optimizer = build_optimizer(optimizer_fn, model.parameters())
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()

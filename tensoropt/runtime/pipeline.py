@@ -35,6 +35,7 @@ from .materialize import Materializer, tied_parameters
 from .param_groups import build_optimizer
 from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
 from .pipeline_tp import check_before_cutting, shard_stage, shard_vocabulary
+from .precision import autocast_forward, fsdp_kwargs, of_plan, traced_autocast
 from .run import Batch, Run, Stepper, loss_of
 from .torch_engine import block_modules, place, recompute_wrappers, replace_module
 from .vocab_parallel import LossContext, loss_context
@@ -67,7 +68,8 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         model._apply(lambda t: t.to("meta"))
     trace_device = next(iter(model.parameters())).device
     args, kwargs = to_device(example_micro_batch(example_inputs, plan["micro_batch"]), trace_device)
-    pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec(model, plan))
+    with traced_autocast(of_plan(plan), trace_device):        # bf16-mixed: the stages' graphs compute in bf16
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec(model, plan))
     if pipe.num_stages != n_stages:
         raise TensorOptError(f"cutting the model before its block copies gave {pipe.num_stages} pipeline stages, "
                              f"the plan has {n_stages}: every block copy must be called once by the model's forward")
@@ -92,7 +94,10 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         modules.append(module)
         wirings.append(stage_wiring(pipe.split_gm.graph, s))
     del pipe                                        # the other stages' modules go with it
-    wrapped = [data_parallel(Relay(m, w), plan, mesh["dp"], device) for m, w in zip(modules, wirings)]
+    relays = [Relay(m, w) for m, w in zip(modules, wirings)]
+    for relay in relays:                            # and run under the autocast they were traced in
+        autocast_forward(relay, of_plan(plan), device)
+    wrapped = [data_parallel(relay, plan, mesh["dp"], device) for relay in relays]
     # FSDP2 replaced the parameters with sharded ones: the tied ones are looked up again by name
     shared = {s: {index: module.get_parameter(next(n for n in tied[index] if n in held[s])) for index in by_index}
               for (s, by_index), module in zip(sorted(shared.items()), modules)}
@@ -157,10 +162,10 @@ def data_parallel(relay: Relay, plan: dict, dp_mesh, device: torch.device) -> nn
     stage_module = relay.stage
     if plan["zero"] >= 2:
         from torch.distributed.fsdp import fully_shard
-        reshard = plan["zero"] == 3
+        reshard, precision = plan["zero"] == 3, fsdp_kwargs(of_plan(plan))
         for name in block_modules(stage_module, plan):
-            fully_shard(stage_module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(stage_module, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(stage_module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard, **precision)
+        fully_shard(stage_module, mesh=dp_mesh, reshard_after_forward=reshard, **precision)
         if not reshard:
             stage_module.set_reshard_after_backward(False)
         return relay

@@ -15,6 +15,7 @@ from ..errors import TensorOptError
 from .device import check_placement, init_process_group
 from .materialize import Materializer
 from .param_groups import build_optimizer
+from .precision import autocast_forward, cast_model, fsdp_kwargs, of_plan
 from .run import Run, plain_stepper
 from .vocab_parallel import loss_context
 
@@ -88,6 +89,8 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
                              "started")
     if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
         materializer.block_bytes = largest_block_bytes(model, plan)
+    precision = of_plan(plan)
+    cast_model(model, precision)      # before sharding: the weights' dtype (see runtime.precision)
     if plan["pp"] > 1:
         from .pipeline import apply_pipeline
         return apply_pipeline(model, optimizer_fn, plan, device, materializer, example_inputs)
@@ -99,6 +102,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
         from .tensor_parallel import apply_tensor_parallel
         vocab_split = apply_tensor_parallel(model, plan, mesh["tp"], device, example_inputs)
     apply_recompute(model, plan)
+    autocast_forward(model, precision, device)
     before_micro_batch = None
     if plan["zero"] >= 2:
         # FSDP2 reduce-scatters every micro-batch (deferring would hold unsharded gradients); under ZeRO 2
@@ -106,8 +110,9 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
         from torch.distributed.fsdp import fully_shard
         reshard = plan["zero"] == 3
         for name in block_modules(model, plan):
-            fully_shard(model.get_submodule(name), mesh=mesh["dp"], reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
+            fully_shard(model.get_submodule(name), mesh=mesh["dp"], reshard_after_forward=reshard,
+                        **fsdp_kwargs(precision))
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard, **fsdp_kwargs(precision))
         if not reshard:
             before_micro_batch = model.set_reshard_after_backward
     place(model, device, materializer)

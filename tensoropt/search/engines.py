@@ -30,6 +30,8 @@ def unsupported(plan: dict, engine: str) -> list[str]:
             ("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
             ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),
             ("optimizer offload without ZeRO", plan["offload"] and plan["zero"] == 0),
+            # DeepSpeed keeps a float32 master copy under ZeRO 0 (BF16_Optimizer): bf16 master weights need 1-3
+            ("bf16-true without ZeRO", plan.get("precision") == "bf16-true" and plan["zero"] == 0),
         ] if needed]
     return [what for what, needed in [
         ("ZeRO 1", plan["zero"] == 1), ("optimizer offload", plan["offload"]),

@@ -35,7 +35,7 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
             x = sums[:, 3].max()
             for v, z, off in globals_:
                 ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                              space.master_weights)
+                              space.master_weights, space.precision)
                 r = evaluate(model, ctx, [t], [b], [a], [x], [p])
                 values.append((float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0])))
                 plans.append((ctx, [seq for seq, _ in combo]))

@@ -68,6 +68,7 @@ class SearchSpace:
     eps: float = 0.002                 # epsilon-dominance while composing (0 = exact); see search/pareto.py
     dtype: str = "bfloat16"            # training precision: sizes the model states (cost.model.state_bytes)
     master_weights: bool = True        # a float32 master copy of 16-bit weights (mixed precision)
+    precision: str = ""                # one of space.plan.PRECISIONS ("": as dtype and master_weights say)
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     start = time.perf_counter()
     blocks = range(len(model.blocks))
     choices = [(dp, tp, pp, branches, mb, [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                                                   space.master_weights)
+                                                   space.master_weights, space.precision)
                                            for v, z, off in _undominated(globals_, dp, pp)])
                for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
     choices = [c for c in choices if c[-1]]

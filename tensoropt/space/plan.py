@@ -13,6 +13,22 @@ from typing import Any
 
 RECOMPUTE = ("none", "selective", "full")
 PLAN_SCHEMA_VERSION = 1
+# training precisions, named as PyTorch Lightning names them: float32 weights with bf16 compute, everything in
+# bf16, everything in float32 (what each engine holds under each: cost.model.state_bytes, runtime.precision)
+PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
+
+
+def derived_precision(dtype: str, master_weights: bool) -> str:
+    """The precision a plan without a ``precision`` key (older plan files, ``estimate --dtype``) describes: a
+    float32 model trains in float32; a 16-bit one with a float32 master copy in mixed precision, else pure."""
+    if dtype == "float32":
+        return "32-true"
+    return "bf16-mixed" if master_weights else "bf16-true"
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype products compute and activations are saved in under ``precision``."""
+    return "float32" if precision == "32-true" else "bfloat16"
 
 
 @dataclass(frozen=True, order=True)
@@ -55,6 +71,14 @@ class Plan:
     # a float32 master copy of 16-bit weights (mixed precision, Megatron-LM / DeepSpeed bf16); False: the
     # weights, gradients and optimizer states all in ``dtype``, as a script that trains its bf16 model runs
     master_weights: bool = True
+    # one of PRECISIONS, as the launcher chose it; "" (plans made by hand or before the field existed): the
+    # precision ``dtype`` and ``master_weights`` describe (``derived_precision``), priced as they always were
+    precision: str = ""
+
+    @property
+    def precision_name(self) -> str:
+        """The precision this plan trains in, by name (``precision``, else derived from dtype/master_weights)."""
+        return self.precision or derived_precision(self.dtype, self.master_weights)
 
     @property
     def grad_accumulation(self) -> int:
@@ -83,7 +107,7 @@ class Plan:
                 {"recompute": s.recompute, "sequence_parallel": s.sequence_parallel, "copies": n}
                 for s, n in bp.strategies]} for bp in self.blocks],
             "summary": self.summary(),
-        }
+        } | ({"precision": self.precision} if self.precision else {})
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
@@ -97,8 +121,16 @@ class Plan:
             blocks=tuple(BlockPlan(b["block"], tuple(
                 (LayerStrategy(s["recompute"], bool(s["sequence_parallel"])), int(s["copies"]))
                 for s in b["strategies"])) for b in d["blocks"]),
-            master_weights=bool(d.get("master_weights", True)),
+            master_weights=bool(d.get("master_weights", True)), precision=_precision(d.get("precision")),
         )
+
+
+def _precision(name: object) -> str:
+    if name in (None, ""):
+        return ""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
+    return str(name)
 
 
 def chain_order(pairs) -> tuple[tuple[LayerStrategy, int], ...]:

@@ -1,0 +1,147 @@
+"""The training precision a plan names (``--precision``, PyTorch Lightning's names), applied by the engines.
+
+- ``32-true``: float32 weights, gradients, AdamW states and compute. A model built in bf16 is cast to float32.
+- ``bf16-true``: the model cast to bf16: weights, gradients and AdamW states in bf16, no float32 copy.
+- ``bf16-mixed``: float32 weights (the master copy) and AdamW states, bf16 compute. The model is cast to
+  float32; under FSDP2 (ZeRO 2/3) every unit gathers its weights in bf16 and reduces its gradients in float32
+  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``, as torchtitan trains); everywhere (DDP,
+  tensor parallel, one process, pipeline stages, and over FSDP2 and DeepSpeed too) the forward, which returns
+  the loss, runs under ``torch.autocast(bf16)``. Over FSDP2's bf16 weights autocast casts nothing more, but
+  keeps the ops autocast runs in float32 (softmax, norms, losses) in float32 exactly as the script run alone
+  in bf16-mixed does, so the two differ only by the order of reductions. DeepSpeed's own ``bf16`` section
+  holds bf16 weights and the float32 master copy (``deepspeed_engine.precision_config``).
+
+The cast comes first, before sharding and materialisation: on a meta-built model it costs nothing, and the
+model run alone in the same precision (``PRECISION_ENV``) is cast at the same point, so a meta-built model is
+initialised in the same dtype in both.
+
+A script that trains under its own bf16 autocast keeps it: ``bf16-mixed`` then adds nothing it would notice
+(an autocast inside one of the same dtype is the same region; FSDP2's bf16 weights are the copies its autocast
+would make), and the launcher refuses the other precisions for it, which its autocast would contradict.
+
+Run by hand (no plan), the script is unchanged unless ``TENSOROPT_PRECISION`` names a precision: then it runs
+in it, the reference a launched run in that precision is compared with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..errors import TensorOptError
+from ..space.plan import PRECISIONS, derived_precision
+
+PRECISION_ENV = "TENSOROPT_PRECISION"
+
+
+def checked(name: str, source: str) -> str:
+    """``name`` if it is a precision, else a one-line error naming ``source`` (a flag or a variable)."""
+    if name not in PRECISIONS:
+        raise TensorOptError(f"{source}={name!r} is not a precision: use one of {', '.join(PRECISIONS)}")
+    return name
+
+
+def of_plan(plan: dict | None) -> str | None:
+    """The precision a plan (its JSON) trains in: its ``precision`` key; None for a plan without one (written
+    before precisions were named: the model trains as the script built it). Run alone: ``PRECISION_ENV``."""
+    if plan is None:
+        name = os.environ.get(PRECISION_ENV)
+        return checked(name, PRECISION_ENV) if name else None
+    name = plan.get("precision")
+    return checked(name, "plan precision") if name else None
+
+
+def legacy_precision(plan: dict) -> str:
+    """The precision a plan without a ``precision`` key was priced in (for words only)."""
+    return derived_precision(plan.get("dtype", "bfloat16"), plan.get("master_weights", True))
+
+
+def parameter_dtype(precision: str) -> torch.dtype:
+    """The dtype the model's weights are kept in (the master copy in bf16-mixed)."""
+    return torch.bfloat16 if precision == "bf16-true" else torch.float32
+
+
+def cast_model(model: nn.Module, precision: str | None) -> None:
+    """Cast the model's floating-point parameters and buffers to ``precision``'s weight dtype (in place: the
+    parameter objects stay, so a materialiser or the script's references still find them; on meta nothing is
+    allocated)."""
+    if precision is not None:
+        model.to(parameter_dtype(precision))
+
+
+def fsdp_kwargs(precision: str | None) -> dict:
+    """``fully_shard`` arguments for ``precision``: bf16-mixed gathers bf16, reduces float32."""
+    if precision != "bf16-mixed":
+        return {}
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def _under_autocast(forward, device_type: str, *args, **kwargs):
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+        return forward(*args, **kwargs)
+
+
+def autocast_forward(module: nn.Module, precision: str | None, device: torch.device) -> None:
+    """bf16-mixed: ``module``'s forward (and so the loss it returns) runs under a bf16 autocast of ``device``'s
+    type. The forward is replaced on the instance, so parameter names and wrapping modules (DDP, FSDP2's hooks)
+    are as they were."""
+    if precision == "bf16-mixed":
+        module.forward = functools.partial(_under_autocast, module.forward, device.type)
+
+
+@contextlib.contextmanager
+def cuda_attention_policy() -> Iterator[None]:
+    """Within: under an autocast, ``scaled_dot_product_attention`` computes in the autocast's dtype, as CUDA's
+    autocast runs it (its lower-precision list); the CPU's leaves it to its inputs' dtype, so float32 queries
+    (after a float32 rotary embedding, say) would be captured, and priced, as float32 attention that a GPU worker
+    never runs. For the launcher's capture in bf16-mixed only: nothing computes there."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def lower(query, key, value, *args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        if dtype is not None:
+            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+        return original(query, key, value, *args, **kwargs)
+    torch.nn.functional.scaled_dot_product_attention = lower
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def traced_autocast(precision: str | None, device: torch.device):
+    """bf16-mixed where the model is traced into a graph (pipeline stages, ``torch.export``): the trace runs under
+    the autocast, so the graph itself casts as autocast does (and its message dtypes say so)."""
+    if precision != "bf16-mixed":
+        return contextlib.nullcontext()
+    if device.type == "meta":       # autocast acts on no meta tensor: the graph would not say what runs
+        raise TensorOptError("bf16-mixed pipeline stages are traced under autocast, which does not act on a model "
+                             "built on the meta device: build it for real, or launch with --precision bf16-true or "
+                             "32-true")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def words(precision: str | None, engine: str, zero: int) -> str:
+    """What the engine holds and computes in under ``precision``, for the launch summary."""
+    if precision is None:
+        return "as the script built the model"
+    if precision == "32-true":
+        return "32-true: float32 weights, gradients, AdamW states and compute"
+    if precision == "bf16-true":
+        return "bf16-true: bf16 weights, gradients, AdamW states and compute"
+    if engine == "deepspeed":
+        return "bf16-mixed: DeepSpeed bf16 (bf16 weights and gradients, float32 master weights and AdamW states)"
+    if zero >= 2:
+        return ("bf16-mixed: float32 weights and AdamW states; FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, "
+                "reduce_dtype=float32) and autocast(bfloat16) around the forward")
+    return "bf16-mixed: float32 weights, gradients and AdamW states; autocast(bfloat16) around the forward"
+
+
+__all__ = ["PRECISION_ENV", "autocast_forward", "cast_model", "checked", "cuda_attention_policy", "fsdp_kwargs",
+           "of_plan", "parameter_dtype", "traced_autocast", "words"]
