@@ -4,12 +4,14 @@ Pipeline (Narayanan et al., SC'21): 1F1B with ``v`` interleaved stages takes (m 
 times for m micro-batches, the bubble being (p-1)/(v m) of the ideal; stage 0 keeps p micro-batches
 of activations in flight, times (1 + (p-1)/(p v)) when interleaved (Korthikanti et al. 2022, sec.
 4.2.3). Data parallelism (Rajbhandari et al., SC'20): ZeRO 0/1 all-reduce the accumulated gradients
-once per step; ZeRO 2 keeps only a gradient shard, so it reduce-scatters every micro-batch's
-gradients and all-gathers the updated parameters once per step; ZeRO 3 also all-gathers the
-parameters in every micro-batch's forward and backward. Sharded stages gather and reduce layer by
-layer (FSDP units, DeepSpeed's per-module gathers), one collective per block copy plus one for the
-loose ops, each paying the link latency, and copy the parameters or gradients into and out of
-flat communication buffers (one read and one write of the tensor, at memory bandwidth).
+once per step (the torch engine's ZeRO 1, FSDP2 without gradient sync until the last micro-batch, runs
+it as one reduce-scatter of the gradients and one all-gather of the updated weights: the same volume);
+ZeRO 2 keeps only a gradient shard, so it reduce-scatters every micro-batch's gradients and all-gathers
+the updated parameters once per step; ZeRO 3 also all-gathers the parameters in every micro-batch's
+forward and backward. Sharded stages gather and reduce layer by layer (FSDP units, DeepSpeed's
+per-module gathers), one collective per block copy plus one for the loose ops, each paying the link
+latency, and copy the parameters or gradients into and out of flat communication buffers (one read and
+one write of the tensor, at memory bandwidth).
 Communication overlaps the backward (gradients) or the stage's compute (ZeRO 3 gathers) where the
 device computes and communicates at once (the profile's ``overlaps_communication``), else adds to
 the step. Model states take 2 + 2 + 12 bytes per parameter in mixed precision (bf16/fp16 weights and
@@ -43,8 +45,9 @@ parameter as each engine holds them, before dividing over dp as above:
   shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated, the
   gathered unit freed after use, as the transient of one unit at a time is not priced here for any plan)
   and reduce-scatters float32 (4); ZeRO 2 (``reshard_after_forward=False``) keeps the gathered bf16 weights
-  through the step (2, whole) beside the float32 shard (4/dp). Autocast over FSDP2's bf16 weights casts
-  nothing, so it caches no copy.
+  through the step (2, whole) beside the float32 shard (4/dp); ZeRO 1 too, and accumulates whole float32
+  gradients (4) over the micro-batches, reduce-scattered once after the last
+  (``set_requires_gradient_sync``). Autocast over FSDP2's bf16 weights casts nothing, so it caches no copy.
 Compute and activations come from the graph's op dtypes: the launcher captures the script in the precision it
 plans (``launcher.capture``), so bf16 plans compute at the bf16 peak and save bf16 activations.
 """
@@ -109,13 +112,17 @@ def own_dtype(dtype: str) -> StateBytes:
 def torch_mixed(zero: int) -> StateBytes:
     """bf16-mixed in the torch engine: the weights stay float32 and are the master copy. ZeRO 0 (DDP, tensor
     parallel, one process, pipeline stages): 4 + 4 + 8, and autocast's bf16 copy of every weight, cached for
-    the step (2). ZeRO 2-3 (FSDP2, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``): the
+    the step (2). ZeRO 1-3 (FSDP2, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``): the
     float32 shards (4/dp) are the master; a unit's weights are gathered in bf16 (2) and its gradients reduced
-    in float32 (4/dp kept); ZeRO 2 keeps the gathered bf16 weights through the step (2, whole) beside the
-    float32 shard (4/dp, counted as ``partition_copy``). The fused step moves 7 x 4 bytes."""
+    in float32. ZeRO 1 and 2 keep the gathered bf16 weights through the step (2, whole) beside the float32
+    shard (4/dp, counted as ``partition_copy``). ZeRO 2-3 keep float32 gradient shards (4/dp); ZeRO 1 skips
+    the reduce-scatter until the last micro-batch, and FSDP2 then accumulates each unsharded bf16 gradient
+    into a float32 one (``FSDPParam.to_accumulated_grad_if_needed``: reduce_dtype differs from param_dtype):
+    4, whole (one accumulation step reduce-scatters the bf16 gradient at once, less than priced). The fused
+    step moves 7 x 4 bytes."""
     words = "float32 weights, gradients and AdamW states, bf16 compute"
-    if zero >= 2:
-        return StateBytes(weight=2 if zero == 2 else 4, grad=4, optimizer=8, adam_moved=28, partition_copy=4,
+    if zero >= 1:
+        return StateBytes(weight=4 if zero == 3 else 2, grad=4, optimizer=8, adam_moved=28, partition_copy=4,
                           gathered=2, cast_copy=0, precision=words + " (FSDP2 gathers bf16 weights, reduces "
                           "float32 gradients; 4 + 4 + 8 bytes sharded)")
     return StateBytes(weight=4, grad=4, optimizer=8, adam_moved=28, partition_copy=4, cast_copy=2,

@@ -11,8 +11,9 @@ https://arxiv.org/abs/2104.04473). Each stage is wrapped for data parallelism ov
 under ZeRO 0 (``PipelineStage`` itself skips DDP's all-reduce on all but the last micro-batch's backward),
 FSDP2 ``fully_shard`` on every block copy and the stage module under ZeRO 2/3 (reduce-scattered after every
 micro-batch's backward, as the cost model prices it and as the un-piped engine runs it; under ZeRO 2 the
-parameters stay gathered until the step ends), over the tensor-parallel shards where tp > 1 (2-D DTensors,
-as FSDP2 composes with tensor parallelism).
+parameters stay gathered until the step ends), on every block copy and the relay under ZeRO 1 (parameters
+gathered and gradients accumulated whole until the last backward, reduce-scattered once), over the
+tensor-parallel shards where tp > 1 (2-D DTensors, as FSDP2 composes with tensor parallelism).
 
 Parameters used on several stages (tied input and output embeddings) are copied onto each stage by the
 split; their gradients are summed over those stages (on this rank, then over the pipeline ranks that hold
@@ -158,15 +159,18 @@ def data_parallel(relay: Relay, plan: dict, dp_mesh, device: torch.device) -> nn
     copies and the stage module inside the relay, so that FSDP2 runs its own hooks on every micro-batch (a
     root ``FSDPModule`` would be told by the stage to defer its reduce-scatter: unsharded gradients, not what
     ZeRO 2/3 is priced as). Under ZeRO 2 the parameters are kept gathered after each backward; the stepper
-    reshards them once the schedule is done."""
+    reshards them once the schedule is done. Under ZeRO 1 the relay itself is FSDP2's root, so the stage does
+    defer: gradients accumulate unsharded over the micro-batches and are reduce-scattered, and the gathered
+    parameters freed, once after the schedule's last backward (``PipelineStage.perform_reduce_grad``)."""
     stage_module = relay.stage
-    if plan["zero"] >= 2:
+    if plan["zero"] >= 1:
         from torch.distributed.fsdp import fully_shard
         reshard, precision = plan["zero"] == 3, fsdp_kwargs(of_plan(plan))
         for name in block_modules(stage_module, plan):
             fully_shard(stage_module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard, **precision)
-        fully_shard(stage_module, mesh=dp_mesh, reshard_after_forward=reshard, **precision)
-        if not reshard:
+        root = relay if plan["zero"] == 1 else stage_module
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, **precision)
+        if plan["zero"] == 2:
             stage_module.set_reshard_after_backward(False)
         return relay
     if plan["dp"] > 1:

@@ -3,7 +3,7 @@
 - ``32-true``: float32 weights, gradients, AdamW states and compute. A model built in bf16 is cast to float32.
 - ``bf16-true``: the model cast to bf16: weights, gradients and AdamW states in bf16, no float32 copy.
 - ``bf16-mixed``: float32 weights (the master copy) and AdamW states, bf16 compute. The model is cast to
-  float32; under FSDP2 (ZeRO 2/3) every unit gathers its weights in bf16 and reduces its gradients in float32
+  float32; under FSDP2 (ZeRO 1-3) every unit gathers its weights in bf16 and reduces its gradients in float32
   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``, as torchtitan trains); everywhere (DDP,
   tensor parallel, one process, pipeline stages, and over FSDP2 and DeepSpeed too) the forward, which returns
   the loss, runs under ``torch.autocast(bf16)``. Over FSDP2's bf16 weights autocast casts nothing more, but
@@ -137,7 +137,7 @@ def words(precision: str | None, engine: str, zero: int) -> str:
         return "bf16-true: bf16 weights, gradients, AdamW states and compute"
     if engine == "deepspeed":
         return "bf16-mixed: DeepSpeed bf16 (bf16 weights and gradients, float32 master weights and AdamW states)"
-    if zero >= 2:
+    if zero >= 1:
         return ("bf16-mixed: float32 weights and AdamW states; FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, "
                 "reduce_dtype=float32) and autocast(bfloat16) around the forward")
     return "bf16-mixed: float32 weights, gradients and AdamW states; autocast(bfloat16) around the forward"

@@ -1,7 +1,8 @@
 """The torch-native engine: recomputation through checkpoint wrappers (full: torch's checkpoint; selective:
 the attention core only, ``selective``), data parallelism as DDP
-(ZeRO 0) or FSDP2 ``fully_shard`` (ZeRO 2: gradients and optimizer states sharded, parameters kept
-gathered; ZeRO 3: parameters too), tensor parallelism with ``torch.distributed.tensor`` and pipeline
+(ZeRO 0) or FSDP2 ``fully_shard`` (ZeRO 1: optimizer states sharded, parameters kept gathered and gradients
+accumulated whole, reduce-scattered once per step; ZeRO 2: gradients sharded too, reduce-scattered every
+micro-batch; ZeRO 3: parameters too), tensor parallelism with ``torch.distributed.tensor`` and pipeline
 stages with ``torch.distributed.pipelining``."""
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
         from .pipeline import apply_pipeline
         return apply_pipeline(model, optimizer_fn, plan, device, materializer, example_inputs)
     dp, tp = plan["dp"], plan["tp"]
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan["zero"] >= 2 \
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan["zero"] >= 1 \
         else None
     vocab_split = False             # the logits sharded by vocabulary: the loss runs under loss_parallel
     if tp > 1:
@@ -104,19 +105,16 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
     apply_recompute(model, plan)
     autocast_forward(model, precision, device)
     before_micro_batch = None
-    if plan["zero"] >= 2:
-        # FSDP2 reduce-scatters every micro-batch (deferring would hold unsharded gradients); under ZeRO 2
-        # the parameters stay gathered across the micro-batches and are gathered again after the step only
+    if plan["zero"] >= 1:
         from torch.distributed.fsdp import fully_shard
         reshard = plan["zero"] == 3
         for name in block_modules(model, plan):
             fully_shard(model.get_submodule(name), mesh=mesh["dp"], reshard_after_forward=reshard,
                         **fsdp_kwargs(precision))
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard, **fsdp_kwargs(precision))
-        if not reshard:
-            before_micro_batch = model.set_reshard_after_backward
+        before_micro_batch = fsdp_micro_batch(model, plan["zero"])
     place(model, device, materializer)
-    if plan["zero"] < 2 and dp > 1:
+    if plan["zero"] == 0 and dp > 1:
         # gradients live in DDP's buckets, not in a second copy: 1x gradient memory, as planned
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                     gradient_as_bucket_view=True)
@@ -130,6 +128,23 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
               plan, "torch", plain_stepper(model, optimizer, before_micro_batch, loss_context=loss_context(vocab_split))
               if optimizer else None, device=device)
     return model, optimizer, run
+
+
+def fsdp_micro_batch(model: nn.Module, zero: int):
+    """What FSDP2 is told before each micro-batch (``before_micro_batch(last)``), so that it communicates as the
+    cost model prices the ZeRO stage. ZeRO 1: parameters stay gathered and gradients accumulate unsharded
+    (``set_requires_gradient_sync(False)``) until the last micro-batch, whose backward reduce-scatters them once
+    and frees the gathered parameters: one reduce-scatter and one all-gather a step, an all-reduce's volume.
+    ZeRO 2: every micro-batch reduce-scatters (deferring would hold unsharded gradients), the parameters stay
+    gathered until the last. ZeRO 3: FSDP2's defaults (gather and free around every use); None."""
+    if zero == 3:
+        return None
+
+    def before_micro_batch(last: bool) -> None:
+        model.set_reshard_after_backward(last)
+        if zero == 1:
+            model.set_requires_gradient_sync(last)
+    return before_micro_batch
 
 
 def place(module: nn.Module, device: torch.device, materializer: Materializer | None) -> None:

@@ -2,7 +2,7 @@
 
 ``ENGINE_SPACES`` is the part of the search space an engine applies (``SearchSpace`` arguments), so the
 launcher searches only there. Some plans inside that space still cannot run, because a combination is not
-applied (tensor with data parallelism without ZeRO 2/3 in the torch engine, for instance). ``unsupported``
+applied (tensor with data parallelism under ZeRO 0 in the torch engine, for instance). ``unsupported``
 names what a plan needs that an engine lacks. The launcher drops those plans after the search, and a worker
 refuses them before it runs anything else. Plain data on plan JSON: no torch, no GPU.
 """
@@ -14,7 +14,7 @@ from ..errors import TensorOptError
 ENGINES = ("torch", "deepspeed")          # in order of preference when both run a plan
 
 ENGINE_SPACES = {
-    "torch": dict(zero_stages=(0, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=True,
+    "torch": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=True,
                   offload=False, max_virtual_stages=4),
     "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
                       offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
@@ -34,8 +34,9 @@ def unsupported(plan: dict, engine: str) -> list[str]:
             ("bf16-true without ZeRO", plan.get("precision") == "bf16-true" and plan["zero"] == 0),
         ] if needed]
     return [what for what, needed in [
-        ("ZeRO 1", plan["zero"] == 1), ("optimizer offload", plan["offload"]),
-        ("tensor and data parallelism without ZeRO 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] < 2),
+        ("optimizer offload", plan["offload"]),
+        # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh
+        ("tensor and data parallelism without ZeRO 1, 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] == 0),
         # the pipeline's stage modules are traced with the stream's full sequence between their block copies
         ("sequence parallelism inside pipeline stages",
          plan["pp"] > 1 and any(s["sequence_parallel"] for s in strategies)),

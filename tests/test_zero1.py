@@ -1,0 +1,118 @@
+"""ZeRO 1 in the torch engine (issue 18 part 5): FSDP2 with the parameters kept gathered and gradient sync only on
+the step's last micro-batch (whole weights and gradients, optimizer states and float32 shards over dp), alone
+and inside pipeline stages; what the planner prices for it; real workers over gloo train to the losses of the
+script run alone (float32, rtol 2e-5)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from conftest import SMALL_GPT
+from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli
+
+from tensoropt.api import capture
+from tensoropt.cost.model import ModelCost, estimate, state_bytes
+from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.graph.fold import fold
+from tensoropt.search.engines import ENGINE_SPACES, choose_engine, unsupported
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+LAYERS = 2
+BLOCKS = (BlockPlan("layers.*", ((LayerStrategy("none"), LAYERS),)),)
+
+
+def _plan(precision: str, **change) -> Plan:
+    base = Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=2, global_batch=8, zero=1, blocks=BLOCKS,
+                master_weights=False, precision=precision)
+    return dataclasses.replace(base, **change)
+
+
+# ---- the planner: torch runs ZeRO 1, priced as FSDP2 holds it ----------------------------------------------------
+
+def test_the_torch_engine_runs_zero1_plans():
+    assert 1 in ENGINE_SPACES["torch"]["zero_stages"]
+    for change in [{}, dict(devices=4, pp=2), dict(devices=4, tp=2, tp_branches=("attn",))]:
+        plan = _plan("32-true", **change).to_json()
+        assert unsupported(plan, "torch") == [] and choose_engine(plan) == "torch", change
+    assert unsupported(_plan("32-true", offload=True).to_json(), "torch") == ["optimizer offload"]
+    assert unsupported(_plan("32-true", devices=4, tp=2, zero=0).to_json(), "torch") == [
+        "tensor and data parallelism without ZeRO 1, 2 or 3"]
+
+
+def test_zero1_state_bytes_in_the_torch_engine():
+    """Bytes per parameter (weights held, weights gathered, gradients, optimizer incl. the float32 shard, autocast
+    copy): bf16-mixed keeps the gathered bf16 weights (2) and FSDP2's float32 accumulated unsharded gradients (4,
+    reduce_dtype float32 differs from param_dtype bf16), beside float32 shards (4) and AdamW (8), both over dp."""
+    def held(precision, zero):
+        s = state_bytes("bfloat16", False, precision, zero)
+        return s.weight, s.gathered_bytes, s.grad, s.optimizer_bytes(zero), s.cast_copy
+    assert held("bf16-mixed", 1) == (2, 2, 4, 8 + 4, 0)
+    assert held("32-true", 1) == (4, 4, 4, 8 + 4, 0)
+    assert held("bf16-true", 1) == (2, 2, 2, 4 + 2, 0)
+
+
+@pytest.fixture(scope="module")
+def small_gpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt") / "gpt.json"
+    path.write_text(json.dumps(SMALL_GPT))
+    graph = capture(str(path), batch_size=1, seq_len=32).graph
+    return graph, ModelCost(graph, fold(graph), Cluster(2, 2, load_profile("h100-80gb")))
+
+
+def test_zero1_priced_bytes_for_a_known_parameter_count(small_gpt):
+    """Model-state bytes per device for the small GPT (P parameters) on dp 2 under ZeRO 1: weights and gradients
+    whole, optimizer states (and the float32 shard) halved; the same gradients ZeRO 2 would halve."""
+    graph, model = small_gpt
+    p = float(sum(int(np.prod(meta.shape)) for _, meta in graph.params))
+
+    def states(plan: Plan) -> tuple[float, float, float, float]:
+        m = estimate(model, dataclasses.replace(plan, blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 4),)),
+                                                              ))).memory_breakdown
+        return m["parameters_bytes"], m["gradients_bytes"], m["optimizer_bytes"], m["other_bytes"]
+    base = states(_plan("32-true", zero=0))[3]
+    assert states(_plan("bf16-mixed")) == (2 * p, 4 * p, 12 * p / 2, base)
+    assert states(_plan("bf16-mixed", zero=2)) == (2 * p, 4 * p / 2, 12 * p / 2, base)
+    assert states(_plan("32-true")) == (4 * p, 4 * p, 12 * p / 2, base)
+
+
+# ---- real workers: the script's losses -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory):
+    return dry_run_plan(GPT_SCRIPT, tmp_path_factory.mktemp("dry"))
+
+
+def _launch(plan: Plan, tmp_path, devices: int) -> list[float]:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", devices, "--plan", path, "--run-dir",
+                           tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "losses.json").read_text())
+    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
+    return data["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_dp2_zero1_with_accumulation_matches_one_process(reference, chosen, tmp_path):
+    """dp2, 2 micro-batches of 2 per replica: the first micro-batch's gradients stay unsharded on each rank, the
+    second's backward reduce-scatters their sum once; the losses are the script's alone."""
+    plan = dataclasses.replace(chosen, devices=2, dp=2, tp=1, pp=1, zero=1, offload=False, micro_batch=2,
+                               tp_branches=(), blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1),
+                                                                              (LayerStrategy("none"), 3))),))
+    assert plan.grad_accumulation == 2
+    np.testing.assert_allclose(_launch(plan, tmp_path, 2), reference, rtol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_two_stages_of_two_zero1_replicas_match_one_process(reference, chosen, tmp_path):
+    """pp2 x dp2 under ZeRO 1: each stage's relay is FSDP2's root, so the pipeline stage defers the
+    reduce-scatter to after the schedule's last backward (2 micro-batches of 2, 1F1B); the tied embedding's
+    gradient shards are summed over the two stages; the losses are the script's alone."""
+    plan = dataclasses.replace(chosen, devices=4, dp=2, tp=1, pp=2, zero=1, offload=False, micro_batch=2,
+                               tp_branches=(), blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1),
+                                                                              (LayerStrategy("none"), 1))),))
+    np.testing.assert_allclose(_launch(plan, tmp_path, 4), reference, rtol=2e-5)
