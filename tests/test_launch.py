@@ -88,7 +88,7 @@ def test_bad_input_is_one_line(chosen, tmp_path):
          "is a plan for another model"),
         (["launch", SCRIPT, "--gpus", 2], "no GPU found on this machine"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", zero1, "--engine", "torch", "--dry-run"],
-         "needs ZeRO 1, optimizer offload, which the torch engine does not apply"),
+         "needs optimizer offload, which the torch engine does not apply"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", tp2, "--engine", "deepspeed", "--dry-run"],
          "needs tensor parallelism, which the deepspeed engine does not apply"),
     ]

@@ -25,12 +25,12 @@ def _plan(**change) -> dict:
 
 def test_the_plan_decides_the_engine():
     assert choose_engine(_plan()) == "torch"
-    assert choose_engine(_plan(zero=1)) == "deepspeed"                       # ZeRO 1 is DeepSpeed's
-    assert choose_engine(_plan(zero=2, offload=True)) == "deepspeed"         # so is optimizer offload
+    assert choose_engine(_plan(zero=1)) == "torch"                           # FSDP2 without sync until the last
+    assert choose_engine(_plan(zero=2, offload=True)) == "deepspeed"         # optimizer offload is DeepSpeed's
     assert choose_engine(_plan(dp=1, tp=2, micro_batch=8)) == "torch"        # TP is torch's
     assert choose_engine(_plan(), "deepspeed") == "deepspeed"
-    with pytest.raises(TensorOptError, match="needs ZeRO 1, which the torch engine does not apply"):
-        choose_engine(_plan(zero=1), "torch")
+    with pytest.raises(TensorOptError, match="needs optimizer offload, which the torch engine does not apply"):
+        choose_engine(_plan(zero=1, offload=True), "torch")
     selective = _plan(blocks=(BlockPlan("layers.*", ((LayerStrategy("selective"), 4),)),))
     assert choose_engine(selective) == "torch" and not unsupported(selective, "deepspeed")
     assert unsupported(_plan(dp=1, pp=2, micro_batch=2), "deepspeed") == ["pipeline stages"]

@@ -27,7 +27,7 @@ def _front(result):
 @pytest.mark.parametrize("devices, per_node, profile, zero_stages", [
     (1, 1, "h100-80gb", (0, 1, 2, 3)), (4, 2, "h100-80gb", (0, 1, 2, 3)), (4, 4, "h100-80gb", (0, 1, 2, 3)),
     # gloo: all-gather and reduce-scatter at a third of all-reduce's rate, nothing overlapped, so ZeRO 2 can
-    # be slower than ZeRO 0 and 1; the torch engine's stages (no ZeRO 1)
+    # be slower than ZeRO 0 and 1; a space without ZeRO 1
     (2, 2, CPU_PROFILE, (0, 1, 2, 3)), (4, 4, CPU_PROFILE, (0, 2, 3)), (2, 2, "h100-80gb", (3,))])
 def test_ft_equals_exhaustive_enumeration(write_json, devices, per_node, profile, zero_stages):
     model = _model(write_json, TINY_GPT, devices, per_node, profile)

@@ -8,6 +8,8 @@ import json
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 from conftest import SMALL_GPT
 from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli
 
@@ -15,6 +17,8 @@ from tensoropt.api import capture
 from tensoropt.cost.model import ModelCost, estimate, state_bytes
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.graph.fold import fold
+from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.runtime.torch_engine import apply, fsdp_micro_batch
 from tensoropt.search.engines import ENGINE_SPACES, choose_engine, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
@@ -74,6 +78,46 @@ def test_zero1_priced_bytes_for_a_known_parameter_count(small_gpt):
     assert states(_plan("bf16-mixed")) == (2 * p, 4 * p, 12 * p / 2, base)
     assert states(_plan("bf16-mixed", zero=2)) == (2 * p, 4 * p / 2, 12 * p / 2, base)
     assert states(_plan("32-true")) == (4 * p, 4 * p, 12 * p / 2, base)
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _fsdp_params(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+    return [p for m in model.modules() if isinstance(m, FSDPModule)
+            for group in m._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
+
+
+def test_zero1_holds_what_is_priced(one_rank):
+    """The engine's ZeRO 1 under bf16-mixed, one rank, two micro-batches: after the first backward every weight
+    is still gathered (in bf16) and its gradient is held whole in float32, no gradient shard yet (nothing
+    reduced); after the last backward the gradients are float32 shards and the gathered weights are freed."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
+                                        seq_length=16, vocab_size=64))
+    plan = _plan("bf16-mixed", devices=1, dp=1, micro_batch=1, global_batch=2).to_json()
+    model, _, _ = apply(model, None, plan, torch.device("cpu"))
+    params = _fsdp_params(model)
+    assert params
+    ids = torch.randint(0, 64, (1, 16))
+    before = fsdp_micro_batch(model, 1)
+    before(False)
+    model(ids, ids).backward()
+    for p in params:
+        assert p.sharded_state == ShardedState.UNSHARDED and p.unsharded_param.dtype == torch.bfloat16
+        assert p.unsharded_accumulated_grad.dtype == torch.float32
+        assert p.unsharded_accumulated_grad.shape == p.unsharded_param.shape and p.sharded_param.grad is None
+    before(True)
+    model(ids, ids).backward()
+    for p in params:
+        assert p.sharded_state == ShardedState.SHARDED and p.unsharded_accumulated_grad is None
+        assert p.sharded_param.grad is not None and p.sharded_param.grad.dtype == torch.float32
 
 
 # ---- real workers: the script's losses -------------------------------------------------------------------------
