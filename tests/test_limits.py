@@ -133,7 +133,7 @@ LAUNCH_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, check", LAUNCH_CASES, ids=[" ".join(f) for f, _ in LAUNCH_CASES])
 def test_launch_dry_run_plans_within_the_limits(tmp_path, flags, check):
-    """Each case's limit excludes the plan chosen without it (fastest: dp2 zero1 on DeepSpeed; min-memory:
+    """Each case's limit excludes the plan chosen without it (fastest: dp2 zero1 on torch; min-memory:
     ZeRO 3 with offload and full recomputation, or tp2 once offload is excluded)."""
     code, out = run("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--dry-run", "--run-dir", tmp_path, *flags)
     assert code == 0, out

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import SMALL_GPT
-from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli
+from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli, tp2
 
 from tensoropt.api import capture
 from tensoropt.cost.model import ModelCost, estimate, state_bytes
@@ -159,4 +159,14 @@ def test_two_stages_of_two_zero1_replicas_match_one_process(reference, chosen, t
     plan = dataclasses.replace(chosen, devices=4, dp=2, tp=1, pp=2, zero=1, offload=False, micro_batch=2,
                                tp_branches=(), blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1),
                                                                               (LayerStrategy("none"), 1))),))
+    np.testing.assert_allclose(_launch(plan, tmp_path, 4), reference, rtol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_tp2_with_zero1_over_dp2_matches_one_process(reference, chosen, tmp_path):
+    """A (dp, tp) = 2 x 2 mesh: tensor parallelism inside, FSDP2 ZeRO 1 over the data-parallel axis (2-D DTensors,
+    as under ZeRO 2/3), 2 micro-batches of 2 per replica, gradients reduce-scattered once; 4 workers."""
+    plan = dataclasses.replace(tp2(chosen, ("attn", "mlp"), micro_batch=2, full_recompute=1), devices=4, dp=2, zero=1)
+    assert plan.grad_accumulation == 2
     np.testing.assert_allclose(_launch(plan, tmp_path, 4), reference, rtol=2e-5)
