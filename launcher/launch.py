@@ -243,7 +243,9 @@ def describe(plan: dict, engine: str) -> str:
              ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.get("enabled") else
               f"vocabulary replicated ({vocab.get('reason')})") if plan["tp"] > 1 and vocab else "",
              f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
-             {0: "DDP" if plan["dp"] > 1 else "", 2: "FSDP2 fully_shard (reshard_after_forward=False)",
+             {0: "DDP" if plan["dp"] > 1 else "",
+              1: "FSDP2 fully_shard (reshard_after_forward=False, gradient sync on the last micro-batch only)",
+              2: "FSDP2 fully_shard (reshard_after_forward=False)",
               3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
              f"sequence parallel in {sequence} block copies per stage" if sequence and plan["tp"] > 1 else "",
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",

@@ -8,6 +8,7 @@ stages with ``torch.distributed.pipelining``."""
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -130,7 +131,7 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device, mate
     return model, optimizer, run
 
 
-def fsdp_micro_batch(model: nn.Module, zero: int):
+def fsdp_micro_batch(model: nn.Module, zero: int) -> Callable[[bool], None] | None:
     """What FSDP2 is told before each micro-batch (``before_micro_batch(last)``), so that it communicates as the
     cost model prices the ZeRO stage. ZeRO 1: parameters stay gathered and gradients accumulate unsharded
     (``set_requires_gradient_sync(False)``) until the last micro-batch, whose backward reduce-scatters them once
