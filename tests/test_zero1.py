@@ -1,7 +1,7 @@
 """ZeRO 1 in the torch engine (issue 18 part 5): FSDP2 with the parameters kept gathered and gradient sync only on
-the step's last micro-batch (whole weights and gradients, optimizer states and float32 shards over dp), alone
-and inside pipeline stages; what the planner prices for it; real workers over gloo train to the losses of the
-script run alone (float32, rtol 2e-5)."""
+the step's last micro-batch (whole weights and gradients, optimizer states and float32 shards over dp), alone,
+inside pipeline stages and over a (dp, tp) mesh; what the planner prices for it; real workers over gloo train
+to the losses of the script run alone (float32, rtol 2e-5)."""
 
 import dataclasses
 import json
