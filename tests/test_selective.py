@@ -123,8 +123,8 @@ def test_an_input_of_the_core_changed_after_the_forward_stops_the_backward_in_on
 
 def test_the_engine_wraps_each_copy_as_its_strategy_says():
     """Per copy, in model order: selective copies get the selective wrapper, full ones torch's checkpoint."""
+    from tensoropt.runtime.recompute import apply_recompute
     from tensoropt.runtime.selective import selective_checkpoint
-    from tensoropt.runtime.torch_engine import apply_recompute
     model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
                                         seq_length=16, vocab_size=64))
     plan = {"pp": 1, "blocks": [{"block": "layers.*", "strategies": [

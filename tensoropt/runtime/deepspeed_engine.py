@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .blocks import largest_block_bytes
 from .device import check_placement, init_process_group
-from .materialize import Materializer
+from .materialize import Materializer, place
 from .param_groups import build_optimizer
 from .precision import autocast_forward, of_plan
+from .recompute import recomputed_modules
 from .run import Run, call_model, loss_of, mean_over_group
-from .torch_engine import largest_block_bytes, recomputed_modules
 
 NEVER_PRINT_STEPS = 2**31 - 1
 
@@ -110,7 +111,6 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     import deepspeed
     import torch.distributed as dist
 
-    from .torch_engine import place
     init_process_group(device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     path = plan.get("deepspeed_config")

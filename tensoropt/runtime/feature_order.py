@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .names import script_name
+
 FEATURE_ORDER = "_tensoropt_feature_order"   # module attribute: {param name: (dim, order)}
 
 
 def feature_orders(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
     """{parameter name as the script knows it: (dim, order)} of every reordered parameter in ``model``: its
     value as the run holds it is the model's own value indexed by ``order`` along ``dim``."""
-    from .materialize import script_name
     out = {}
     for name, module in model.named_modules():
         for param, (dim, order) in getattr(module, FEATURE_ORDER, {}).items():

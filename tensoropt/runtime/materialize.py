@@ -43,13 +43,13 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
-from .device import free_memory_bytes, on_device
+from .device import check_placement, free_memory_bytes, on_device
 from .feature_order import feature_orders, in_run_order
 from .init_trace import Call, Tracked, restore, trace_calls, track_tensors
+from .names import script_name
 
 InitFn = Callable[[nn.Module], object]
 # prefixes the engines' wrappers put into parameter names; a tensor is found under the script's own name
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 @contextlib.contextmanager
@@ -73,13 +73,6 @@ def meta_init() -> Iterator[None]:
 
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def script_name(name: str) -> str:
-    """A tensor's name as the script's model has it, without the engines' wrapper prefixes."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -358,4 +351,16 @@ def _set_rng_state(states: list[torch.Tensor], device: torch.device) -> None:
         torch.get_device_module(device).set_rng_state(states[1], device)
 
 
-__all__ = ["InitFn", "Materializer", "has_meta_tensors", "meta_init", "script_name", "tie", "tied_parameters"]
+def place(module: nn.Module, device: torch.device, materializer: Materializer | None) -> None:
+    """Put ``module`` (already sharded, if the plan shards it) on ``device``: a meta-built one gets storage
+    for this rank's part and the model's own initialisation, a real one is moved (only its shards, where
+    FSDP2 or tensor parallelism already split it). Stops with one line if anything stays elsewhere."""
+    if materializer is not None:
+        materializer.materialize(module, device)
+    else:
+        module.to(device)
+    check_placement(module, device, "tensoropt.parallelize")
+
+
+__all__ = ["InitFn", "Materializer", "has_meta_tensors", "meta_init", "place", "script_name", "tie",
+           "tied_parameters"]

@@ -31,14 +31,15 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..errors import TensorOptError
+from .blocks import block_modules, replace_module
 from .device import local_tensor, to_device
-from .materialize import Materializer, tied_parameters
+from .materialize import Materializer, place, tied_parameters
 from .param_groups import build_optimizer
 from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
 from .pipeline_tp import check_before_cutting, shard_stage, shard_vocabulary
 from .precision import autocast_forward, fsdp_kwargs, of_plan, traced_autocast
+from .recompute import recompute_wrappers
 from .run import Batch, Run, Stepper, loss_of
-from .torch_engine import block_modules, place, recompute_wrappers, replace_module
 from .vocab_parallel import LossContext, loss_context
 
 

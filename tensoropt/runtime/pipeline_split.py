@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from .blocks import block_modules
 from .materialize import tie
 from .run import Batch
-from .torch_engine import block_modules
 
 # arguments of ``schedule.step`` itself: a model input of one of these names cannot be passed through it
 _STEP_ARGUMENTS = {"target", "losses", "return_outputs", "loss_kwargs"}

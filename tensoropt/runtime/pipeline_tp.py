@@ -25,15 +25,16 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..errors import TensorOptError
-from .tensor_parallel import check_degree, shard_copy, sharded_branches
-from .torch_engine import block_modules
+from .blocks import block_modules
+from .tensor_parallel import check_degree, sharded_branches
+from .tp_guard import check_sharded_blocks
+from .tp_styles import shard_copy
 from .vocab_parallel import vocab_entry, vocab_styles
 
 
 def check_before_cutting(model: nn.Module, plan: dict, tp_mesh, device: torch.device, example_inputs) -> None:
     """``tp_guard`` on the uncut model's first copy of every sharded block (a one-line error if the sharded copy
     computes something else)."""
-    from .tp_guard import check_sharded_blocks
     first = {}
     for block, branches in sharded_branches(plan).items():
         check_degree(block, branches, tp_mesh.size())

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..errors import TensorOptError
 from ..space.tp_layout import TP_LAYOUT_KEY
-from .torch_engine import block_modules
+from .blocks import block_modules
 
 SEQUENCE_DIM = 1
 

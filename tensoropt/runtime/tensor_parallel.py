@@ -24,8 +24,10 @@ from torch import nn
 
 from ..errors import TensorOptError
 from ..space.tp_layout import TP_LAYOUT_KEY
-from .sequence_parallel import apply_sequence_parallel, layout_of, sequence_parallel_copies
-from .torch_engine import block_modules
+from .blocks import block_modules
+from .sequence_parallel import layout_of, sequence_parallel_copies
+from .tp_guard import check_sharded_blocks
+from .tp_styles import shard_copy
 from .vocab_parallel import apply_vocab_parallel
 
 
@@ -52,7 +54,6 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example
         if block["block"] not in blocks and any(c in sp for c in copies):
             blocks[block["block"]] = (copies, [])
     if example_inputs is not None:
-        from .tp_guard import check_sharded_blocks
         check_sharded_blocks(model, example_inputs, {b: (c[0], br) for b, (c, br) in blocks.items()}, tp_mesh,
                              device, {b: layout_of(plan, b) for b, (c, _) in blocks.items() if c[0] in sp})
     for block, (copies, branches) in blocks.items():
@@ -61,17 +62,6 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example
             shard_copy(model.get_submodule(name), branches, tp_mesh, layout_of(plan, block) if name in sp else None,
                        name, sp.get(name, (False, False, False)), relay)
     return apply_vocab_parallel(model, plan, tp_mesh)
-
-
-def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh, sp_layout: list[dict] | None = None, name: str = "",
-               handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None) -> None:
-    """Shard one copy of a block: its branches' column and row linears, as the layout describes them; with
-    ``sp_layout`` (every branch of the block) the copy runs sequence-parallel too."""
-    from torch.distributed.tensor.parallel import parallelize_module
-    if branches:
-        parallelize_module(copy, tp_mesh, styles(copy, branches, tp_mesh.size(), sp_layout is not None))
-    if sp_layout is not None:
-        apply_sequence_parallel(copy, name, sp_layout, branches, tp_mesh, handoff, relay)
 
 
 def sharded_branches(plan: dict) -> dict[str, list[dict]]:
@@ -100,18 +90,6 @@ def check_degree(block: str, branches: list[dict], tp: int) -> None:
         if branch["max_tp"] % tp:
             raise TensorOptError(f"tensor parallelism over {tp} devices splits the heads or features of branch "
                                  f"{branch['branch']!r} in block {block!r}: tp must divide {branch['max_tp']}")
-
-
-def styles(copy: nn.Module, branches: list[dict], tp: int, sequence_parallel: bool = False) -> dict:
-    """``parallelize_module``'s plan for one block copy: module name -> its column or row style (under sequence
-    parallelism the row linears reduce-scatter along the sequence)."""
-    from .tp_styles import column_style, row_style
-    out = {}
-    for branch in branches:
-        segments = branch.get("segments", {})
-        out |= {name: column_style(copy.get_submodule(name), segments.get(name), tp) for name in branch["column"]}
-        out |= {name: row_style(copy.get_submodule(name), sequence_parallel) for name in branch["row"]}
-    return out
 
 
 def check_linears(copy: nn.Module, copy_name: str, branches: list[dict], tp: int) -> None:

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import TensorOptError
+from .tp_styles import shard_copy
 
 RELATIVE_TOLERANCE = 1e-4        # float32 rounding of a reordered sum is ~1e-7; a wrong layout is ~1
 SEED = 0
@@ -83,7 +84,6 @@ def _sharded_difference(whole: nn.Module, branches: list[dict], tp_mesh, args: t
                         sp_layout: list[dict] | None = None) -> float:
     """The relative difference between ``whole``'s output and that of a copy with ``branches`` sharded (and run
     sequence-parallel, entered and left with the whole sequence, with ``sp_layout``)."""
-    from .tensor_parallel import shard_copy
     sharded = copying.deepcopy(whole)
     shard_copy(sharded, branches, tp_mesh, sp_layout, "the sequence-parallel probe")
     with torch.no_grad():

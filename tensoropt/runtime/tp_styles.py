@@ -21,11 +21,12 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..space.fused import segment_order
 from ..space.tp_check import linear_kind
 from .feature_order import FEATURE_ORDER
+from .sequence_parallel import apply_sequence_parallel
 
 
 class Columns(ColwiseParallel):
@@ -86,4 +87,25 @@ def row_style(module: nn.Module, sequence_parallel: bool = False) -> RowwisePara
     return ConvRows(**kwargs) if linear_kind(module) == "conv1d" else RowwiseParallel(**kwargs)
 
 
-__all__ = ["Columns", "ConvRows", "column_style", "row_style"]
+def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh, sp_layout: list[dict] | None = None, name: str = "",
+               handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None) -> None:
+    """Shard one copy of a block: its branches' column and row linears, as the layout describes them; with
+    ``sp_layout`` (every branch of the block) the copy runs sequence-parallel too."""
+    if branches:
+        parallelize_module(copy, tp_mesh, styles(copy, branches, tp_mesh.size(), sp_layout is not None))
+    if sp_layout is not None:
+        apply_sequence_parallel(copy, name, sp_layout, branches, tp_mesh, handoff, relay)
+
+
+def styles(copy: nn.Module, branches: list[dict], tp: int, sequence_parallel: bool = False) -> dict:
+    """``parallelize_module``'s plan for one block copy: module name -> its column or row style (under sequence
+    parallelism the row linears reduce-scatter along the sequence)."""
+    out = {}
+    for branch in branches:
+        segments = branch.get("segments", {})
+        out |= {name: column_style(copy.get_submodule(name), segments.get(name), tp) for name in branch["column"]}
+        out |= {name: row_style(copy.get_submodule(name), sequence_parallel) for name in branch["row"]}
+    return out
+
+
+__all__ = ["Columns", "ConvRows", "column_style", "row_style", "shard_copy", "styles"]

@@ -1,0 +1,36 @@
+"""The plan's blocks in a model: which modules are the copies of each block the plan names (plan.json's
+``blocks[].block`` patterns, ``layers.*``), and replacing one by a wrapper. Every part of the runtime that acts
+per block copy (tensor and sequence parallelism, recomputation, FSDP2 units, pipeline cuts) finds the copies
+here, so they all agree on which modules they are."""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+
+def block_modules(model: nn.Module, plan: dict) -> list[str]:
+    """Module names of every copy of the plan's blocks, in model order (``layers.*`` -> layers.0...)."""
+    names = [n for n, _ in model.named_modules()]
+    out = []
+    for block in plan["blocks"]:
+        pattern = block["block"]
+        out += [n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+    return out
+
+
+def largest_block_bytes(model: nn.Module, plan: dict) -> int:
+    """Bytes of the parameters and buffers of the plan's largest block copy (on meta too: no memory read)."""
+    sizes = [sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+             for m in map(model.get_submodule, block_modules(model, plan))]
+    return max(sizes, default=0)
+
+
+def replace_module(model: nn.Module, name: str, wrap) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, wrap(getattr(parent, child)))
+
+
+__all__ = ["block_modules", "largest_block_bytes", "replace_module"]
