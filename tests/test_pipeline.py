@@ -113,6 +113,21 @@ def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_pat
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
 
 
+def test_meta_built_stages_in_bf16_mixed_match_one_process_in_bf16_mixed(chosen, tmp_path):
+    """pp2 of a tiny GPT built on meta, in bf16-mixed, one micro-batch of the whole batch: the stages are traced on
+    fake CPU tensors under the CPU's autocast (autocast acts on no meta tensor), so their graphs cast where the
+    script alone in bf16-mixed casts: the losses are its losses (the same products in the same order; with 4
+    micro-batches the bf16 weight gradients are rounded per micro-batch, 3.1e-5 apart after 3 steps), and the
+    first step's is not the float32 one (it did compute in bf16)."""
+    script = str(REPO / "tests" / "train_stages.py")
+    mixed = losses_alone(script, tmp_path / "mixed.json", precision="bf16-mixed")
+    true32 = losses_alone(script, tmp_path / "true32.json")
+    plan = dataclasses.replace(_two_stages(chosen, 8, 0), precision="bf16-mixed")
+    data = _launch(plan, tmp_path, 2, script)
+    np.testing.assert_allclose(data["losses"], mixed, rtol=1e-6)     # measured: equal (the same ops, one micro-batch)
+    assert abs(data["losses"][0] / true32[0] - 1) > 1e-6
+
+
 def test_three_dimensional_interleaved_meta_built_matches_one_process(chosen, tmp_path):
     """pp2 x tp2 x dp2 with 2 virtual stages per rank (8 workers), ZeRO 3, selective recomputation, a tiny GPT
     built on meta: the losses are the script's alone, and rank 0 holds stages 0 and 2 (layers 0 and 2, the
