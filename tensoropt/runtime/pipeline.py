@@ -53,9 +53,11 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     if example_inputs is None:
         raise TensorOptError("pipeline stages are cut by tracing one micro-batch: pass example_inputs to "
                              "tensoropt.parallelize")
-    if any(s["sequence_parallel"] for b in plan["blocks"] for s in b["strategies"]):
-        raise TensorOptError(f"plan {plan['summary']} splits the sequence inside pipeline stages, which the torch "
-                             "engine does not run: plan with --pp 1 or without sequence parallelism")
+    if plan.get("virtual_stages", 1) > 1 and any(s["sequence_parallel"] for b in plan["blocks"]
+                                                 for s in b["strategies"]):
+        raise TensorOptError(f"plan {plan['summary']} splits the sequence inside interleaved virtual pipeline stages, "
+                             "which the torch engine does not run: plan without virtual stages or without sequence "
+                             "parallelism")
     pp, dp, tp, virtual = plan["pp"], plan["dp"], plan["tp"], plan.get("virtual_stages", 1)
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
