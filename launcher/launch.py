@@ -128,13 +128,11 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
     merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins.
     ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
     are not resharded yet); so does a model whose forward returns more than the loss tensor (a Hugging
-    Face output), which the pipeline engine cannot split, and a meta-built one in bf16-mixed. The user's
+    Face output), which the pipeline engine cannot split. The user's
     ``limits`` narrow each engine's part of the space; an engine whose part they empty is not searched. Every
     plan is priced in ``precision`` (default ``default_precision``) as its engine holds it."""
     global_batch, precision = int(graph.meta("global_batch") or 0), precision or default_precision(graph)
-    # bf16-mixed stages are traced under autocast, which does not act on a meta-built model (runtime.precision)
-    pipeline = pipeline and graph.meta("output", "tensor") == "tensor" and not (
-        precision == "bf16-mixed" and graph.meta("meta_built"))
+    pipeline = pipeline and graph.meta("output", "tensor") == "tensor"
     model = cost_model(graph, devices, per_node)
     candidates = []                          # in ENGINES order: of two equal points the first is kept
     for name in [engine] if engine else ENGINES:

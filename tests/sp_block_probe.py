@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_leaves
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.selective import selective_wrapper
-from tensoropt.runtime.tp_styles import shard_copy
 from tensoropt.runtime.tp_guard import _check_sequence_parallel
+from tensoropt.runtime.tp_styles import shard_copy
 
 LAYOUT = [{"branch": "attn", "column": ["attn.qkv"], "row": ["attn.proj"], "max_tp": 4},
           {"branch": "mlp", "column": ["mlp.up"], "row": ["mlp.down"], "max_tp": 64}]

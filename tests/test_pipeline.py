@@ -18,6 +18,7 @@ from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 SCRIPT = GPT_SCRIPT
+STAGES = str(REPO / "tests" / "train_stages.py")
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,47 @@ def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_pat
                                tp_branches=("attn", "mlp") if tp > 1 else ())
     data = _launch(plan, tmp_path, 2 * tp)
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def stages_alone(tmp_path_factory):
+    """tests/train_stages.py (a tiny GPT built on meta) run alone in float32: its losses."""
+    return losses_alone(STAGES, tmp_path_factory.mktemp("stages") / "alone.json")
+
+
+@pytest.mark.parametrize("strategies, sp_layers", [
+    ((("none", True, 2),), {"0", "1", "2", "3"}),       # both copies of a stage SP: the share handed on between them
+    ((("selective", True, 1), ("none", False, 1)), {"0", "2"}),   # one SP copy, recomputed, then a whole one
+], ids=["sp-sp", "sp-whole"])
+def test_sequence_parallel_copies_inside_two_tensor_parallel_stages_match_one_process(chosen, stages_alone, tmp_path,
+                                                                                     strategies, sp_layers):
+    """pp2 x tp2 (4 workers, float32, 4 micro-batches of 2) with sequence-parallel copies: each stage slices the
+    stream at its first SP copy and gathers it at its last, so the stages exchange the whole sequence as traced;
+    inside a copy the stream is a sequence-sharded DTensor. The losses are the script's alone, and exactly the
+    SP copies' norms are replicated DTensors (their gradients summed over the tokens' shares)."""
+    plan = dataclasses.replace(_two_stages(chosen, 2, 0), devices=4, tp=2, tp_branches=("attn", "mlp"),
+                               blocks=(BlockPlan("layers.*", tuple((LayerStrategy(r, sp), n)
+                                                                   for r, sp, n in strategies)),))
+    data = _launch(plan, tmp_path, 4, STAGES)
+    np.testing.assert_allclose(data["losses"], stages_alone, rtol=2e-5)
+    norms = {name.replace("_checkpoint_wrapped_module.", "").split(".")[1] for name in data["replicated"]
+             if ".norm" in name}
+    assert norms == sp_layers & {"0", "1"}             # rank 0 holds stage 0: layers 0 and 1
+
+
+def test_meta_built_stages_in_bf16_mixed_match_one_process_in_bf16_mixed(chosen, tmp_path):
+    """pp2 of a tiny GPT built on meta, in bf16-mixed, one micro-batch of the whole batch: the stages are traced on
+    fake CPU tensors under the CPU's autocast (autocast acts on no meta tensor), so their graphs cast where the
+    script alone in bf16-mixed casts: the losses are its losses (the same products in the same order; with 4
+    micro-batches the bf16 weight gradients are rounded per micro-batch, 3.1e-5 apart after 3 steps), and the
+    first step's is not the float32 one (it did compute in bf16)."""
+    script = str(REPO / "tests" / "train_stages.py")
+    mixed = losses_alone(script, tmp_path / "mixed.json", precision="bf16-mixed")
+    true32 = losses_alone(script, tmp_path / "true32.json")
+    plan = dataclasses.replace(_two_stages(chosen, 8, 0), precision="bf16-mixed")
+    data = _launch(plan, tmp_path, 2, script)
+    np.testing.assert_allclose(data["losses"], mixed, rtol=1e-6)     # measured: equal (the same ops, one micro-batch)
+    assert abs(data["losses"][0] / true32[0] - 1) > 1e-6
 
 
 def test_three_dimensional_interleaved_meta_built_matches_one_process(chosen, tmp_path):

@@ -1,7 +1,8 @@
 """A tiny GPT built on the meta device, for the pipeline tests; runs alone or under ``tensoropt launch
 tests/train_stages.py --device cpu --gpus 8 --plan plan.json``. Besides the per-step losses, rank 0 writes
 what it holds: the local shape of each of its parameters (a DTensor's shard on this rank), so a test can
-see which stages it runs and how tensor and data parallelism split them."""
+see which stages it runs and how tensor and data parallelism split them, and which parameters are replicated
+DTensors (the norms of a sequence-parallel copy)."""
 
 import argparse
 import functools
@@ -32,10 +33,12 @@ def main() -> None:
     losses = [run.train_step((inputs[step], targets[step])) for step in range(args.steps)]
     shapes = {name: list(p.to_local().shape if hasattr(p, "to_local") else p.shape)
               for name, p in model.named_parameters()}
+    replicated = sorted(name for name, p in model.named_parameters()
+                        if all(type(s).__name__ == "Replicate" for s in getattr(p, "placements", ("plain",))))
     if run.rank == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine,
-                       "local_shapes": shapes}, f)
+                       "local_shapes": shapes, "replicated": replicated}, f)
     run.close()
 
 

@@ -22,10 +22,10 @@ def tensoropt_cli(*args, cwd, env=None) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env or ENV, timeout=600)
 
 
-def losses_alone(script, out, *args, steps: int = 3) -> list[float]:
-    """The script run by hand: one process, no plan; its per-step losses."""
-    subprocess.run([sys.executable, script, "--steps", str(steps), "--out", out, *map(str, args)], check=True, env=ENV,
-                   capture_output=True, timeout=300)
+def losses_alone(script, out, *args, steps: int = 3, precision: str = "32-true") -> list[float]:
+    """The script run by hand in ``precision``: one process, no plan; its per-step losses."""
+    subprocess.run([sys.executable, script, "--steps", str(steps), "--out", out, *map(str, args)], check=True,
+                   env={**ENV, "TENSOROPT_PRECISION": precision}, capture_output=True, timeout=300)
     return json.loads(out.read_text())["losses"]
 
 

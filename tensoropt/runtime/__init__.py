@@ -149,7 +149,7 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     batch, seq = example_shape(inputs)
     meta = {"batch_size": str(batch or ""), "seq_len": str(seq or ""), "global_batch": str(global_batch),
             "sources": json.dumps(_user_sources())} | ({"precision": precision} if precision else {}) | (
-        {"meta_built": "1"} if has_meta_tensors(model) else {})      # see runtime.precision.traced_autocast
+        {"meta_built": "1"} if has_meta_tensors(model) else {})      # informational (runtime.pipeline_trace)
     cast_model(model, precision)
     with contextlib.ExitStack() as scope:
         if precision == "bf16-mixed":       # as the engines run it: on GPUs, CUDA's autocast (see precision.py)

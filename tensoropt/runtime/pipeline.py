@@ -37,7 +37,8 @@ from .materialize import Materializer, place, tied_parameters
 from .param_groups import build_optimizer
 from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
 from .pipeline_tp import check_before_cutting, shard_stage, shard_vocabulary
-from .precision import autocast_forward, fsdp_kwargs, of_plan, traced_autocast
+from .pipeline_trace import trace_pipeline
+from .precision import autocast_forward, fsdp_kwargs, of_plan
 from .recompute import recompute_wrappers
 from .run import Batch, Run, Stepper, loss_of
 from .vocab_parallel import LossContext, loss_context
@@ -51,13 +52,14 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     ``device`` (a meta-built model: only they get storage)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import pipeline
     if example_inputs is None:
         raise TensorOptError("pipeline stages are cut by tracing one micro-batch: pass example_inputs to "
                              "tensoropt.parallelize")
-    if any(s["sequence_parallel"] for b in plan["blocks"] for s in b["strategies"]):
-        raise TensorOptError(f"plan {plan['summary']} splits the sequence inside pipeline stages, which the torch "
-                             "engine does not run: plan with --pp 1 or without sequence parallelism")
+    if plan.get("virtual_stages", 1) > 1 and any(s["sequence_parallel"] for b in plan["blocks"]
+                                                 for s in b["strategies"]):
+        raise TensorOptError(f"plan {plan['summary']} splits the sequence inside interleaved virtual pipeline stages, "
+                             "which the torch engine does not run: plan without virtual stages or without sequence "
+                             "parallelism")
     pp, dp, tp, virtual = plan["pp"], plan["dp"], plan["tp"], plan.get("virtual_stages", 1)
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
@@ -70,8 +72,8 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         model._apply(lambda t: t.to("meta"))
     trace_device = next(iter(model.parameters())).device
     args, kwargs = to_device(example_micro_batch(example_inputs, plan["micro_batch"]), trace_device)
-    with traced_autocast(of_plan(plan), trace_device):        # bf16-mixed: the stages' graphs compute in bf16
-        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec(model, plan))
+    # bf16-mixed: the stages' graphs compute in bf16 (a meta-built model is traced on fake CPU tensors)
+    pipe = trace_pipeline(model, args, kwargs, split_spec(model, plan), of_plan(plan))
     if pipe.num_stages != n_stages:
         raise TensorOptError(f"cutting the model before its block copies gave {pipe.num_stages} pipeline stages, "
                              f"the plan has {n_stages}: every block copy must be called once by the model's forward")

@@ -14,8 +14,15 @@ The vocabulary is split as plan.json's ``vocab_parallel`` says (``runtime.vocab_
 embedding the first stage calls and the head the last stage calls are given back as ``nn.Embedding`` /
 ``nn.Linear`` in the same way, and the stepper runs the schedule under ``loss_parallel``.
 
+Sequence parallelism (``sequence_parallel``) runs within each stage only: a stage's run of consecutive
+sequence-parallel copies of a block is entered with the whole sequence (its first copy slices it) and left with
+it (its last copy gathers it), so the stage-to-stage messages, and the ops the stage graph runs between its
+copies, keep the shapes they were traced with, as ``cost.model.chain_sums`` prices each stage's chain. Inside a
+copy the stream is a ``DTensor`` sharded along the sequence: its global shape is the traced one, so the shapes
+the trace fixed there (``view(b, s, ...)`` with ``s`` the whole sequence) still hold.
+
 The sharded-versus-whole check (``tp_guard``) runs on the whole model before it is cut, on its original
-block copies.
+block copies (sequence-parallel ones as such).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ..errors import TensorOptError
 from .blocks import block_modules
+from .sequence_parallel import layout_of
 from .tensor_parallel import check_degree, sharded_branches
 from .tp_guard import check_sharded_blocks
 from .tp_styles import shard_copy
@@ -35,21 +43,65 @@ from .vocab_parallel import vocab_entry, vocab_styles
 def check_before_cutting(model: nn.Module, plan: dict, tp_mesh, device: torch.device, example_inputs) -> None:
     """``tp_guard`` on the uncut model's first copy of every sharded block (a one-line error if the sharded copy
     computes something else)."""
-    first = {}
-    for block, branches in sharded_branches(plan).items():
+    first, sharded = {}, sharded_branches(plan)
+    for block, branches in sharded.items():
         check_degree(block, branches, tp_mesh.size())
-        first[block] = (block_modules(model, {"blocks": [{"block": block}]})[0], branches)
-    check_sharded_blocks(model, example_inputs, first, tp_mesh, device)
+    for block in plan["blocks"]:
+        if block["block"] in sharded or any(_sequence_parallel(block)):
+            first[block["block"]] = (block_modules(model, {"blocks": [block]})[0], sharded.get(block["block"], []))
+    sp_layouts = {block["block"]: layout_of(plan, block["block"]) for block in plan["blocks"]
+                  if any(_sequence_parallel(block))}
+    check_sharded_blocks(model, example_inputs, first, tp_mesh, device, sp_layouts)
 
 
 def shard_stage(stage_module: nn.Module, plan: dict, tp_mesh) -> None:
-    """Shard, in place, the linears of every block copy this stage holds over ``tp_mesh``."""
-    for block, branches in sharded_branches(plan).items():
-        for name in block_modules(stage_module, {"blocks": [{"block": block}]}):
+    """Shard, in place, the linears of every block copy this stage holds over ``tp_mesh``, and run the copies the
+    plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc)."""
+    sharded = sharded_branches(plan)
+    for block in plan["blocks"]:
+        branches = sharded.get(block["block"], [])
+        copies = block_modules(stage_module, {"blocks": [block]})
+        flags, keeps = _sequence_parallel(block), [s["recompute"] == "none" for s in _per_copy(block)]
+        if len(copies) > len(flags):
+            raise TensorOptError(f"a pipeline stage holds {len(copies)} copies of block {block['block']!r}, the plan "
+                                 f"runs {len(flags)} per stage: re-plan with `tensoropt launch`")
+        relay: dict = {}
+        for j, name in enumerate(copies):
             copy = stage_module.get_submodule(name)
             for linear in {n for b in branches for n in (*b["column"], *b["row"])}:
                 _restore_linear(copy, linear, f"{name}.{linear}")
-            shard_copy(copy, branches, tp_mesh)
+            # the stream is handed on as a share only between consecutive SP copies of this stage
+            handoff = (j > 0 and flags[j - 1], j + 1 < len(copies) and flags[j + 1], keeps[j])
+            if branches or flags[j]:
+                shard_copy(copy, branches, tp_mesh, layout_of(plan, block["block"]) if flags[j] else None, name,
+                           handoff, relay, _stream_argument(copy, name) if flags[j] else None)
+
+
+def _stream_argument(copy: nn.Module, name: str) -> int:
+    """The position of the stream among a traced copy's arguments: the trace orders them its own way (a mask
+    may come first), so it is the first floating-point argument shaped as the copy's output (a residual block
+    returns its stream's shape)."""
+    nodes = list(copy.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    result = nodes[-1].args[0]
+    result = result[0] if isinstance(result, (tuple, list)) else result
+    out = getattr(result, "meta", {}).get("val")
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.is_floating_point() \
+                and val.shape == out.shape:
+            return i
+    raise TensorOptError(f"pipeline stage module {name} takes no argument shaped as its output, so sequence "
+                         "parallelism cannot tell its stream: plan without sequence parallelism or with --pp 1")
+
+
+def _per_copy(block: dict) -> list[dict]:
+    """The strategy of each copy of ``block`` on one stage, in order (strategies carry copy counts)."""
+    return [s for s in block["strategies"] for _ in range(s["copies"])]
+
+
+def _sequence_parallel(block: dict) -> list[bool]:
+    return [bool(s.get("sequence_parallel", False)) for s in _per_copy(block)]
 
 
 def shard_vocabulary(stage_module: nn.Module, plan: dict, tp_mesh) -> bool:

@@ -120,7 +120,9 @@ def traced_autocast(precision: str | None, device: torch.device):
     the autocast, so the graph itself casts as autocast does (and its message dtypes say so)."""
     if precision != "bf16-mixed":
         return contextlib.nullcontext()
-    if device.type == "meta":       # autocast acts on no meta tensor: the graph would not say what runs
+    # autocast acts on no meta tensor: the graph would not say what runs (runtime.pipeline_trace traces a meta-built
+    # model's stages on fake CPU tensors instead, so this guards other callers)
+    if device.type == "meta":
         raise TensorOptError("bf16-mixed pipeline stages are traced under autocast, which does not act on a model "
                              "built on the meta device: build it for real, or launch with --precision bf16-true or "
                              "32-true")

@@ -64,14 +64,16 @@ def sequence_parallel_copies(model: nn.Module, plan: dict) -> dict[str, tuple[bo
 
 
 def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], sharded: list[dict], tp_mesh,
-                            handoff: tuple[bool, bool, bool], relay: dict | None = None) -> None:
+                            handoff: tuple[bool, bool, bool], relay: dict | None = None,
+                            stream_argument: int | None = None) -> None:
     """Make one already tensor-sharded copy run its stream on the rank's share of the sequence (module doc).
     ``layout``: every branch of the block (plan.json's ``tp_layout``), ``sharded``: those the plan shards,
     ``handoff``: (input arrives sharded, output stays sharded, keeps its activations: then the gathered inputs
     autograd saves are kept as the rank's share and gathered again in the backward, as Megatron-LM does, so the
     copy holds ``1/tp`` of them as the cost model prices; not under recomputation, whose own saved-tensor hooks
     must stay innermost), ``relay``: shared by a run of copies so that a copy can check it receives the very
-    share its predecessor handed on."""
+    share its predecessor handed on, ``stream_argument``: the position of the stream among the copy's arguments
+    where it is not the first tensor (a traced copy's arguments are in the trace's order)."""
     names = {b["branch"] for b in sharded}
     gathers = _GatherOnce(tp_mesh)
     linears = set()
@@ -85,7 +87,8 @@ def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], shar
         linears |= set(branch["column"]) | set(branch["row"])
     _replicate_stream_parameters(copy, linears, tp_mesh)
     relay = {} if relay is None else relay
-    copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay, handoff[2]), with_kwargs=True)
+    copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay, handoff[2], stream_argument),
+                                   with_kwargs=True)
     copy.register_forward_hook(_leave(name, handoff[1], gathers, relay), with_kwargs=True)
 
 
@@ -169,7 +172,9 @@ def _replicate_stream_parameters(copy: nn.Module, linears: set[str], mesh) -> No
                                                           requires_grad=param.requires_grad))
 
 
-def _stream_position(args: tuple, kwargs: dict) -> tuple[str, int | str]:
+def _stream_position(args: tuple, kwargs: dict, index: int | None = None) -> tuple[str, int | str]:
+    if index is not None and index < len(args):
+        return "args", index
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             return "args", i
@@ -179,12 +184,13 @@ def _stream_position(args: tuple, kwargs: dict) -> tuple[str, int | str]:
     raise TensorOptError("a sequence-parallel block received no tensor to carry as its stream")
 
 
-def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict, keeps: bool):
+def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict, keeps: bool,
+           stream_argument: int | None):
     tp = mesh.size()
 
     def enter(_module, args, kwargs):
         gathers.clear()
-        where, key = _stream_position(args, kwargs)
+        where, key = _stream_position(args, kwargs, stream_argument)
         x = args[key] if where == "args" else kwargs[key]
         if isinstance(x, DTensor):      # a recomputation re-entering: already converted
             return None

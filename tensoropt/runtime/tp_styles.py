@@ -88,13 +88,14 @@ def row_style(module: nn.Module, sequence_parallel: bool = False) -> RowwisePara
 
 
 def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh, sp_layout: list[dict] | None = None, name: str = "",
-               handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None) -> None:
+               handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None,
+               stream_argument: int | None = None) -> None:
     """Shard one copy of a block: its branches' column and row linears, as the layout describes them; with
     ``sp_layout`` (every branch of the block) the copy runs sequence-parallel too."""
     if branches:
         parallelize_module(copy, tp_mesh, styles(copy, branches, tp_mesh.size(), sp_layout is not None))
     if sp_layout is not None:
-        apply_sequence_parallel(copy, name, sp_layout, branches, tp_mesh, handoff, relay)
+        apply_sequence_parallel(copy, name, sp_layout, branches, tp_mesh, handoff, relay, stream_argument)
 
 
 def styles(copy: nn.Module, branches: list[dict], tp: int, sequence_parallel: bool = False) -> dict:
