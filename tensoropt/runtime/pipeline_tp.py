@@ -54,14 +54,20 @@ def check_before_cutting(model: nn.Module, plan: dict, tp_mesh, device: torch.de
     check_sharded_blocks(model, example_inputs, first, tp_mesh, device, sp_layouts)
 
 
-def shard_stage(stage_module: nn.Module, plan: dict, tp_mesh) -> None:
+def shard_stage(stage_module: nn.Module, plan: dict, tp_mesh, stage: int = 0) -> None:
     """Shard, in place, the linears of every block copy this stage holds over ``tp_mesh``, and run the copies the
-    plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc)."""
+    plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc).
+
+    ``stage`` is the stage's index among all ``pp * virtual_stages``: the plan's strategies list a DEVICE's
+    copies, and with virtual stages a device holds stages r, r + pp, ..., so a stage's copies are the slice
+    ``(stage // pp) * size`` on of them (as ``recompute.recomputed_modules`` reads them)."""
     sharded = sharded_branches(plan)
     for block in plan["blocks"]:
         branches = sharded.get(block["block"], [])
         copies = block_modules(stage_module, {"blocks": [block]})
-        flags, keeps = _sequence_parallel(block), [s["recompute"] == "none" for s in _per_copy(block)]
+        first = (stage // plan["pp"]) * len(copies)
+        flags = _sequence_parallel(block)[first:first + len(copies)]
+        keeps = [s["recompute"] == "none" for s in _per_copy(block)][first:first + len(copies)]
         if len(copies) > len(flags):
             raise TensorOptError(f"a pipeline stage holds {len(copies)} copies of block {block['block']!r}, the plan "
                                  f"runs {len(flags)} per stage: re-plan with `tensoropt launch`")
