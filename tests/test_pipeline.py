@@ -146,7 +146,8 @@ def test_sequence_parallel_copies_inside_interleaved_virtual_stages_match_one_pr
     (layers 0 and 2), rank 1 stages 1 and 3 (layers 1 and 3). The plan lists a device's copies: the first whole,
     the second sequence-parallel and recomputed, so the second virtual stage of each rank (layers 2 and 3) slices
     and gathers on its own. The losses are the script's alone, and exactly layer 2's norms are replicated DTensors
-    on rank 0 (a copy indexed within its stage, not its device, would put SP on layer 0 instead)."""
+    on rank 0 (a copy indexed within its stage, not among its device's copies, reads the first copy's strategy
+    in both stages: no SP at all, as measured before the fix)."""
     plan = dataclasses.replace(_two_stages(chosen, 2, 0), devices=4, tp=2, tp_branches=("attn", "mlp"),
                                virtual_stages=2,
                                blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 1),

@@ -17,8 +17,9 @@ embedding the first stage calls and the head the last stage calls are given back
 Sequence parallelism (``sequence_parallel``) runs within each stage only: a stage's run of consecutive
 sequence-parallel copies of a block is entered with the whole sequence (its first copy slices it) and left with
 it (its last copy gathers it), so the stage-to-stage messages, and the ops the stage graph runs between its
-copies, keep the shapes they were traced with, as ``cost.model.chain_sums`` prices each stage's chain. Inside a
-copy the stream is a ``DTensor`` sharded along the sequence: its global shape is the traced one, so the shapes
+copies, keep the shapes they were traced with, as ``cost.model.device_chain_sums`` prices each stage's chain
+(with virtual stages, each of a device's stages its own). Inside a copy the stream is a ``DTensor`` sharded
+along the sequence: its global shape is the traced one, so the shapes
 the trace fixed there (``view(b, s, ...)`` with ``s`` the whole sequence) still hold.
 
 The sharded-versus-whole check (``tp_guard``) runs on the whole model before it is cut, on its original

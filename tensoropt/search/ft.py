@@ -13,6 +13,12 @@ A stage's copies of a block are split into at most ``max_layer_groups`` equal gr
 one strategy (``recompute-num-layers`` in Megatron-LM is such a split): the chain's steps are groups,
 so its cost depends on the number of groups, not on the depth.
 
+With v interleaved virtual stages and sequence-parallel options a device's k copies run as v chains
+of k / v, one per stage, each entered and left replicated (the runtime slices and gathers in every
+stage holding SP copies): the device's set is the Minkowski sum of v chain sets (``device_split``,
+``Chain.device``), which prices any multiset of strategies at its best split, the one the runtime
+runs (``space.plan.chain_order``: whole copies first, so the SP ones fill the fewest stages).
+
 Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
 which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload.
 Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
