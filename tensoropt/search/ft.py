@@ -178,13 +178,14 @@ class Chain:
 
     def device(self, k: int, chains: int, doubling: bool = True) -> ParetoSets:
         """The sets of ``chains`` chains of k copies run one after another (a device's virtual stages, see
-        ``device_split``): Minkowski sums of the k-copy sets, every key at once; 2 and 4 by doubling."""
+        ``device_split``): Minkowski sums of the k-copy sets, every key at once; 4 by doubling."""
         if (k, chains, doubling) not in self._copies:
             one = self.copies(k, doubling)
-            two = combine_sets([(one, one)], self.eps) if chains > 1 else one
-            self._copies[(k, chains, doubling)] = {1: one, 2: two, 3: combine_sets([(two, one)], self.eps),
-                                                   4: combine_sets([(two, two)], self.eps)}[chains] \
-                if chains <= 4 else _chains_sum(one, chains, self.eps)
+            if chains in (2, 4):
+                two = combine_sets([(one, one)], self.eps)
+                self._copies[(k, chains, doubling)] = two if chains == 2 else combine_sets([(two, two)], self.eps)
+            else:
+                self._copies[(k, chains, doubling)] = _chains_sum(one, chains, self.eps)
         return self._copies[(k, chains, doubling)]
 
     def set(self, k: int, key: tuple[tuple[str, ...], int], doubling: bool = True, chains: int = 1) -> ParetoSet:
