@@ -140,6 +140,25 @@ def test_sequence_parallel_copies_inside_two_tensor_parallel_stages_match_one_pr
     assert norms == sp_layers & {"0", "1"}             # rank 0 holds stage 0: layers 0 and 1
 
 
+@pytest.mark.slow
+def test_sequence_parallel_copies_inside_interleaved_virtual_stages_match_one_process(chosen, stages_alone, tmp_path):
+    """pp2 x tp2 x 2 virtual stages (4 workers, float32, 4 micro-batches of 2): rank 0 holds stages 0 and 2
+    (layers 0 and 2), rank 1 stages 1 and 3 (layers 1 and 3). The plan lists a device's copies: the first whole,
+    the second sequence-parallel and recomputed, so the second virtual stage of each rank (layers 2 and 3) slices
+    and gathers on its own. The losses are the script's alone, and exactly layer 2's norms are replicated DTensors
+    on rank 0 (a copy indexed within its stage, not among its device's copies, reads the first copy's strategy
+    in both stages: no SP at all, as measured before the fix)."""
+    plan = dataclasses.replace(_two_stages(chosen, 2, 0), devices=4, tp=2, tp_branches=("attn", "mlp"),
+                               virtual_stages=2,
+                               blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 1),
+                                                              (LayerStrategy("selective", True), 1))),))
+    data = _launch(plan, tmp_path, 4, STAGES)
+    np.testing.assert_allclose(data["losses"], stages_alone, rtol=2e-5)
+    norms = {name.replace("_checkpoint_wrapped_module.", "").split(".")[1] for name in data["replicated"]
+             if ".norm" in name}
+    assert norms == {"2"}
+
+
 def test_meta_built_stages_in_bf16_mixed_match_one_process_in_bf16_mixed(chosen, tmp_path):
     """pp2 of a tiny GPT built on meta, in bf16-mixed, one micro-batch of the whole batch: the stages are traced on
     fake CPU tensors under the CPU's autocast (autocast acts on no meta tensor), so their graphs cast where the

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 import tensoropt
-from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.model import Context, ModelCost, estimate, evaluate
 from tensoropt.cost.profile import PROFILES_DIR, Cluster, load_profile
 from tensoropt.search.exhaustive import exhaustive_search
 from tensoropt.search.ft import SearchSpace, search
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 CPU_PROFILE = str(PROFILES_DIR / "cpu-2core.json")      # measured collectives, no overlap, no fusion
 TINY_GPT = {"family": "gpt", "hidden_size": 64, "num_layers": 4, "num_attention_heads": 4,
@@ -92,3 +93,26 @@ def test_grouped_copies_equal_exhaustive_enumeration(write_json):
     ft, brute = search(model, 4, space), exhaustive_search(model, 4, space)
     np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
     assert all(n % 2 == 0 or p.plan.pp == 8 for p in ft.points for _, n in p.plan.blocks[0].strategies)
+
+
+@pytest.mark.parametrize("whole, split, changes", [
+    (3, 1, 2),      # the SP copy in the device's second stage only: one slice and one gather
+    (1, 3, 4),      # the SP copies span both stages (chain order: whole ones first): each slices and gathers
+    (0, 4, 4), (4, 0, 0)])
+def test_virtual_stages_each_pay_the_layout_changes_of_their_own_sequence_parallel_copies(write_json, whole, split,
+                                                                                          changes):
+    """pp2 x 2 virtual stages, 4 copies a device (2 a stage): each stage holding SP copies enters and leaves them
+    with the whole sequence (runtime.pipeline_tp.shard_stage), so estimate prices ceil(n_sp / 2) pairs of
+    layout changes; everything else is the layers' sums (hand-computed here) priced by evaluate."""
+    model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 8, 4)
+    ((block, cost),) = model.blocks
+    strategies = tuple((s, n) for s, n in ((LayerStrategy("none"), whole), (LayerStrategy("none", True), split)) if n)
+    plan = Plan(devices=8, dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, virtual_stages=2, zero=3,
+                tp_branches=model.branch_names, blocks=(BlockPlan(block.name, strategies),))
+    layers = [(cost.layer(s, 2, plan.tp_branches, 1), n) for s, n in strategies]
+    time = sum(n * c.time_s for c, n in layers) + changes * cost.layout_change_s(2, 1)
+    r = evaluate(model, Context.of(plan), [time], [sum(n * c.backward_s for c, n in layers)],
+                 [sum(n * c.activation_bytes for c, n in layers)], [max(c.transient_bytes for c, _ in layers)],
+                 [sum(n * c.parameters for c, n in layers)])
+    assert cost.layout_change_s(2, 1) > 0
+    assert estimate(model, plan).iteration_time_s == pytest.approx(float(r["iteration_time_s"][0]), rel=1e-12)

@@ -407,6 +407,31 @@ def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int
     return time, back, acts, transient, params
 
 
+def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int,
+                      tp_branches: tuple[str, ...], micro_batch: int, virtual_stages: int = 1
+                      ) -> tuple[float, float, float, float, float]:
+    """``chain_sums`` of a device's copies of one block (in the plan's order) as they run with
+    ``virtual_stages`` interleaved stages: v consecutive chains of k / v copies, each held by another
+    stage and so each entered and left with a replicated stream (runtime.pipeline_tp.shard_stage); a
+    chain with sequence-parallel copies pays its own two layout changes. With SP copies last
+    (space.plan.chain_order) that is ceil(n_sp / (k / v)) chains paying them, the fewest any order can."""
+    total = sum(n for _, n in counts)
+    if virtual_stages == 1 or total % virtual_stages:
+        return chain_sums(cost, counts, tp, tp_branches, micro_batch)
+    size, chains, chain, room = total // virtual_stages, [], [], total // virtual_stages
+    for strategy, n in counts:          # cut the (strategy, copies) entries at the chains' boundaries
+        while n:
+            take = min(n, room)
+            chain.append((strategy, take))
+            n, room = n - take, room - take
+            if not room:
+                chains.append(chain)
+                chain, room = [], size
+    parts = [chain_sums(cost, c, tp, tp_branches, micro_batch) for c in chains]
+    return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
+            max(p[3] for p in parts), sum(p[4] for p in parts))
+
+
 @dataclass(frozen=True)
 class Estimate:
     iteration_time_s: float
@@ -424,7 +449,8 @@ def estimate(model: ModelCost, plan: Plan) -> Estimate:
     stage = _stage_counts(model, plan)
     time = back = acts = transient = params = 0.0
     for cost, counts in stage:
-        t, b, a, x, p = chain_sums(cost, counts, plan.tp, plan.tp_branches, plan.micro_batch)
+        t, b, a, x, p = device_chain_sums(cost, counts, plan.tp, plan.tp_branches, plan.micro_batch,
+                                          plan.virtual_stages)
         time, back, acts, params = time + t, back + b, acts + a, params + p
         transient = max(transient, x)
     r = evaluate(model, ctx, [time], [back], [acts], [transient], [params])
@@ -457,5 +483,5 @@ def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     return parts
 
 
-__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "estimate", "evaluate", "evaluate_rows",
-           "in_flight", "state_bytes"]
+__all__ = ["Context", "Estimate", "ModelCost", "StateBytes", "chain_sums", "device_chain_sums", "estimate", "evaluate",
+           "evaluate_rows", "in_flight", "state_bytes"]

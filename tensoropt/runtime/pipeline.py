@@ -55,11 +55,6 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     if example_inputs is None:
         raise TensorOptError("pipeline stages are cut by tracing one micro-batch: pass example_inputs to "
                              "tensoropt.parallelize")
-    if plan.get("virtual_stages", 1) > 1 and any(s["sequence_parallel"] for b in plan["blocks"]
-                                                 for s in b["strategies"]):
-        raise TensorOptError(f"plan {plan['summary']} splits the sequence inside interleaved virtual pipeline stages, "
-                             "which the torch engine does not run: plan without virtual stages or without sequence "
-                             "parallelism")
     pp, dp, tp, virtual = plan["pp"], plan["dp"], plan["tp"], plan.get("virtual_stages", 1)
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
@@ -91,7 +86,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
             place(module, device, materializer)
         shared[s] = tie_within_stage(module, tied, held[s])
         if tp > 1:                                  # before recomputation wraps the copies
-            shard_stage(module, plan, mesh["tp"])
+            shard_stage(module, plan, mesh["tp"], s)
             vocab_split |= shard_vocabulary(module, plan, mesh["tp"])
         for name in sorted(recomputed.keys() & {n for n, _ in module.named_modules()}):
             replace_module(module, name, recomputed[name])

@@ -17,8 +17,9 @@ embedding the first stage calls and the head the last stage calls are given back
 Sequence parallelism (``sequence_parallel``) runs within each stage only: a stage's run of consecutive
 sequence-parallel copies of a block is entered with the whole sequence (its first copy slices it) and left with
 it (its last copy gathers it), so the stage-to-stage messages, and the ops the stage graph runs between its
-copies, keep the shapes they were traced with, as ``cost.model.chain_sums`` prices each stage's chain. Inside a
-copy the stream is a ``DTensor`` sharded along the sequence: its global shape is the traced one, so the shapes
+copies, keep the shapes they were traced with, as ``cost.model.device_chain_sums`` prices each stage's chain
+(with virtual stages, each of a device's stages its own). Inside a copy the stream is a ``DTensor`` sharded
+along the sequence: its global shape is the traced one, so the shapes
 the trace fixed there (``view(b, s, ...)`` with ``s`` the whole sequence) still hold.
 
 The sharded-versus-whole check (``tp_guard``) runs on the whole model before it is cut, on its original
@@ -54,14 +55,20 @@ def check_before_cutting(model: nn.Module, plan: dict, tp_mesh, device: torch.de
     check_sharded_blocks(model, example_inputs, first, tp_mesh, device, sp_layouts)
 
 
-def shard_stage(stage_module: nn.Module, plan: dict, tp_mesh) -> None:
+def shard_stage(stage_module: nn.Module, plan: dict, tp_mesh, stage: int = 0) -> None:
     """Shard, in place, the linears of every block copy this stage holds over ``tp_mesh``, and run the copies the
-    plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc)."""
+    plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc).
+
+    ``stage`` is the stage's index among all ``pp * virtual_stages``: the plan's strategies list a DEVICE's
+    copies, and with virtual stages a device holds stages r, r + pp, ..., so a stage's copies are the slice
+    ``(stage // pp) * size`` on of them (as ``recompute.recomputed_modules`` reads them)."""
     sharded = sharded_branches(plan)
     for block in plan["blocks"]:
         branches = sharded.get(block["block"], [])
         copies = block_modules(stage_module, {"blocks": [block]})
-        flags, keeps = _sequence_parallel(block), [s["recompute"] == "none" for s in _per_copy(block)]
+        first = (stage // plan["pp"]) * len(copies)
+        flags = _sequence_parallel(block)[first:first + len(copies)]
+        keeps = [s["recompute"] == "none" for s in _per_copy(block)][first:first + len(copies)]
         if len(copies) > len(flags):
             raise TensorOptError(f"a pipeline stage holds {len(copies)} copies of block {block['block']!r}, the plan "
                                  f"runs {len(flags)} per stage: re-plan with `tensoropt launch`")

@@ -37,11 +37,6 @@ def unsupported(plan: dict, engine: str) -> list[str]:
         ("optimizer offload", plan["offload"]),
         # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh
         ("tensor and data parallelism without ZeRO 1, 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] == 0),
-        # each stage's run of SP copies is entered and left with the whole sequence (runtime.pipeline_tp), as
-        # cost.model.chain_sums prices a device's chain: with interleaved virtual stages a device's chain spans
-        # several stages, each of which would gather and slice again, unpriced
-        ("sequence parallelism inside interleaved virtual pipeline stages",
-         plan["pp"] > 1 and plan.get("virtual_stages", 1) > 1 and any(s["sequence_parallel"] for s in strategies)),
     ] if needed]
 
 

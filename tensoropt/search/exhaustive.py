@@ -1,7 +1,8 @@
 """Exhaustive enumeration: the reference FT is judged against on small cases.
 
 The same global choices as ``ft.search``, but every *ordered* sequence of strategies over a stage's
-groups of copies is priced on its own through ``chain_sums`` (the code ``estimate`` uses), with no
+groups of copies is priced on its own through ``device_chain_sums`` (the code ``estimate`` uses: with
+virtual stages and sequence parallelism, split into the device's stages' chains), with no
 Pareto pruning before the end. Exponential in the number of copies: small models only.
 """
 
@@ -12,30 +13,35 @@ import time
 
 import numpy as np
 
-from ..cost.model import Context, ModelCost, chain_sums, evaluate
+from ..cost.model import Context, ModelCost, device_chain_sums, evaluate
 from ..space.plan import BlockPlan
-from .ft import FrontierPoint, SearchResult, SearchSpace, contexts, front_by_time, layer_options
+from .ft import FrontierPoint, SearchResult, SearchSpace, contexts, device_split, front_by_time, layer_options
 
 
 def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_sequences: int = 200_000) -> SearchResult:
     start = time.perf_counter()
     values, plans = [], []
     for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
-        per_block = []
-        for block, cost in model.blocks:
-            options = layer_options(cost, tp, space)
-            groups, size = space.groups(block.repeats // pp, block.repeats)
-            if len(options) ** groups > max_sequences:
-                raise ValueError(f"{len(options)}^{groups} sequences: too many for exhaustive search")
-            per_block.append([([(o, size) for o in seq], chain_sums(cost, [(o, size) for o in seq], tp, branches, mb))
-                              for seq in itertools.product(options, repeat=groups)])
-        for combo in itertools.product(*per_block):
-            sums = np.array([c[1] for c in combo])
-            t, b, a, p = sums[:, 0].sum(), sums[:, 1].sum(), sums[:, 2].sum(), sums[:, 4].sum()
-            x = sums[:, 3].max()
-            for v, z, off in globals_:
-                ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                              space.master_weights, space.precision)
+        chains_of = {}                 # the blocks' priced sequences for each number of virtual stages
+        for v, z, off in globals_:
+            per_block = chains_of.setdefault(v, [])
+            for block, cost in model.blocks if not per_block else ():
+                options = layer_options(cost, tp, space)
+                copies = block.repeats // pp
+                chains, groups, size = device_split(space.groups(copies, block.repeats)[1], copies, v,
+                                                    any(o.sequence_parallel for o in options))
+                groups *= chains
+                if len(options) ** groups > max_sequences:
+                    raise ValueError(f"{len(options)}^{groups} sequences: too many for exhaustive search")
+                per_block.append([([(o, size) for o in seq],
+                                   device_chain_sums(cost, [(o, size) for o in seq], tp, branches, mb, v))
+                                  for seq in itertools.product(options, repeat=groups)])
+            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
+                          space.master_weights, space.precision)
+            for combo in itertools.product(*per_block):
+                sums = np.array([c[1] for c in combo])
+                t, b, a, p = sums[:, 0].sum(), sums[:, 1].sum(), sums[:, 2].sum(), sums[:, 4].sum()
+                x = sums[:, 3].max()
                 r = evaluate(model, ctx, [t], [b], [a], [x], [p])
                 values.append((float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0])))
                 plans.append((ctx, [seq for seq, _ in combo]))

@@ -13,6 +13,12 @@ A stage's copies of a block are split into at most ``max_layer_groups`` equal gr
 one strategy (``recompute-num-layers`` in Megatron-LM is such a split): the chain's steps are groups,
 so its cost depends on the number of groups, not on the depth.
 
+With v interleaved virtual stages and sequence-parallel options a device's k copies run as v chains
+of k / v, one per stage, each entered and left replicated (the runtime slices and gathers in every
+stage holding SP copies): the device's set is the Minkowski sum of v chain sets (``device_split``,
+``Chain.device``), which prices any multiset of strategies at its best split, the one the runtime
+runs (``space.plan.chain_order``: whole copies first, so the SP ones fill the fewest stages).
+
 Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
 which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload.
 Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
@@ -137,7 +143,7 @@ class Chain:
         self.needs = list(needs.values())
         self.change = np.array([cost.layout_change_s(tp, mb) for _, mb in needs], dtype=float)
         self.powers = [_layer_matrix(cost, options, tp, list(needs), group)]
-        self._copies: dict[tuple[int, bool], ParetoSets] = {}
+        self._copies: dict[tuple[int, int, bool], ParetoSets] = {}
 
     def _power(self, i: int) -> Matrix:
         while len(self.powers) <= i:
@@ -148,8 +154,8 @@ class Chain:
 
     def copies(self, k: int, doubling: bool = True) -> ParetoSets:
         """The sets of k copies (only the keys that asked for k are filled)."""
-        if (k, doubling) in self._copies:
-            return self._copies[(k, doubling)]
+        if (k, 1, doubling) in self._copies:
+            return self._copies[(k, 1, doubling)]
         wanted = np.array([k in ks for ks in self.needs])
         result: Matrix | None = None
         if doubling:
@@ -167,11 +173,31 @@ class Chain:
                 values = s.values.copy()
                 values[:, 0] += self.change[s.group] if b else 0.0
                 exits.append(ParetoSets(values, s.counts, s.group, s.size))
-        self._copies[(k, doubling)] = union_sets(exits, self.eps)
-        return self._copies[(k, doubling)]
+        self._copies[(k, 1, doubling)] = union_sets(exits, self.eps)
+        return self._copies[(k, 1, doubling)]
 
-    def set(self, k: int, key: tuple[tuple[str, ...], int], doubling: bool = True) -> ParetoSet:
-        return self.copies(k, doubling).set(self.keys[key])
+    def device(self, k: int, chains: int, doubling: bool = True) -> ParetoSets:
+        """The sets of ``chains`` chains of k copies run one after another (a device's virtual stages, see
+        ``device_split``): Minkowski sums of the k-copy sets, every key at once; 4 by doubling."""
+        if (k, chains, doubling) not in self._copies:
+            one = self.copies(k, doubling)
+            if chains in (2, 4):
+                two = combine_sets([(one, one)], self.eps)
+                self._copies[(k, chains, doubling)] = two if chains == 2 else combine_sets([(two, two)], self.eps)
+            else:
+                self._copies[(k, chains, doubling)] = _chains_sum(one, chains, self.eps)
+        return self._copies[(k, chains, doubling)]
+
+    def set(self, k: int, key: tuple[tuple[str, ...], int], doubling: bool = True, chains: int = 1) -> ParetoSet:
+        return self.device(k, chains, doubling).set(self.keys[key])
+
+
+def _chains_sum(one: ParetoSets, chains: int, eps: float) -> ParetoSets:
+    """``chains`` copies of ``one`` summed, one at a time (more virtual stages than doubling covers)."""
+    total = one
+    for _ in range(chains - 1):
+        total = combine_sets([(total, one)], eps)
+    return total
 
 
 def _restrict(matrix: Matrix, wanted: np.ndarray) -> Matrix:
@@ -196,6 +222,17 @@ def _combine_blocks(parts: list[ParetoSet], eps: float) -> ParetoSet:
         shifted = ParetoSet(part.values, np.pad(part.counts, ((0, 0), (total.counts.shape[1], 0))))
         total = combine(grown, shifted, eps)
     return total
+
+
+def device_split(size: int, copies: int, virtual_stages: int, sequence_parallel: bool) -> tuple[int, int, int]:
+    """(chains, groups per chain, copies per group) of a device's ``copies`` copies of a block grouped
+    ``size`` at a time. With virtual stages and sequence-parallel options each of the device's v stages
+    enters and leaves its own chain replicated (cost.model.device_chain_sums), so the device's copies
+    are v chains of k / v (groups shrunk to divide them); otherwise one chain (layout changes are then
+    the same in any split). A k that v does not divide is priced, and run, as one chain."""
+    chains = virtual_stages if sequence_parallel and virtual_stages > 1 and copies % virtual_stages == 0 else 1
+    size = math.gcd(size, copies // chains)
+    return chains, copies // chains // size, size
 
 
 def contexts(model: ModelCost, devices: int, space: SearchSpace):
@@ -235,20 +272,33 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     options = {(b, tp): layer_options(model.blocks[b][1], tp, space) for b in blocks for tp in {c[1] for c in choices}}
     # a block with no strategy left (only selective recomputation allowed, and it keeps no scores) has no plan
     choices = [c for c in choices if all(options[(b, c[1])] for b in blocks)]
+    sp = {key: any(o.sequence_parallel for o in opts) for key, opts in options.items()}
+
+    def splits(tp: int, pp: int, v: int) -> tuple[tuple[int, int, int], ...]:
+        return tuple(device_split(split[(b, pp)][1], model.blocks[b][0].repeats // pp, v, sp[(b, tp)])
+                     for b in blocks)
+
+    # each choice's contexts, grouped by how their virtual stages split the device's chains
+    grouped = []
+    for _, tp, pp, branches, mb, priced in choices:
+        by_split: dict[tuple, list[Context]] = {}
+        for ctx in priced:
+            by_split.setdefault(splits(tp, pp, ctx.virtual_stages), []).append(ctx)
+        grouped += [(tp, branches, mb, layout, same) for layout, same in by_split.items()]
     # one chain per (block, tp, group size), with a Pareto set per (branches, micro-batch) it is needed for
     needs: dict[tuple[int, int, int], dict[tuple[tuple[str, ...], int], set[int]]] = {}
-    for _, tp, pp, branches, mb, _ in choices:
-        for b in blocks:
-            groups, size = split[(b, pp)]
+    for tp, branches, mb, layout, _ in grouped:
+        for b, (_, groups, size) in zip(blocks, layout):
             needs.setdefault((b, tp, size), {}).setdefault((branches, mb), set()).add(groups)
     builders = {(b, tp, size): Chain(model.blocks[b][1], options[(b, tp)], tp, keys, space.eps, size)
                 for (b, tp, size), keys in needs.items()}
     per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb) -> per strategy: backward s, parameters
     ctxs: list[Context] = []
-    stages = []          # per (tp, branches, micro-batch, pp): (stage set, option lists, backward, parameters)
+    stages = []          # per (tp, branches, micro-batch, pp, split): (stage set, option lists, backward, parameters)
     ctx_stage = []       # per context: index into stages
-    for _, tp, pp, branches, mb, priced in choices:
-        parts = [builders[(b, tp, split[(b, pp)][1])].set(split[(b, pp)][0], (branches, mb), doubling) for b in blocks]
+    for tp, branches, mb, layout, priced in grouped:
+        parts = [builders[(b, tp, size)].set(groups, (branches, mb), doubling, chains)
+                 for b, (chains, groups, size) in zip(blocks, layout)]
         option_lists = [options[(b, tp)] for b in blocks]
         stage = _combine_blocks(parts, space.eps) if parts else \
             ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64))

@@ -135,7 +135,8 @@ def _precision(name: object) -> str:
 
 def chain_order(pairs) -> tuple[tuple[LayerStrategy, int], ...]:
     """(strategy, copies) pairs in the order the copies run: replicated-stream copies first, then
-    sequence-parallel ones (two layout changes at most), each by recomputation; empty ones dropped."""
+    sequence-parallel ones (two layout changes at most per stage: with virtual stages the list is cut among
+    the device's stages in order, so the SP copies fill the fewest), each by recomputation; empty ones dropped."""
     used = [(s, int(n)) for s, n in pairs if n > 0]
     return tuple(sorted(used, key=lambda item: (item[0].sequence_parallel, RECOMPUTE.index(item[0].recompute))))
 
