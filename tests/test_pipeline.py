@@ -175,19 +175,23 @@ def test_meta_built_stages_in_bf16_mixed_match_one_process_in_bf16_mixed(chosen,
 
 
 def test_three_dimensional_interleaved_meta_built_matches_one_process(chosen, tmp_path):
-    """pp2 x tp2 x dp2 with 2 virtual stages per rank (8 workers), ZeRO 3, selective recomputation, a tiny GPT
-    built on meta: the losses are the script's alone, and rank 0 holds stages 0 and 2 (layers 0 and 2, the
+    """pp2 x tp2 x dp2 with 2 virtual stages per rank (8 workers), ZeRO 3, sequence parallelism and selective
+    recomputation on each device's second copy, a tiny GPT built on meta: the losses are the script's alone, the
+    norms of exactly that copy (layer 2 on rank 0) are (dp, tp) DTensors (replicated over tp: SP ran there;
+    the others only FSDP2's dp shards), and rank 0 holds stages 0 and 2 (layers 0 and 2, the
     embedding) with every linear split over tp (Megatron's columns and rows) and then over dp (FSDP2's rows),
     the embedding by vocabulary (plan.json's vocab_parallel; the tied head on the last stage too, its loss
     under loss_parallel)."""
     script = str(REPO / "tests" / "train_stages.py")
     alone = losses_alone(script, tmp_path / "alone.json")
-    strategies = ((LayerStrategy("selective"), 1), (LayerStrategy("none"), 1))
+    strategies = ((LayerStrategy("none"), 1), (LayerStrategy("selective", True), 1))
     plan = dataclasses.replace(chosen, devices=8, dp=2, tp=2, pp=2, virtual_stages=2, zero=3, offload=False,
                                micro_batch=1, global_batch=8, tp_branches=("attn", "mlp"),
                                blocks=(BlockPlan("layers.*", strategies),))
     data = _launch(plan, tmp_path, 8, script)
     np.testing.assert_allclose(data["losses"], alone, rtol=2e-5)
+    assert {name.replace("_checkpoint_wrapped_module.", "").split(".")[1] for name, dims in data["mesh_dims"].items()
+            if ".norm" in name and dims == 2} == {"2"}
     shapes = {name.replace("_checkpoint_wrapped_module.", ""): shape for name, shape in data["local_shapes"].items()}
     assert {name.split(".")[1] for name in shapes if name.startswith("layers.")} == {"0", "2"}
     assert shapes["embed.weight"] == [64 // 4, 32]              # the vocabulary split over tp, then rows over dp
