@@ -3,13 +3,12 @@ each, or stages of two data-parallel replicas), compared with the same script ru
 (which stage reads, relays and sends what) in one process."""
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
 from conftest import REPO
-from workers import GPT_SCRIPT, dry_run_plan, losses_alone, tensoropt_cli
+from workers import GPT_SCRIPT, dry_run_plan, launched_with_plan, losses_alone
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
@@ -45,14 +44,7 @@ def test_two_stages_match_one_process(reference, chosen, tmp_path, micro_batch, 
 
 
 def _launch(plan: Plan, tmp_path, devices: int, script: str = SCRIPT) -> dict:
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--plan", path, "--run-dir",
-                           tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "losses.json").read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
-    return data
+    return launched_with_plan(plan, tmp_path, devices, script)
 
 
 @pytest.mark.parametrize("zero", [0, 3])

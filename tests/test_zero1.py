@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import SMALL_GPT
-from workers import GPT_SCRIPT, dry_run_plan, tensoropt_cli, tp2
+from workers import GPT_SCRIPT, dry_run_plan, launched_with_plan, tp2
 
 from tensoropt.api import capture
 from tensoropt.cost.model import ModelCost, estimate, state_bytes
@@ -128,14 +128,7 @@ def chosen(tmp_path_factory):
 
 
 def _launch(plan: Plan, tmp_path, devices: int) -> list[float]:
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", devices, "--plan", path, "--run-dir",
-                           tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "losses.json").read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
-    return data["losses"]
+    return launched_with_plan(plan, tmp_path, devices)["losses"]
 
 
 @pytest.mark.slow
