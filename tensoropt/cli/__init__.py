@@ -1,7 +1,8 @@
 """The ``tensoropt`` command line: a thin layer over the library.
 
-User errors (``TensorOptError``) become one line on stderr and exit status 1; nothing else is
-caught, so a real bug still shows its traceback.
+User errors (``TensorOptError``) become one line on stderr and exit status 1, and click's own usage errors
+(an unknown option, a value of the wrong type) one line and exit status 2, both written by
+``errors.error_line``; nothing else is caught, so a real bug still shows its traceback.
 """
 
 from __future__ import annotations
@@ -10,15 +11,31 @@ import sys
 
 import click
 
-from ..errors import TensorOptError
+from ..errors import TensorOptError, error_line
 
 
 class _Group(click.Group):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
+        """As click's ``main``, but a usage error is one line (click prints the usage, a hint and the error)."""
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Abort:                     # Ctrl-C while click parses the command line
+            click.echo("interrupted", err=True)
+            code = 130
+        except click.ClickException as exc:
+            where = getattr(exc, "ctx", None)
+            hint = f" (see '{where.command_path} --help')" if where is not None else ""
+            click.echo(error_line(exc.format_message() + hint), err=True)
+            code = exc.exit_code
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except TensorOptError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(error_line(exc), err=True)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
