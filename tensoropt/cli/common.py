@@ -18,22 +18,46 @@ from ..graph.ir import OpGraph
 from ..search.limits import Limits
 from ..space.plan import RECOMPUTE
 
+# sane upper bounds on counts: far above any cluster planned today (the largest have ~10^5 GPUs), far below what
+# would make a search loop for minutes over divisors (``--gpus 1000000000`` did)
+MAX_DEVICES = 2**17
+MAX_DEVICES_PER_NODE = 1024
+MAX_GLOBAL_BATCH = 2**24
+# a size per device above this is a typo (a unit missing or doubled): no device holds a pebibyte
+MAX_BYTES = 2**50
+
 _UNITS = {"": None, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_bytes(text: str | int, flag: str = "--mem") -> float:
     """'40GiB', '40 GB', '4e10B' -> bytes. A whole number without a unit ('45936257537') is a byte count,
-    as everywhere else (DeepSpeed configs, torch); a fraction needs a unit."""
+    as everywhere else (DeepSpeed configs, torch); a fraction needs a unit. A size must be above 0 and at most
+    ``MAX_BYTES``."""
     text = str(text)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if match and not match.group(2) and match.group(1).isdigit():
-        return float(int(match.group(1)))
     unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS or _UNITS[unit] is None:
+    if match and not match.group(2) and match.group(1).isdigit():
+        size = float(int(match.group(1)))
+    elif not match or unit not in _UNITS or _UNITS[unit] is None:
         raise TensorOptError(f"{flag} {text!r}: give a size with a unit, e.g. 40GiB, 80GB or 512MiB, "
                              "or a whole number of bytes")
-    return float(match.group(1)) * _UNITS[unit]
+    else:
+        size = float(match.group(1)) * _UNITS[unit]
+    if not 0 < size <= MAX_BYTES:
+        raise TensorOptError(f"{flag} {text!r}: give a size above 0 and at most 1 PiB per device, e.g. 40GiB")
+    return size
+
+
+def check_counts(**counts: int | None) -> None:
+    """Counts given as ``global_batch=512, gpus_per_node=8, devices=1024`` (None: not given), each >= 1 and below
+    its sane upper bound, else one line naming every flag out of range."""
+    bounds = {"devices": ("--gpus", MAX_DEVICES), "gpus_per_node": ("--gpus-per-node", MAX_DEVICES_PER_NODE),
+              "global_batch": ("--global-batch", MAX_GLOBAL_BATCH)}
+    problems = [f"{bounds[name][0]} {value} must be between 1 and {bounds[name][1]:,}"
+                for name, value in counts.items() if value is not None and not 1 <= value <= bounds[name][1]]
+    if problems:
+        raise TensorOptError("; ".join(problems))
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -43,17 +67,19 @@ def parse_gpus(text: str) -> list[int]:
             low, high = (int(x) for x in text.split("-", 1))
             if low < 1 or high < low:
                 raise ValueError
+            check_counts(devices=high)
             counts = []
             while low <= high:
                 counts.append(low)
                 low *= 2
-            return counts
-        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+        else:
+            counts = sorted({int(x) for x in text.split(",") if x.strip()})
         if not counts or counts[0] < 1:
             raise ValueError
-        return counts
     except ValueError:
         raise TensorOptError(f"--gpus {text!r}: give a count (8), a list (64,128,256) or a range (64-1024)") from None
+    check_counts(devices=counts[-1])
+    return counts
 
 
 @dataclass
@@ -82,10 +108,12 @@ def load(model: str, device: str, seq_len: int | None, dtype: str | None = None)
 
 
 def model_options(func):
-    func = click.option("--seq-len", type=int, default=None, help="sequence length (default: the model's)")(func)
+    func = click.option("--seq-len", type=click.IntRange(min=1), default=None,
+                        help="sequence length (default: the model's)")(func)
     func = click.option("--device", "device", default="h100-80gb", show_default=True,
                         help="device profile: a name in profiles/ or a path to a profile JSON")(func)
-    func = click.option("--gpus-per-node", type=int, default=8, show_default=True)(func)
+    func = click.option("--gpus-per-node", type=click.IntRange(1, MAX_DEVICES_PER_NODE), default=8,
+                        show_default=True)(func)
     return func
 
 

@@ -12,7 +12,7 @@ from ..cost.model import estimate as estimate_plan
 from ..cost.model import state_bytes
 from ..errors import TensorOptError
 from ..space.plan import PRECISIONS, RECOMPUTE, BlockPlan, LayerStrategy, Plan, compute_dtype
-from .common import load, model_options
+from .common import check_counts, load, model_options
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 
@@ -78,8 +78,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
 def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
              recompute, sequence_parallel, dtype, master_weights, precision, as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
-    if gpus < 1:
-        raise TensorOptError(f"--gpus must be positive, got {gpus}")
+    check_counts(devices=gpus, global_batch=global_batch)
     if precision:
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[compute_dtype(precision)]
     # a 16-bit model is captured as it is (bf16); float32 training computes and keeps activations in float32

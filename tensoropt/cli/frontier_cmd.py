@@ -14,10 +14,11 @@ from rich.table import Table
 from ..errors import TensorOptError
 from ..frontier import Frontier, load_frontier, plot_frontier
 from ..graph.cache import write_json_atomic
+from ..paths import PLOT_SUFFIXES, check_output_file
 from ..search.ft import SearchSpace, search
 from ..search.limits import NO_LIMITS, Limits
 from ..search.pareto import nondominated
-from .common import limit_options, load, model_options, parse_bytes, parse_gpus
+from .common import check_counts, limit_options, load, model_options, parse_bytes, parse_gpus
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 
@@ -59,6 +60,17 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
                     loaded.capture_seconds, loaded.folding)
 
 
+def _check_load(ctx: click.Context, limits: Limits) -> None:
+    """``--load`` answers from the saved frontier: options that would describe another search contradict it."""
+    given = [f"--{name.replace('_', '-')}" for name in ("model", "gpus", "gpus_per_node", "device", "seq_len",
+                                                          "global_batch", "no_fold")
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    given += [limits.flags()] if limits else []
+    if given:
+        raise TensorOptError(f"--load answers from the saved frontier, searched for its own model and devices; "
+                             f"{', '.join(given)} describe another search: drop them, or drop --load to search")
+
+
 def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
     table = Table(title=f"{frontier.model}: {len(frontier.points)} frontier points on {frontier.device_profile} "
                         f"(global batch {frontier.global_batch}), fastest first", title_justify="left")
@@ -96,17 +108,18 @@ def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_
              load_path, limits):
     """Search the Pareto frontier of plans (iteration time vs peak memory per device)."""
     limit = parse_bytes(mem) if mem is not None else None
+    for path, flag, suffixes in ((out_path, "--out", ()), (plot_path, "--plot", PLOT_SUFFIXES)):
+        if path:                                    # before the search: a result that cannot be written is lost
+            check_output_file(path, flag, suffixes)
     if load_path:
-        if limits:
-            raise TensorOptError(f"{limits.flags()} limit a search; a saved frontier was searched without them: "
-                                 "drop --load and search with --model and --gpus")
+        _check_load(click.get_current_context(), limits)
         result = load_frontier(load_path)
     else:
         if not model or not gpus:
             raise TensorOptError("give --model and --gpus, or --load FILE.json")
-        if global_batch < 1 or gpus_per_node < 1:
-            raise TensorOptError("--global-batch and --gpus-per-node must be positive integers")
-        result = run_search(model, parse_gpus(gpus), gpus_per_node, device, global_batch, seq_len, no_fold, limits)
+        counts = parse_gpus(gpus)
+        check_counts(global_batch=global_batch, gpus_per_node=gpus_per_node, devices=counts[-1])
+        result = run_search(model, counts, gpus_per_node, device, global_batch, seq_len, no_fold, limits)
     chosen = result.fastest_within(limit) if limit is not None else None
     if out_path:
         write_json_atomic(Path(out_path), result.to_json(chosen))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -12,6 +13,8 @@ from rich.table import Table
 from ..cost.profile import DeviceProfile, load_profile
 from ..errors import TensorOptError
 from ..graph.cache import write_json_atomic
+from ..paths import check_output_dir, check_output_file
+from .common import MAX_DEVICES_PER_NODE
 from .format import binary_bytes, si
 
 
@@ -19,7 +22,7 @@ from .format import binary_bytes, si
 @click.option("--device", "device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--model", default=None, help="also time this model's unique ops forward and backward "
               "(per-op calibration, at batch 1 and the captured shapes)")
-@click.option("--nproc", type=click.IntRange(min=1), default=None,
+@click.option("--nproc", type=click.IntRange(1, MAX_DEVICES_PER_NODE), default=None,
               help="worker processes for the collective benchmarks (default: the GPUs visible; 2 on a CPU); "
                    "with 1, no collective is measured and the links come from --link-profile")
 @click.option("--link-profile", default=None,
@@ -36,6 +39,8 @@ def profile(device: str, model: str | None, nproc: int | None, link_profile: str
     from ..profiler.run import Settings, calibrate_ops, device_name, run, total_steps
     from ..profiler.store import measured_path
 
+    if out_path:                                   # before measuring: a profile that cannot be written is lost
+        check_output_file(out_path, "--out", (".json",))
     nproc = nproc or _visible(device)
     _check_gpus(device, nproc)
     if nproc == 1:
@@ -43,8 +48,8 @@ def profile(device: str, model: str | None, nproc: int | None, link_profile: str
         load_profile(link_profile)                     # an unknown name is an error before anything runs
     ops = calibration_ops(model) if model is not None else []
     out = Path(out_path) if out_path else measured_path(device_name(device))
-    if out_path and not out.parent.is_dir():
-        raise TensorOptError(f"--out {out}: the folder {out.parent} does not exist")
+    if not out_path:
+        check_output_dir(out.parent, "$TENSOROPT_PROFILE_DIR")
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = Settings(device, nproc, quick, link_profile if nproc == 1 else None)
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -72,6 +77,9 @@ def _visible(device: str) -> int:
 
 
 def _check_gpus(device: str, nproc: int) -> None:
+    """One worker per GPU; on a CPU at most one per core (2 on any machine): more would measure contention."""
+    if device == "cpu" and nproc > (cores := max(2, os.cpu_count() or 1)):
+        raise TensorOptError(f"--nproc {nproc} is more than the {cores} cores here: give --nproc {cores} or fewer")
     if device == "cuda":
         import torch
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0

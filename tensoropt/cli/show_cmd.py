@@ -9,6 +9,7 @@ import click
 
 from ..errors import TensorOptError
 from ..frontier import load_frontier, plot_frontier
+from ..paths import PLOT_SUFFIXES, check_output_file
 from ..space.plan import Plan
 from .frontier_cmd import print_frontier
 
@@ -18,6 +19,8 @@ from .frontier_cmd import print_frontier
 @click.option("--plot", "plot_path", default=None, help="also write the frontier plot (PNG)")
 def show(path: str, plot_path: str | None) -> None:
     """Render a saved frontier (from `frontier --out`) or plan JSON."""
+    if plot_path:
+        check_output_file(plot_path, "--plot", PLOT_SUFFIXES)
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -32,10 +35,13 @@ def show(path: str, plot_path: str | None) -> None:
         if plot_path:
             plot_frontier(frontier, plot_path, chosen)
         return
+    if plot_path:
+        raise TensorOptError(f"--plot draws a frontier; {path} is not one (a frontier file comes from "
+                             "`tensoropt frontier --out`)")
     try:
         plan = Plan.from_json(data.get("plan", data) if isinstance(data, dict) else data)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise TensorOptError(f"{path}: neither a frontier nor a plan file ({exc})") from exc
+        raise TensorOptError(f"{path}: neither a frontier nor a valid plan file ({exc})") from exc
     click.echo(plan.summary())
     click.echo(f"precision: {plan.precision_name}" + ("" if plan.precision else " (as dtype and master_weights say)"))
     click.echo(json.dumps(plan.to_json(), indent=1))

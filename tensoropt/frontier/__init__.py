@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TensorOptError
+from ..paths import atomic_output
 from ..search.ft import FrontierPoint
 from ..space.plan import Plan
 
@@ -104,5 +105,6 @@ def plot_frontier(frontier: Frontier, path: str | Path, chosen: FrontierPoint | 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_output(path) as tmp:           # never a half-drawn file at ``path``
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower() or "png")
     plt.close(fig)

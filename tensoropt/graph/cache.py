@@ -33,7 +33,8 @@ def fingerprint(identity: dict[str, Any]) -> str:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write JSON so that ``path`` holds either its old content or the complete new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # a short temporary name: any name that fits the file system must be writable, however long
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tensoropt-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, separators=(",", ":"))

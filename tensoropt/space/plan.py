@@ -111,26 +111,103 @@ class Plan:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
-        if d.get("schema_version") != PLAN_SCHEMA_VERSION:
-            raise ValueError(f"plan schema_version {d.get('schema_version')!r} is not {PLAN_SCHEMA_VERSION}")
+        """The plan in a plan file's JSON; a ``ValueError`` naming every field that breaks the schema
+        (``plan_problems``), so that no bad plan is priced, written or given to workers."""
+        if problems := plan_problems(d):
+            raise ValueError("; ".join(problems))
         return Plan(
-            devices=int(d["devices"]), dp=int(d["dp"]), tp=int(d["tp"]), pp=int(d["pp"]),
-            micro_batch=int(d["micro_batch"]), global_batch=int(d["global_batch"]),
-            virtual_stages=int(d.get("virtual_stages", 1)), zero=int(d["zero"]), offload=bool(d["offload"]),
+            devices=d["devices"], dp=d["dp"], tp=d["tp"], pp=d["pp"],
+            micro_batch=d["micro_batch"], global_batch=d["global_batch"],
+            virtual_stages=d.get("virtual_stages", 1), zero=d["zero"], offload=d["offload"],
             tp_branches=tuple(d.get("tp_branches", ())), dtype=d.get("dtype", "bfloat16"),
             blocks=tuple(BlockPlan(b["block"], tuple(
-                (LayerStrategy(s["recompute"], bool(s["sequence_parallel"])), int(s["copies"]))
+                (LayerStrategy(s["recompute"], s["sequence_parallel"]), s["copies"])
                 for s in b["strategies"])) for b in d["blocks"]),
-            master_weights=bool(d.get("master_weights", True)), precision=_precision(d.get("precision")),
+            master_weights=d.get("master_weights", True), precision=d.get("precision") or "",
         )
 
 
-def _precision(name: object) -> str:
-    if name in (None, ""):
-        return ""
-    if name not in PRECISIONS:
-        raise ValueError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
-    return str(name)
+DTYPES = ("bfloat16", "float16", "float32")
+_POSITIVE = ("devices", "dp", "tp", "pp", "micro_batch", "global_batch")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plan_problems(d: object) -> list[str]:
+    """Every way the JSON ``d`` breaks the plan schema, each named with what to change (empty: a valid plan).
+    Checked: the version, each field's type and range (counts >= 1, ZeRO 0-3, recompute in RECOMPUTE, a known
+    dtype and precision), the mesh (dp x tp x pp = devices), the batch (micro_batch x gradient_accumulation x dp
+    = global_batch) and the blocks (copies >= 0, at least one per block, the first block's a multiple of
+    virtual_stages, as the search cuts them). What needs the model (its blocks' repeats = copies x pp) is checked
+    where the model is known (the launcher)."""
+    if not isinstance(d, dict):
+        return [f"a plan is a JSON object, got {type(d).__name__}"]
+    if d.get("schema_version") != PLAN_SCHEMA_VERSION:
+        return [f"plan schema_version {d.get('schema_version')!r} is not {PLAN_SCHEMA_VERSION}"]
+    problems = [f'"{key}" is missing' for key in (*_POSITIVE, "zero", "offload", "blocks") if key not in d]
+    if problems:
+        return problems
+    problems += [f'"{key}" must be an integer >= 1, got {d[key]!r}' for key in (*_POSITIVE, "virtual_stages")
+                 if key in d and not (_is_int(d[key]) and d[key] >= 1)]
+    if not (_is_int(d["zero"]) and 0 <= d["zero"] <= 3):
+        problems.append(f'"zero" must be a ZeRO stage 0-3, got {d["zero"]!r}')
+    problems += [f'"{key}" must be true or false, got {d[key]!r}' for key in ("offload", "master_weights")
+                 if key in d and not isinstance(d[key], bool)]
+    if d.get("dtype", "bfloat16") not in DTYPES:
+        problems.append(f'"dtype" must be one of {", ".join(DTYPES)}, got {d["dtype"]!r}')
+    if d.get("precision") not in (None, "", *PRECISIONS):
+        problems.append(f'"precision" {d["precision"]!r} is not one of {", ".join(PRECISIONS)}')
+    branches = d.get("tp_branches", [])
+    if not (isinstance(branches, list) and all(isinstance(b, str) for b in branches)):
+        problems.append(f'"tp_branches" must be a list of branch names, got {branches!r}')
+    if problems:
+        return problems
+    return _mesh_problems(d) + _block_problems(d["blocks"], d.get("virtual_stages", 1))
+
+
+def _mesh_problems(d: dict[str, Any]) -> list[str]:
+    problems = []
+    if d["dp"] * d["tp"] * d["pp"] != d["devices"]:
+        problems.append(f'dp {d["dp"]} x tp {d["tp"]} x pp {d["pp"]} must equal "devices" {d["devices"]}')
+    samples = d["dp"] * d["micro_batch"]
+    steps = d.get("gradient_accumulation", d["global_batch"] // samples)
+    if not (_is_int(steps) and steps >= 1 and samples * steps == d["global_batch"]):
+        problems.append(f'micro_batch {d["micro_batch"]} x gradient_accumulation {steps!r} x dp {d["dp"]} must '
+                        f'equal "global_batch" {d["global_batch"]}')
+    virtual = d.get("virtual_stages", 1)
+    if virtual > 1 and (d["pp"] == 1 or not _is_int(steps) or steps % d["pp"]):
+        problems.append(f'"virtual_stages" {virtual} needs pp > 1 and a number of micro-batches (gradient_accumulation '
+                        f'{steps!r}) that is a multiple of pp {d["pp"]}')
+    return problems
+
+
+def _block_problems(blocks: object, virtual: int) -> list[str]:
+    if not isinstance(blocks, list):
+        return [f'"blocks" must be a list, got {type(blocks).__name__}']
+    problems: list[str] = []
+    for i, block in enumerate(blocks):
+        strategies = block.get("strategies") if isinstance(block, dict) else None
+        if not (isinstance(block, dict) and isinstance(block.get("block"), str) and isinstance(strategies, list)):
+            problems.append(f'blocks[{i}] must be {{"block": NAME, "strategies": [...]}}')
+            continue
+        for s in strategies:
+            if not isinstance(s, dict) or s.get("recompute") not in RECOMPUTE:
+                got = s.get("recompute") if isinstance(s, dict) else s
+                problems.append(f'block {block["block"]}: "recompute" must be one of {", ".join(RECOMPUTE)}, '
+                                f'got {got!r}')
+            elif not isinstance(s.get("sequence_parallel"), bool):
+                problems.append(f'block {block["block"]}: "sequence_parallel" must be true or false')
+            elif not (_is_int(s.get("copies")) and s["copies"] >= 0):
+                problems.append(f'block {block["block"]}: "copies" must be an integer >= 0, got {s.get("copies")!r}')
+        if problems:
+            continue
+        copies = sum(s["copies"] for s in strategies)
+        if copies < 1 or (i == 0 and copies % virtual):   # the first block's copies are cut into virtual stages
+            problems.append(f'block {block["block"]}: its {copies} copies per stage must be at least 1'
+                            + (f' and a multiple of virtual_stages {virtual}' if i == 0 else ''))
+    return problems
 
 
 def chain_order(pairs) -> tuple[tuple[LayerStrategy, int], ...]:
