@@ -8,13 +8,14 @@ from pathlib import Path
 
 import click
 
-from tensoropt.cli.common import limit_options, parse_bytes
+from tensoropt.cli.common import limit_options
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import choose_engine
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.space.plan import PRECISIONS, Plan
 
 from . import launch as L
+from .inputs import check_counts, check_memory, check_paths, read_plan
 from .nodes import check_nodes, fetch, plan_port, publish
 
 
@@ -40,7 +41,7 @@ from .nodes import check_nodes, fetch, plan_port, publish
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--master-addr", default=None)
-@click.option("--master-port", type=int, default=None)
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="for planning (default: --gpus)")
 @click.option("--dry-run", is_flag=True, help="print the chosen plan and configuration, start nothing")
 @click.option("--run-dir", default="tensoropt-run", show_default=True, help="where plan.json is written")
@@ -66,11 +67,14 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     if elastic:
         _check_elastic(checkpoint_dir, plan_path, engine, nnodes)
     check_nodes(nnodes, node_rank, master_addr, dry_run)
-    devices = L.detect(device, gpus, parse_bytes(mem_per_gpu, "--mem-per-gpu") if mem_per_gpu else None, profile,
-                       dry_run)
+    check_counts(device, gpus, nnodes, master_port, min_gpus, elastic)
+    memory = check_memory(device, gpus, mem_per_gpu)
+    check_paths(run_dir, checkpoint_dir, resources_file, elastic)
+    given = read_plan(plan_path) if plan_path else None
+    devices = L.detect(device, gpus, memory, profile, dry_run)
     named = precision is not None
     if not named:
-        precision = (plan_path and _read_plan(plan_path).get("precision")) or L.default_precision()
+        precision = (given and given.get("precision")) or L.default_precision()
     graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
     precision = L.check_precision(graph, precision, named)
     if elastic and not dry_run:
@@ -86,7 +90,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     shared = nnodes > 1 and not dry_run          # one plan for every node: node 0's, or the --plan all are given
     if plan_path or (shared and node_rank > 0):
         if plan_path:
-            data, source = _read_plan(plan_path), plan_path
+            data, source = given, plan_path
             why = f"given with --plan {plan_path}, priced for this model on these devices"
         else:
             data, source = fetch(master_addr, master_port, node_rank), "node 0's plan"
@@ -144,13 +148,6 @@ def _check_elastic(checkpoint_dir, plan_path, engine, nnodes) -> None:
         raise TensorOptError("; ".join(problems))
 
 
-def _read_plan(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise TensorOptError(f"{path}: not a readable plan file ({exc})") from exc
-
-
 def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int,
                engine: str | None, precision: str) -> tuple[FrontierPoint, str]:
     """The plan in ``data`` (from ``source``: a file, or node 0) for this script's model on these devices,
@@ -163,8 +160,8 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
     blocks = {b.name: b.repeats for b in fold(graph).blocks}
     planned = {b.block: b.copies * plan.pp for b in plan.blocks}
     if planned != blocks:
-        raise TensorOptError(f"{source} is a plan for another model (blocks {planned}, this script's model has "
-                             f"{blocks})")
+        raise TensorOptError(f"{source} is not a plan for this model: its blocks' copies x pp {plan.pp} are "
+                             f"{planned}, this script's model repeats {blocks}")
     if plan.devices != devices.count:
         raise TensorOptError(f"{source} is a plan for {plan.devices} devices, this launch has {devices.count}")
     try:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tensoropt.cli.common import parse_bytes
-from tensoropt.errors import TensorOptError
+from tensoropt.cli.common import MAX_DEVICES, parse_bytes
+from tensoropt.errors import TensorOptError, first_line
 from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
 from tensoropt.runtime.checkpoint import latest_step
@@ -54,20 +54,39 @@ class Resources:
     memory_bytes: float              # per device
 
 
+def read_resources(path: Path, memory_bytes: float) -> Resources:
+    """The resources file ``{"gpus": N, "mem_per_gpu": "8GiB"}`` (memory optional: ``memory_bytes``), or a
+    one-line ``TensorOptError`` saying what is wrong with it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TensorOptError(f"--resources {path}: not a readable JSON file ({first_line(exc)})") from None
+    gpus = data.get("gpus") if isinstance(data, dict) else None
+    if not (isinstance(gpus, int) and not isinstance(gpus, bool) and 1 <= gpus <= MAX_DEVICES):
+        raise TensorOptError(f'--resources {path}: give {{"gpus": N}} with N a device count of at least 1 '
+                             f'(optionally "mem_per_gpu": "8GiB"), got {first_line(json.dumps(data), 80)}')
+    memory = parse_bytes(data["mem_per_gpu"], f"--resources {path}: mem_per_gpu") if "mem_per_gpu" in data \
+        else memory_bytes
+    return Resources(gpus, memory)
+
+
 def resources(devices: L.Devices, resources_file: Path | None, last: Resources | None = None,
-              max_gpus: int | None = None) -> Resources:
-    """The devices available now: ``{"gpus": N, "mem_per_gpu": "8GiB"}`` (memory optional) in the
-    resources file if there is one; else on GPUs ``launcher.gpus.gpu_count`` (what nvidia-smi lists that
-    CUDA_VISIBLE_DEVICES leaves visible, one MIG instance at most, capped by ``max_gpus``: ``--gpus``;
-    no CUDA context in the launcher) with the memory found at launch (free memory falls while the job
-    itself runs, so it is no signal); else what the job was launched with. A file caught half-written
-    reads as ``last``."""
+              max_gpus: int | None = None, echo: Callable[[str], None] | None = None) -> Resources:
+    """The devices available now: the resources file if there is one (``read_resources``); else on GPUs
+    ``launcher.gpus.gpu_count`` (what nvidia-smi lists that CUDA_VISIBLE_DEVICES leaves visible, one MIG
+    instance at most, capped by ``max_gpus``: ``--gpus``; no CUDA context in the launcher) with the memory found
+    at launch (free memory falls while the job itself runs, so it is no signal); else what the job was launched
+    with. A file that cannot be read (or is caught half-written) keeps ``last``, said once in one line through
+    ``echo``; with no ``last`` (the start) it is an error."""
     if resources_file is not None:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, TensorOptError):
-            data = json.loads(resources_file.read_text())
-            memory = parse_bytes(data["mem_per_gpu"], "mem_per_gpu") if "mem_per_gpu" in data else devices.memory_bytes
-            return Resources(int(data["gpus"]), memory)
-        if last is not None:
+        try:
+            return read_resources(resources_file, devices.memory_bytes)
+        except TensorOptError as exc:
+            if last is None:
+                raise
+            if echo is not None:
+                echo(f"elastic: {exc}; keeping the last good value, {last.count} devices of "
+                     f"{last.memory_bytes / 2**30:.1f} GiB")
             return last
     if devices.kind == "cuda" and (count := gpu_count(max_gpus)) is not None:
         return Resources(count, devices.memory_bytes)
@@ -127,7 +146,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         env = L.main_env(now, plan_file.resolve()) | checkpoint_env(options.checkpoint_dir, options.checkpoint_every) \
             | {RUN_DIR_ENV: str(run_dir.resolve())}
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
-        changed = _wait(proc, devices, options, have)
+        changed = _wait(proc, devices, options, have, echo)
         if changed != have:
             _stop(proc)
             event = f"devices changed {count} -> {changed.count}" if changed.count != count else \
@@ -152,9 +171,18 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
                                  "giving up")
 
 
-def _wait(proc: subprocess.Popen, devices: L.Devices, options: ElasticOptions, have: Resources) -> Resources:
-    """Wait for the workers to exit; return early with the new resources if they change.
+def _wait(proc: subprocess.Popen, devices: L.Devices, options: ElasticOptions, have: Resources,
+          echo: Callable[[str], None] = print) -> Resources:
+    """Wait for the workers to exit; return early with the new resources if they change. A resources file that
+    turns bad is said once (until it changes again), not every poll.
     SIGINT/SIGTERM to the launcher stop the workers and end the job."""
+    said: set[str] = set()
+
+    def once(line: str) -> None:
+        if line not in said:
+            said.add(line)
+            echo(line)
+
     def forward(signum, _frame):
         _stop(proc)
         raise TensorOptError(f"elastic: stopped by signal {signum}")
@@ -162,7 +190,7 @@ def _wait(proc: subprocess.Popen, devices: L.Devices, options: ElasticOptions, h
     try:
         while proc.poll() is None:
             time.sleep(POLL_S)
-            if (now := resources(devices, options.resources_file, have, options.max_gpus)) != have:
+            if (now := resources(devices, options.resources_file, have, options.max_gpus, once)) != have:
                 return now
         return have
     finally:

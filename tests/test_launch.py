@@ -85,7 +85,7 @@ def test_bad_input_is_one_line(chosen, tmp_path):
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--mem-per-gpu", "1KiB", "--dry-run"],
          "the least memory any plan needs"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", plan, "--dry-run", "--", "--layers", 2],
-         "is a plan for another model"),
+         "is not a plan for this model"),
         (["launch", SCRIPT, "--gpus", 2], "no GPU found on this machine"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", zero1, "--engine", "torch", "--dry-run"],
          "needs optimizer offload, which the torch engine does not apply"),
