@@ -79,7 +79,8 @@ def test_bad_json_configs(write_json):
         write_json("b.json", {**SMALL_GPT, "hiden_size": 3}): "unknown key(s) hiden_size",
         write_json("c.json", {**SMALL_GPT, "num_attention_heads": 5}): "must be divisible by num_attention_heads 5",
         write_json("d.json", {"family": "transformer"}): "\"family\" must be one of",
-        write_json("e.json", {"model_type": "no-such-arch"}): "does not know model_type 'no-such-arch'",
+        write_json("e.json", {"model_type": "no-such-arch", "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "vocab_size": 128}): "does not know model_type 'no-such-arch'",
     }
     for path, expected in cases.items():
         result = CliRunner().invoke(cli, ["inspect", "--model", path])

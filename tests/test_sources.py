@@ -165,7 +165,8 @@ def test_example_shape_reads_sequences_not_images():
     ({}, None, 2048),
 ])
 def test_hugging_face_sequence_length_reads_gpt2_style_keys(write_json, config, seq_len, expected):
-    source = resolve_model(write_json("config.json", {"model_type": "gpt2", **config}))
+    sizes = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128}
+    source = resolve_model(write_json("config.json", {"model_type": "gpt2", **sizes, **config}))
     assert source.identity(None, seq_len)["seq_len"] == expected
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ModelSpecError
+from ..errors import ModelSpecError, first_line, last_line
 from .bert import BertForPreTraining
 from .presets import PRESETS
 from .resnet import ResNetConfig, WideResNet
@@ -134,7 +134,12 @@ class HuggingFaceSource(ModelSource):
             hf_config = transformers.AutoConfig.for_model(self.config["model_type"], **fields)
         except (ValueError, KeyError) as exc:
             raise ModelSpecError(f"{self.name}: transformers does not know model_type "
-                                 f"{self.config['model_type']!r} ({exc}); check the config.json") from exc
+                                 f"{self.config['model_type']!r} ({first_line(exc)}); check the config.json") from exc
+        except Exception as exc:                 # transformers' own checks of the values (several lines: keep its last)
+            raise ModelSpecError(f"{self.name}: transformers refuses this config: {last_line(str(exc))}") from exc
+        if hasattr(hf_config, "intermediate_size") and "intermediate_size" not in self.config:
+            raise ModelSpecError(f"{self.name}: missing intermediate_size: a {self.config['model_type']} config must "
+                                 "state it (TensorOpt does not fill in transformers' defaults)")
         hf_config.use_cache = False
         try:
             with torch.device("meta"):
@@ -309,6 +314,7 @@ def _json_source(path: Path) -> ModelSource:
     if not isinstance(data, dict):
         raise ModelSpecError(f"{path}: expected a JSON object with \"family\" or \"model_type\"")
     if "model_type" in data:
+        _check_hf_config(path, data)
         return HuggingFaceSource(path.name, data)
     family = data.pop("family", None)
     if family not in FAMILIES:
@@ -326,6 +332,39 @@ def _json_source(path: Path) -> ModelSource:
                 "llama": {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False,
                           "tie_embeddings": False, "attention": "flash"}}[family]
     return BuiltinSource(path.stem, family, TransformerConfig(**{**defaults, **data}))
+
+
+# the sizes a Hugging Face config must state, each under any of its names (GPT-2 style configs use the second):
+# transformers would fill a missing one with its own default (a 32-layer model from {"model_type": "llama",
+# "hidden_size": 64}), which is not the model the user has
+HF_SIZES = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_hidden_layers": ("num_hidden_layers", "n_layer"),
+            "num_attention_heads": ("num_attention_heads", "n_head"), "vocab_size": ("vocab_size",)}
+
+
+def _hf_size(data: dict, key: str) -> object:
+    return next((data[name] for name in HF_SIZES[key] if name in data), None)
+
+
+def _check_hf_config(path: Path, data: dict) -> None:
+    """A Hugging Face config states the model's sizes (``HF_SIZES``) as positive integers, with a hidden size the
+    heads divide and key/value heads that divide the heads; else one line naming what to add or change."""
+    missing = [key for key in HF_SIZES if _hf_size(data, key) is None]
+    if missing:
+        raise ModelSpecError(f"{path}: missing {', '.join(missing)}: a Hugging Face config must state the model's "
+                             "sizes (TensorOpt does not fill in transformers' defaults)")
+    sizes = {key: _hf_size(data, key) for key in HF_SIZES} | (
+        {"num_key_value_heads": data["num_key_value_heads"]} if data.get("num_key_value_heads") is not None else {})
+    bad = [f"{key} {value!r}" for key, value in sizes.items()
+           if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1)]
+    if bad:
+        raise ModelSpecError(f"{path}: {', '.join(bad)} must be positive integers")
+    hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    if hidden % heads:
+        raise ModelSpecError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}: "
+                             "change one so that the heads divide the hidden size")
+    if heads % sizes.get("num_key_value_heads", heads):
+        raise ModelSpecError(f"{path}: num_key_value_heads {sizes['num_key_value_heads']} must divide "
+                             f"num_attention_heads {heads}")
 
 
 def _check_keys(path: Path, data: dict, allowed: set[str], required: tuple[str, ...]) -> None:
