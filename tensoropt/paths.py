@@ -54,6 +54,7 @@ def check_output_file(path: str | Path, flag: str, suffixes: tuple[str, ...] = (
     """``path`` as a file the command can write (see module doc), else a one-line ``TensorOptError`` naming
     ``flag``; ``suffixes``: the endings allowed (a plot's format)."""
     path = Path(path)
+    _check_names(path, flag, Path(path.anchor or "."))      # first: a name too long fails every other test
     if suffixes and path.suffix.lower() not in suffixes:
         raise TensorOptError(f"{flag} {path}: name a {' or '.join(s[1:].upper() for s in suffixes)} file "
                              f"(ending in {', '.join(suffixes)})")
@@ -63,7 +64,6 @@ def check_output_file(path: str | Path, flag: str, suffixes: tuple[str, ...] = (
     if not folder.is_dir():
         what = "is a file" if folder.exists() else "does not exist"
         raise TensorOptError(f"{flag} {path}: the folder {folder} {what}: create the folder or choose another path")
-    _check_names(Path(path.name), flag, folder)
     _probe(folder, flag, path)
     return path
 
@@ -72,6 +72,7 @@ def check_output_dir(path: str | Path, flag: str) -> Path:
     """``path`` as a folder the command can write into, made later if missing (see module doc): not a file,
     under an existing folder that is writable, with names the file system allows; else one line naming ``flag``."""
     path = Path(path)
+    _check_names(path, flag, Path(path.anchor or "."))
     if path.exists() and not path.is_dir():
         raise TensorOptError(f"{flag} {path} is a file, not a folder: name a folder (it is created if missing)")
     existing = path
@@ -79,7 +80,6 @@ def check_output_dir(path: str | Path, flag: str) -> Path:
         existing = existing.parent
     if not existing.is_dir():
         raise TensorOptError(f"{flag} {path}: {existing} is a file, not a folder")
-    _check_names(path.relative_to(existing) if existing != path else Path(path.name), flag, existing)
     _probe(existing, flag, path)
     return path
 

@@ -26,8 +26,9 @@ MAX_GLOBAL_BATCH = 2**24
 # a size per device above this is a typo (a unit missing or doubled): no device holds a pebibyte
 MAX_BYTES = 2**50
 
-_UNITS = {"": None, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_UNITS = {"": None, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "pb": 1e15,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_bytes(text: str | int, flag: str = "--mem") -> float:

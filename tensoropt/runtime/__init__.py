@@ -63,6 +63,10 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     model built for real (after every module's ``reset_parameters()``, see ``materialize``); models built for
     real need none.
     """
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):
+        raise TensorOptError(f"tensoropt.parallelize(global_batch={global_batch!r}): give the samples per iteration, "
+                             "a positive integer")
     if os.environ.get(CAPTURE_ENV):
         return _capture_mode(model, optimizer_fn, example_inputs, global_batch)
     materializer = Materializer(model, init_fn) if has_meta_tensors(model) else None
