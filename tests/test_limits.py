@@ -94,7 +94,7 @@ def test_bad_limits_and_limits_no_plan_survives_are_one_line(model, flags, expec
 def test_a_saved_frontier_takes_no_limits(model, tmp_path):
     code, _ = frontier(model, "--out", tmp_path / "f.json")
     code, out = run("frontier", "--load", tmp_path / "f.json", "--tp", 1)
-    assert code == 1 and "--tp 1 limit a search" in out and out.count("\n") == 1
+    assert code == 1 and "--tp 1 describe another search" in out and out.count("\n") == 1
 
 
 def test_selective_recomputation_alone_leaves_no_plan_for_flash_attention(write_json):

@@ -151,6 +151,7 @@ def plan_problems(d: object) -> list[str]:
         return problems
     problems += [f'"{key}" must be an integer >= 1, got {d[key]!r}' for key in (*_POSITIVE, "virtual_stages")
                  if key in d and not (_is_int(d[key]) and d[key] >= 1)]
+    counts_valid = not problems              # the mesh and batch arithmetic needs them
     if not (_is_int(d["zero"]) and 0 <= d["zero"] <= 3):
         problems.append(f'"zero" must be a ZeRO stage 0-3, got {d["zero"]!r}')
     problems += [f'"{key}" must be true or false, got {d[key]!r}' for key in ("offload", "master_weights")
@@ -162,9 +163,9 @@ def plan_problems(d: object) -> list[str]:
     branches = d.get("tp_branches", [])
     if not (isinstance(branches, list) and all(isinstance(b, str) for b in branches)):
         problems.append(f'"tp_branches" must be a list of branch names, got {branches!r}')
-    if problems:
-        return problems
-    return _mesh_problems(d) + _block_problems(d["blocks"], d.get("virtual_stages", 1))
+    if counts_valid:
+        problems += _mesh_problems(d)
+    return problems + _block_problems(d["blocks"], d.get("virtual_stages", 1) if counts_valid else 1)
 
 
 def _mesh_problems(d: dict[str, Any]) -> list[str]:
