@@ -69,7 +69,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     check_nodes(nnodes, node_rank, master_addr, dry_run)
     check_counts(device, gpus, nnodes, master_port, min_gpus, elastic)
     memory = check_memory(device, gpus, mem_per_gpu)
-    check_paths(run_dir, checkpoint_dir, resources_file, elastic)
+    check_paths(run_dir, checkpoint_dir, resources_file, elastic, min_gpus)
     given = read_plan(plan_path) if plan_path else None
     devices = L.detect(device, gpus, memory, profile, dry_run)
     named = precision is not None

@@ -62,9 +62,10 @@ def read_resources(path: Path, memory_bytes: float) -> Resources:
     except (OSError, ValueError) as exc:
         raise TensorOptError(f"--resources {path}: not a readable JSON file ({first_line(exc)})") from None
     gpus = data.get("gpus") if isinstance(data, dict) else None
-    if not (isinstance(gpus, int) and not isinstance(gpus, bool) and 1 <= gpus <= MAX_DEVICES):
-        raise TensorOptError(f'--resources {path}: give {{"gpus": N}} with N a device count of at least 1 '
-                             f'(optionally "mem_per_gpu": "8GiB"), got {first_line(json.dumps(data), 80)}')
+    if not (isinstance(gpus, int) and not isinstance(gpus, bool) and 0 <= gpus <= MAX_DEVICES):
+        got = first_line(json.dumps(data), 80)
+        raise TensorOptError(f'--resources {path}: give {{"gpus": N}} with N the devices available now, 0 to '
+                             f'{MAX_DEVICES:,} (optionally "mem_per_gpu": "8GiB"), got {got}')
     memory = parse_bytes(data["mem_per_gpu"], f"--resources {path}: mem_per_gpu") if "mem_per_gpu" in data \
         else memory_bytes
     return Resources(gpus, memory)

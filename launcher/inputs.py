@@ -62,15 +62,18 @@ def check_memory(device: str | None, gpus: int | None, mem_per_gpu: str | None) 
     return size
 
 
-def check_paths(run_dir: str, checkpoint_dir: str | None, resources_file: str | None, elastic: bool) -> None:
-    """The run and checkpoint folders writable (created later if missing), the resources file readable now."""
+def check_paths(run_dir: str, checkpoint_dir: str | None, resources_file: str | None, elastic: bool,
+                min_gpus: int = 1) -> None:
+    """The run and checkpoint folders writable (created later if missing), the resources file readable now and
+    naming at least ``--min-gpus`` devices (else the job could not start)."""
     check_output_dir(run_dir, "--run-dir")
     if checkpoint_dir:
         check_output_dir(checkpoint_dir, "--checkpoint-dir")
     if resources_file and not elastic:
         raise TensorOptError("--resources is watched by an --elastic job only: add --elastic or drop --resources")
-    if resources_file:
-        read_resources(Path(resources_file), 1.0)
+    if resources_file and (count := read_resources(Path(resources_file), 1.0).count) < min_gpus:
+        raise TensorOptError(f"elastic: --resources {resources_file} names {count} devices, fewer than --min-gpus "
+                             f"{min_gpus}: giving up")
 
 
 __all__ = ["MAX_CPU_WORKERS", "check_counts", "check_memory", "check_paths", "read_plan"]

@@ -233,7 +233,7 @@ CASES = [
     ("elastic resources gpus many", [*ELASTIC, "--checkpoint-dir", "{ws}/ck", "--resources", "{resources_bad}"],
      'give {"gpus": N}', ["{ws}/ck"]),
     ("elastic resources gpus 0", [*ELASTIC, "--checkpoint-dir", "{ws}/ck", "--resources", "{resources_zero}"],
-     'give {"gpus": N}', ["{ws}/ck"]),
+     "names 0 devices, fewer than --min-gpus 1: giving up", ["{ws}/ck"]),
     ("elastic resources missing", [*ELASTIC, "--checkpoint-dir", "{ws}/ck", "--resources", "{ws}/nope.json"],
      "not a readable JSON file", ["{ws}/ck"]),
     ("elastic min gpus above gpus", [*ELASTIC, "--checkpoint-dir", "{ws}/ck", "--min-gpus", "4"],
