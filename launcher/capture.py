@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tensoropt.errors import TensorOptError
+from tensoropt.errors import TensorOptError, last_line
 from tensoropt.graph.cache import GraphCache, fingerprint
 from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV, PRECISION_ENV
@@ -82,7 +82,7 @@ def run_capture(script: str, args: list[str], timeout_s: float, precision: str |
         # the graph is written at parallelize: a script that fails on the meta device after it (past the code
         # the capture needs) still gave its model
         if not out.exists():
-            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            last = last_line(result.stderr)
             if result.returncode == 0:
                 last = "it never called tensoropt.parallelize(model, ..., example_inputs=..., global_batch=...)"
             raise TensorOptError(f"{script} failed while TensorOpt captured its model: {last}")

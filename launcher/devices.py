@@ -57,6 +57,10 @@ def detect(device: str | None, gpus: int | None, mem_per_gpu: float | None, prof
             raise TensorOptError("planning for GPUs this machine does not have needs --gpus N (per node)")
         name = profile or DEFAULT_GPU_PROFILE
         loaded = load_profile(name)
+        if mem_per_gpu and mem_per_gpu > loaded.memory_bytes:
+            raise TensorOptError(f"--mem-per-gpu {mem_per_gpu / GIB:.1f} GiB is more than the {name} profile's "
+                                 f"{loaded.memory_bytes / GIB:.1f} GiB per device: ask for less, or plan with a larger "
+                                 "--profile")
         memory = int(mem_per_gpu or loaded.memory_bytes)
         return Devices("cuda", gpus, memory, dataclasses.replace(loaded, memory_bytes=memory), name,
                        note=f"no GPU here: planned with the {name} profile")

@@ -194,6 +194,8 @@ CASES = [
     ("launch mem per gpu garbage", [*L, "--mem-per-gpu", "plenty"], "--mem-per-gpu 'plenty'", []),
     ("launch mem per gpu beyond the host", [*L, "--mem-per-gpu", "1TiB"], "more than this host's", []),
     ("launch unknown profile", [*L, "--profile", "nope"], "unknown device profile 'nope'", []),
+    ("launch mem per gpu beyond the profile", ["launch", SCRIPT, "--device", "cuda", "--gpus", "8", "--dry-run",
+                                              "--mem-per-gpu", "1TiB"], "--mem-per-gpu 1024.0 GiB is more than the", []),
     ("launch objective", [*L, "--objective", "cheapest"], "--objective", []),
     ("launch engine", [*L, "--engine", "jax"], "--engine", []),
     ("launch precision", [*L, "--precision", "fp8"], "--precision", []),
