@@ -195,7 +195,7 @@ CASES = [
     ("launch mem per gpu beyond the host", [*L, "--mem-per-gpu", "1TiB"], "more than this host's", []),
     ("launch unknown profile", [*L, "--profile", "nope"], "unknown device profile 'nope'", []),
     ("launch mem per gpu beyond the profile", ["launch", SCRIPT, "--device", "cuda", "--gpus", "8", "--dry-run",
-                                              "--mem-per-gpu", "1TiB"], "--mem-per-gpu 1024.0 GiB is more than the", []),
+                                              "--mem-per-gpu", "1TiB"], "--mem-per-gpu 1024.0 GiB is more than", []),
     ("launch objective", [*L, "--objective", "cheapest"], "--objective", []),
     ("launch engine", [*L, "--engine", "jax"], "--engine", []),
     ("launch precision", [*L, "--precision", "fp8"], "--precision", []),
@@ -367,3 +367,17 @@ def test_every_command_has_rows():
     covered = {argv[0] for _, argv, _, _ in CASES}
     assert set(cli.commands) <= covered, set(cli.commands) - covered
     assert len(CASES) >= 90 and os.sep      # the issue's 90 kinds and more
+
+
+@pytest.mark.slow
+def test_a_script_with_a_negative_global_batch_is_one_line_from_the_launcher(tmp_path):
+    """The launcher's capture runs the script: its ``parallelize`` refuses the batch before anything is planned."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nimport tensoropt\n"
+                      "model = torch.nn.Linear(4, 4)\n"
+                      "tensoropt.parallelize(model, example_inputs=torch.zeros(2, 4), global_batch=-4)\n")
+    result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", str(script), "--device", "cpu", "--gpus", "2",
+                             "--dry-run", "--run-dir", str(tmp_path / "run"), "--no-cache"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    _assert_one_line(result.returncode, result.stderr, "tensoropt.parallelize(global_batch=-4)", script)
+    assert not (tmp_path / "run").exists()
