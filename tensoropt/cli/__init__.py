@@ -22,6 +22,9 @@ class _Group(click.Group):
         except click.exceptions.Abort:                     # Ctrl-C while click parses the command line
             click.echo("interrupted", err=True)
             code = 130
+        except click.exceptions.NoArgsIsHelpError as exc:      # `tensoropt` alone: the help, as click shows it
+            exc.show()
+            code = exc.exit_code
         except click.ClickException as exc:
             where = getattr(exc, "ctx", None)
             hint = f" (see '{where.command_path} --help')" if where is not None else ""
