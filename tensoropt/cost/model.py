@@ -118,14 +118,17 @@ def torch_mixed(zero: int) -> StateBytes:
     shard (4/dp, counted as ``partition_copy``). ZeRO 2-3 keep float32 gradient shards (4/dp); ZeRO 1 skips
     the reduce-scatter until the last micro-batch, and FSDP2 then accumulates each unsharded bf16 gradient
     into a float32 one (``FSDPParam.to_accumulated_grad_if_needed``: reduce_dtype differs from param_dtype):
-    4, whole (one accumulation step reduce-scatters the bf16 gradient at once, less than priced). The fused
-    step moves 7 x 4 bytes."""
+    4, whole (one accumulation step reduce-scatters the bf16 gradient at once, less than priced). The step is
+    ``torch.optim.AdamW``'s default on GPUs, the foreach implementation (``torch/optim/adam.py``
+    ``_multi_tensor_adam``), eight passes over float32 lists rather than one fused kernel: decay (read and write
+    the weight, 8 bytes), lerp of m (12), scale of v (8), addcmul into v (12), sqrt of v into a temporary (8),
+    two in-place passes on it (16), addcdiv into the weight (16): 80 bytes per parameter."""
     words = "float32 weights, gradients and AdamW states, bf16 compute"
     if zero >= 1:
-        return StateBytes(weight=4 if zero == 3 else 2, grad=4, optimizer=8, adam_moved=28, partition_copy=4,
+        return StateBytes(weight=4 if zero == 3 else 2, grad=4, optimizer=8, adam_moved=80, partition_copy=4,
                           gathered=2, cast_copy=0, precision=words + " (FSDP2 gathers bf16 weights, reduces "
                           "float32 gradients; 4 + 4 + 8 bytes sharded)")
-    return StateBytes(weight=4, grad=4, optimizer=8, adam_moved=28, partition_copy=4, cast_copy=2,
+    return StateBytes(weight=4, grad=4, optimizer=8, adam_moved=80, partition_copy=4, cast_copy=2,
                       precision=words + " under autocast (4 + 4 + 8 bytes, + 2 for autocast's bf16 weight copies)")
 
 
@@ -152,11 +155,15 @@ def _carried_bytes(block: Block) -> int:
 class ModelCost:
     """A folded model on a cluster: per-block costs and the ops between blocks."""
 
-    def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster) -> None:
+    def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster, compiled: bool = False) -> None:
         self.graph, self.folded, self.cluster = graph, folded, cluster
+        # the kernels the plans priced here run: eager PyTorch (one kernel per op) or compiled blocks (fused)
+        self.compiled = compiled
+        self._kernels: dict[bool, ModelCost] = {compiled: self}
         seq_len = int(graph.meta("seq_len") or 0) or None
         self.blocks: list[tuple[Block, BlockCost]] = [
-            (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster))
+            (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster,
+                          compiled))
             for b in folded.blocks]
         first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
         last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
@@ -172,6 +179,13 @@ class ModelCost:
         self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
+
+    def with_kernels(self, compiled: bool) -> ModelCost:
+        """This model priced for the other kernel mode (built once, then kept)."""
+        if compiled not in self._kernels:
+            self._kernels[compiled] = ModelCost(self.graph, self.folded, self.cluster, compiled)
+            self._kernels[compiled]._kernels = self._kernels
+        return self._kernels[compiled]
 
     @property
     def spaces(self) -> list[BlockSpace]:
@@ -232,7 +246,8 @@ class ModelCost:
             if split not in self._loose_ops:
                 self._loose_ops[split] = (
                     LooseOps(self.head_ops + self.middle_ops + (() if split else self.tail_ops), self.cluster,
-                             self.vocab), LooseOps(self.tail_ops if split else (), self.cluster, self.vocab))
+                             self.vocab, self.compiled),
+                    LooseOps(self.tail_ops if split else (), self.cluster, self.vocab, self.compiled))
             head, tail = self._loose_ops[split]
             first = head.cost(tp, micro_batch)
             self._loose[key] = (first, tail.cost(tp, micro_batch) if split else first)
@@ -255,6 +270,7 @@ class Context:
     dtype: str = "bfloat16"          # the training precision: sizes the model states (``state_bytes``)
     master_weights: bool = True      # a float32 master copy of 16-bit weights (mixed precision)
     precision: str = ""              # one of space.plan.PRECISIONS; "": as dtype and master_weights say
+    compile: bool = False            # compiled blocks (fused kernels) rather than eager PyTorch: ModelCost.compiled
 
     @property
     def micro_batches(self) -> int:
@@ -263,13 +279,14 @@ class Context:
     @staticmethod
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
-                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision)
+                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
+                       plan.compile)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision)
+                    self.precision, self.compile)
 
 
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
@@ -355,12 +372,13 @@ def _data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.nda
                      units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(data-parallel communication seconds, the part of it not hidden behind compute), per step and plan.
 
-    ZeRO 0/1: one all-reduce of the gradients, behind the last micro-batch's backward. ZeRO 2: a
+    ZeRO 0: one all-reduce of the gradients, behind the last micro-batch's backward; ZeRO 1 the same volume as a
+    reduce-scatter behind the backward and an all-gather ahead of the next forward. ZeRO 2: a
     reduce-scatter behind every micro-batch's backward and one all-gather of the updated weights.
-    ZeRO 3: every micro-batch gathers the weights for its forward and again for its backward (behind
-    the stage's compute) and reduce-scatters its gradients. Hiding needs a device that communicates
-    beside computing (``overlaps_communication``): where the collective runs on the compute cores
-    (gloo on a CPU), all of it is exposed. Collectives are priced per (dp, tp) group shape."""
+    ZeRO 3: every micro-batch gathers the weights for its forward and again for its backward and
+    reduce-scatters its gradients, unit by unit with one unit prefetched (``fsdp_exposed_s``). Hiding needs a
+    device that communicates beside computing (``overlaps_communication``): where the collective runs on the
+    compute cores (gloo on a CPU), all of it is exposed. Collectives are priced per (dp, tp) group shape."""
     comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
     copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
     for d, t in sorted(set(zip(dp.tolist(), tp.tolist()))):
@@ -370,7 +388,14 @@ def _data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.nda
         rows = mesh & (zero < 2)
         if rows.any():
             comm[rows] = all_reduce_s(grad_bytes[rows], d, t, cluster)
-            exposed[rows] = np.maximum(comm[rows] - backward_s[rows], 0.0)
+            back, forward = backward_s[rows], stage_s[rows] - backward_s[rows]
+            # ZeRO 1 runs the all-reduce's two halves apart: the reduce-scatter behind the last backward, the
+            # all-gather of the updated weights unit by unit ahead of the next step's first forward (FSDP2 without
+            # gradient sync until the last micro-batch; Megatron's distributed optimizer with
+            # --overlap-param-gather)
+            exposed[rows] = np.where(zero[rows] == 1, np.maximum(comm[rows] / 2 - back, 0.0)
+                                     + np.maximum(comm[rows] / 2 - forward, 0.0),
+                                     np.maximum(comm[rows] - back, 0.0))
         rows = mesh & (zero >= 2)
         if rows.any():
             w, g, n = weight_bytes[rows], grad_bytes[rows], m[rows]
@@ -379,9 +404,28 @@ def _data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.nda
             stage, back = stage_s[rows], backward_s[rows]
             three = zero[rows] == 3
             comm[rows] = np.where(three, n * (2 * gather + scatter), n * scatter + gather)
-            exposed[rows] = np.where(three, n * (np.maximum(2 * gather - stage, 0.0) + np.maximum(scatter - back, 0.0)),
+            exposed[rows] = np.where(three, n * fsdp_exposed_s(gather, scatter, stage - back, back, units[rows]),
                                      n * np.maximum(scatter - back, 0.0) + np.maximum(gather - stage, 0.0))
-    return comm, exposed if cluster.profile.overlaps_communication else comm
+    if not cluster.profile.overlaps_communication:
+        return comm, comm
+    # a collective running beside compute takes SMs and memory bandwidth from it (NCCL's kernels run on the same
+    # GPU): the compute it overlaps slows by the profile's fraction of the collective's time
+    return comm, exposed + cluster.profile.overlap_slowdown * (comm - exposed)
+
+
+def fsdp_exposed_s(gather_s, scatter_s, forward_s, backward_s, units):
+    """Exposed communication of one micro-batch under FSDP2 / ZeRO 3, per unit as FSDP2 runs it (torch
+    ``fully_shard`` docs: one all-gather in flight ahead of the unit computing, forward and backward).
+
+    The stage's ``units`` (block copies and the loose ops) each gather their weights before their forward and
+    again before their backward, and reduce-scatter their gradients after it; all units alike, a unit
+    gathers g = gather_s / units and scatters r = scatter_s / units. The forward's first gather and the
+    backward's last reduce-scatter have nothing to hide behind; every other gather hides behind the previous
+    unit's forward (f = forward_s / units), and in the backward the next unit's gather and this unit's
+    reduce-scatter share the links behind one unit's backward (b = backward_s / units)."""
+    g, r, f, b = gather_s / units, scatter_s / units, forward_s / units, backward_s / units
+    hidden = (units - 1) * (np.maximum(g - f, 0.0) + np.maximum(g + r - b, 0.0))
+    return g + r + hidden
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
@@ -441,7 +485,8 @@ class Estimate:
 
 
 def estimate(model: ModelCost, plan: Plan) -> Estimate:
-    """The what-if of one plan."""
+    """The what-if of one plan, priced for the kernels it runs (``plan.compile``)."""
+    model = model.with_kernels(plan.compile)
     if plan.tp > 1:
         model.check_branches(plan.tp_branches)
         model.check_sequence_parallel(plan)

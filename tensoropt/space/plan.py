@@ -74,6 +74,10 @@ class Plan:
     # one of PRECISIONS, as the launcher chose it; "" (plans made by hand or before the field existed): the
     # precision ``dtype`` and ``master_weights`` describe (``derived_precision``), priced as they always were
     precision: str = ""
+    # the kernels the plan is priced for: False, eager PyTorch (what the torch engine runs: one kernel per op);
+    # True, blocks compiled with torch.compile (memory-bound chains fused). plan.json key ``compile``; plans
+    # written before it existed load as eager
+    compile: bool = False
 
     @property
     def precision_name(self) -> str:
@@ -90,6 +94,8 @@ class Plan:
                  f"mb{self.micro_batch}x{self.grad_accumulation}", f"zero{self.zero}"]
         if self.offload:
             parts.append("offload")
+        if self.compile:
+            parts.append("compiled")
         if self.tp > 1 and self.tp_branches:
             parts.append("tp:" + "+".join(sorted(set(self.tp_branches))))
         for bp in self.blocks:
@@ -107,6 +113,7 @@ class Plan:
                 {"recompute": s.recompute, "sequence_parallel": s.sequence_parallel, "copies": n}
                 for s, n in bp.strategies]} for bp in self.blocks],
             "summary": self.summary(),
+            "compile": self.compile,
         } | ({"precision": self.precision} if self.precision else {})
 
     @staticmethod
@@ -122,6 +129,7 @@ class Plan:
                 (LayerStrategy(s["recompute"], bool(s["sequence_parallel"])), int(s["copies"]))
                 for s in b["strategies"])) for b in d["blocks"]),
             master_weights=bool(d.get("master_weights", True)), precision=_precision(d.get("precision")),
+            compile=bool(d.get("compile", False)),
         )
 
 
