@@ -9,7 +9,8 @@ import pytest
 from conftest import SMALL_GPT
 
 import tensoropt
-from tensoropt.cost.model import ModelCost, estimate, fsdp_exposed_s
+from tensoropt.cost.data_parallel import fsdp_exposed_s
+from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
