@@ -37,6 +37,22 @@ GPUS_PER_NODE = 8
 FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled")
 
 
+NOTES = """
+Constants of profiles/h100-80gb.json fitted on these rows (each with a physical meaning; its `sources` say the same):
+matmul_efficiency = the earlier assumed curve x 0.8 (largest products 0.60 of the 989 TFLOP/s dense bf16 peak),
+memory_efficiency 0.6 (eager memory-bound kernels at ~2.0 of 3.35 TB/s), overlap_slowdown 0.2 (compute beside a
+collective loses 20% of the collective's time). Link efficiencies and kernel_overhead_s are unchanged. Not fitted:
+which rows compile (from the sources), recomputation (stated, or fms-fsdp's fraction from its HFU/MFU), FSDP2's
+overlap (cost.data_parallel.fsdp_exposed_s), AdamW's foreach traffic (80 B/param, torch/optim/adam.py).
+
+Megatron-LM's tensor-parallel rows hide TP communication behind GEMMs (--tp-comm-overlap); the torch engine does
+not, so the price keeps it, and the last column shows these rows without it. torchtitan's vanilla-TP rows, which
+do not overlap it, need it (-18% and -29% without). Megatron's micro-batch, interleaving and recomputation are not
+stated (priced: micro-batch 1, no interleaving, no recomputation, distributed optimizer as ZeRO 1). fms-fsdp's 7B
+row ran HSDP (sharded in a node, replicated across), priced as ZeRO 3 over all 96 GPUs.
+"""
+
+
 def why_not(row: dict) -> str:
     """Why a row cannot be priced (empty: it can)."""
     p = row["parallelism"]
@@ -210,7 +226,7 @@ def main() -> None:
     lines += ["", f"Not priced ({len(skipped)} rows):", ""]
     lines += [f"- {s['source']} {s['group']} {s['model']}: {s['why']}" for s in skipped]
     write_results("public_h100" + (f"_{args.tag}" if args.tag else ""), rows, "\n".join(lines) + "\n",
-                  f"\nProfile {PROFILE}; data {DATA.name} ({len(data['rows'])} rows). {args.note}\n",
+                  f"\nProfile {PROFILE}; data {DATA.name} ({len(data['rows'])} rows). {args.note}\n{NOTES}",
                   {"families": families, "skipped": skipped, "profile": PROFILE})
 
 
