@@ -305,6 +305,9 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     of the context's numbers, so each plan gets the very floats it would get priced alone.
     ``totals_only``: just iteration time and peak memory."""
     cluster, prof = model.cluster, model.cluster.profile
+    if any(c.compile != model.compiled for c in ctxs):
+        # the layer sums come from ``model``'s kernels; ``estimate`` switches models (``ModelCost.with_kernels``)
+        raise ValueError("contexts priced for other kernels than the model's: use model.with_kernels(compile)")
 
     # the numbers of each context, then of each plan
     ints, floats = [], []
