@@ -65,3 +65,20 @@ def test_the_torch_engines_adamw_step_is_priced_as_the_foreach_passes_it_runs():
     for zero in range(4):
         assert state_bytes("bfloat16", False, "bf16-mixed", zero).adam_moved == 80
     assert state_bytes("bfloat16", True, "bf16-mixed").adam_moved == 36
+
+
+def test_zero1_hides_its_reduce_scatter_behind_the_backward_and_its_gather_behind_the_forward():
+    from tensoropt.cost.comm import all_reduce_s
+    from tensoropt.cost.data_parallel import data_parallel_s
+    cluster = Cluster(16, 8, load_profile("h100-80gb"))
+    grad = 4e9                                                       # bytes of gradients, priced across 2 nodes
+    volume = all_reduce_s(grad, 16, 1, cluster)
+    stage, back = np.array([volume, volume]), np.array([0.3 * volume, 0.3 * volume])  # forward 0.7, backward 0.3
+    comm, exposed = data_parallel_s(np.array([16, 16]), np.array([1, 1]), np.array([0, 1]), np.array([1, 1]),
+                                    np.array([grad, grad]), np.array([grad, grad]), stage, back, cluster,
+                                    np.array([5, 5]))
+    np.testing.assert_allclose(comm, [volume, volume])
+    slow = cluster.profile.overlap_slowdown
+    ddp = 0.7 * volume                                               # all of it behind the backward: 0.3 hidden
+    zero1 = 0.2 * volume                                             # half behind the backward, half behind the forward
+    np.testing.assert_allclose(exposed, [ddp + slow * 0.3 * volume, zero1 + slow * 0.8 * volume])
