@@ -5,7 +5,8 @@ Megatron-LM", SC'21 (arXiv 2104.04473), Table 1 (transcribed): GPT models with v
 and sequence 2,048 on A100-SXM4-80GB nodes of 8 GPUs, full activation recomputation, achieved
 teraFLOP/s per GPU counted with their formula 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
 Each run is priced with its own plan (tp, pp, dp, batch; micro-batch 1; 1F1B without
-interleaving; ZeRO 0; no sequence parallelism, which that paper predates) on profiles/a100-80gb.json.
+interleaving; ZeRO 0; no sequence parallelism, which that paper predates; Megatron's fused kernels, priced as
+compiled blocks: `Plan.compile`) on profiles/a100-80gb.json.
 
     python benchmarks/cost_calibration.py
 """
@@ -49,7 +50,7 @@ def predict(row, profile_name: str = "a100-80gb") -> dict:
         graph = tensoropt.capture(str(path)).graph
     model = ModelCost(graph, tensoropt.fold(graph), Cluster(gpus, 8, load_profile(profile_name)))
     dp = gpus // (tp * pp)
-    plan = Plan(gpus, dp, tp, pp, 1, batch, tp_branches=model.branch_names if tp > 1 else (),
+    plan = Plan(gpus, dp, tp, pp, 1, batch, tp_branches=model.branch_names if tp > 1 else (), compile=True,
                 blocks=(BlockPlan(model.blocks[0][0].name, ((LayerStrategy("full"), layers // pp),)),))
     est = estimate(model, plan)
     predicted = megatron_flops(batch, layers, hidden) / est.iteration_time_s / gpus / 1e12

@@ -164,6 +164,10 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
                              f"{planned}, this script's model repeats {blocks}")
     if plan.devices != devices.count:
         raise TensorOptError(f"{source} is a plan for {plan.devices} devices, this launch has {devices.count}")
+    if plan.compile:
+        # what is planned is what runs: its price assumed fused kernels the engines do not launch
+        raise TensorOptError(f"{source} is priced for compiled blocks (\"compile\": true), but the engines run eager "
+                             "PyTorch (launch --compile does not exist yet): set \"compile\": false")
     try:
         engine = choose_engine(L.planned_precision(plan, "torch", precision).to_json(), engine or data.get("engine"))
     except TensorOptError as exc:

@@ -179,3 +179,15 @@ def test_frontier_lists_only_plans_the_device_can_hold(model, tmp_path):
     tiny.write_text(json.dumps({**data, "name": "tiny", "memory_bytes": 1024}))
     code, out = frontier_json(model, "--device", tiny)
     assert code == 1 and "fits the device's 1 KiB; the least memory any plan needs is" in out
+
+
+def test_estimate_prices_the_kernels_it_is_told(model):
+    def est(*kernels):
+        code, out = run("estimate", "--model", model, "--gpus", 1, "--tp", 1, "--pp", 1, "--global-batch", 4,
+                        "--micro-batch", 4, "--json", *kernels)
+        assert code == 0, out
+        return json.loads(out)
+    eager, default, compiled = est("--eager"), est(), est("--compile")
+    assert eager == default and eager["plan"]["compile"] is False and compiled["plan"]["compile"] is True
+    # fused memory-bound chains move fewer bytes: the compiled plan's forward + backward is faster
+    assert compiled["time_breakdown"]["forward_backward_s"] < eager["time_breakdown"]["forward_backward_s"]

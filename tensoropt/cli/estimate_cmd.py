@@ -21,7 +21,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
                global_batch: int, recompute: str, sequence_parallel: bool, dtype: str,
-               master_weights: bool = True, precision: str = "") -> Plan:
+               master_weights: bool = True, precision: str = "", compile: bool = False) -> Plan:
     """The plan the flags describe, or one line naming every operand that does not fit."""
     problems = []
     if gpus % (tp * pp):
@@ -50,7 +50,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
     strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
     blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
     return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, False, model_cost.branch_names if tp > 1
-                else (), DTYPES[dtype], blocks, master_weights, precision)
+                else (), DTYPES[dtype], blocks, master_weights, precision, compile)
 
 
 @click.command()
@@ -74,9 +74,12 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
               help="as `tensoropt launch --precision` (sets --dtype): 32-true 4+4+8 bytes per parameter, bf16-true "
                    "2+2+4, bf16-mixed with --master-weights DeepSpeed's bf16 mode (2+2+12), with --no-master-weights "
                    "the torch engine's (float32 weights 4+4+8, bf16 compute)")
+@click.option("--compile/--eager", "compile_", default=False, show_default=True,
+              help="price blocks compiled with torch.compile (memory-bound ops fused, as Megatron-LM's fused kernels "
+                   "run) or eager PyTorch, one kernel per op (what the torch engine runs)")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
-             recompute, sequence_parallel, dtype, master_weights, precision, as_json):
+             recompute, sequence_parallel, dtype, master_weights, precision, compile_, as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
     check_counts(devices=gpus, global_batch=global_batch)
     if precision:
@@ -85,7 +88,7 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
     loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" else None)
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
-                      global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "")
+                      global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_)
     result = estimate_plan(cost, plan)
     report = {"iteration_time_s": result.iteration_time_s, "peak_memory_bytes": int(result.peak_memory_bytes),
               "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},

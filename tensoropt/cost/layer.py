@@ -61,9 +61,9 @@ def _column_input_bytes(ops: tuple[Op, ...], columns: tuple[int, ...]) -> float:
 class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
-    def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster) -> None:
+    def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False) -> None:
         self.ops, self.space, self.cluster = ops, space, cluster
-        self.arrays = OpArrays.of(ops, cluster.profile)
+        self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
         self.core = np.zeros(len(ops), dtype=bool)
         self.core[list(space.attention_core)] = True
@@ -172,7 +172,8 @@ class LooseOps:
     vocabulary stays replicated (the model refuses the split, or tp does not divide it) they are priced whole on
     every rank, with no vocabulary all-reduce: full logits, full table and head weights."""
 
-    def __init__(self, ops: tuple[Op, ...], cluster: Cluster, layout: VocabLayout | None) -> None:
+    def __init__(self, ops: tuple[Op, ...], cluster: Cluster, layout: VocabLayout | None, compiled: bool = False
+                 ) -> None:
         self.ops, self.cluster, self.layout = ops, cluster, layout or VocabLayout(refused="no vocabulary")
         self.vocab_split = np.zeros(len(ops), dtype=bool)   # ops that divide by tp when the vocabulary is split
         self.hidden_bytes = 0.0                              # the embedding's output: all-reduced when split
@@ -184,7 +185,7 @@ class LooseOps:
                 self.vocab_split[i] = reads_table or sized
                 if op.kind == "embedding" and reads_table:
                     self.hidden_bytes = max(self.hidden_bytes, float(op.outputs[0].nbytes))
-        self.arrays = OpArrays.of(ops, cluster.profile) if ops else None
+        self.arrays = OpArrays.of(ops, cluster.profile, compiled) if ops else None
         self.params = _param_elements(ops, range(len(ops)))
 
     def split(self, tp: int) -> bool:

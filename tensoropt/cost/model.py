@@ -65,7 +65,8 @@ from ..space.block import BlockSpace, analyse_block
 from ..space.plan import BlockPlan, LayerStrategy, Plan
 from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
-from .comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from .comm import p2p_s
+from .data_parallel import data_parallel_s
 from .layer import BlockCost, LooseCost, LooseOps
 from .profile import Cluster
 
@@ -118,14 +119,17 @@ def torch_mixed(zero: int) -> StateBytes:
     shard (4/dp, counted as ``partition_copy``). ZeRO 2-3 keep float32 gradient shards (4/dp); ZeRO 1 skips
     the reduce-scatter until the last micro-batch, and FSDP2 then accumulates each unsharded bf16 gradient
     into a float32 one (``FSDPParam.to_accumulated_grad_if_needed``: reduce_dtype differs from param_dtype):
-    4, whole (one accumulation step reduce-scatters the bf16 gradient at once, less than priced). The fused
-    step moves 7 x 4 bytes."""
+    4, whole (one accumulation step reduce-scatters the bf16 gradient at once, less than priced). The step is
+    ``torch.optim.AdamW``'s default on GPUs, the foreach implementation (``torch/optim/adam.py``
+    ``_multi_tensor_adam``), eight passes over float32 lists rather than one fused kernel: decay (read and write
+    the weight, 8 bytes), lerp of m (12), scale of v (8), addcmul into v (12), sqrt of v into a temporary (8),
+    two in-place passes on it (16), addcdiv into the weight (16): 80 bytes per parameter."""
     words = "float32 weights, gradients and AdamW states, bf16 compute"
     if zero >= 1:
-        return StateBytes(weight=4 if zero == 3 else 2, grad=4, optimizer=8, adam_moved=28, partition_copy=4,
+        return StateBytes(weight=4 if zero == 3 else 2, grad=4, optimizer=8, adam_moved=80, partition_copy=4,
                           gathered=2, cast_copy=0, precision=words + " (FSDP2 gathers bf16 weights, reduces "
                           "float32 gradients; 4 + 4 + 8 bytes sharded)")
-    return StateBytes(weight=4, grad=4, optimizer=8, adam_moved=28, partition_copy=4, cast_copy=2,
+    return StateBytes(weight=4, grad=4, optimizer=8, adam_moved=80, partition_copy=4, cast_copy=2,
                       precision=words + " under autocast (4 + 4 + 8 bytes, + 2 for autocast's bf16 weight copies)")
 
 
@@ -152,11 +156,15 @@ def _carried_bytes(block: Block) -> int:
 class ModelCost:
     """A folded model on a cluster: per-block costs and the ops between blocks."""
 
-    def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster) -> None:
+    def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster, compiled: bool = False) -> None:
         self.graph, self.folded, self.cluster = graph, folded, cluster
+        # the kernels the plans priced here run: eager PyTorch (one kernel per op) or compiled blocks (fused)
+        self.compiled = compiled
+        self._kernels: dict[bool, ModelCost] = {compiled: self}
         seq_len = int(graph.meta("seq_len") or 0) or None
         self.blocks: list[tuple[Block, BlockCost]] = [
-            (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster))
+            (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster,
+                          compiled))
             for b in folded.blocks]
         first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
         last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
@@ -172,6 +180,13 @@ class ModelCost:
         self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
+
+    def with_kernels(self, compiled: bool) -> ModelCost:
+        """This model priced for the other kernel mode (built once, then kept)."""
+        if compiled not in self._kernels:
+            self._kernels[compiled] = ModelCost(self.graph, self.folded, self.cluster, compiled)
+            self._kernels[compiled]._kernels = self._kernels
+        return self._kernels[compiled]
 
     @property
     def spaces(self) -> list[BlockSpace]:
@@ -232,7 +247,8 @@ class ModelCost:
             if split not in self._loose_ops:
                 self._loose_ops[split] = (
                     LooseOps(self.head_ops + self.middle_ops + (() if split else self.tail_ops), self.cluster,
-                             self.vocab), LooseOps(self.tail_ops if split else (), self.cluster, self.vocab))
+                             self.vocab, self.compiled),
+                    LooseOps(self.tail_ops if split else (), self.cluster, self.vocab, self.compiled))
             head, tail = self._loose_ops[split]
             first = head.cost(tp, micro_batch)
             self._loose[key] = (first, tail.cost(tp, micro_batch) if split else first)
@@ -255,6 +271,7 @@ class Context:
     dtype: str = "bfloat16"          # the training precision: sizes the model states (``state_bytes``)
     master_weights: bool = True      # a float32 master copy of 16-bit weights (mixed precision)
     precision: str = ""              # one of space.plan.PRECISIONS; "": as dtype and master_weights say
+    compile: bool = False            # compiled blocks (fused kernels) rather than eager PyTorch: ModelCost.compiled
 
     @property
     def micro_batches(self) -> int:
@@ -263,13 +280,14 @@ class Context:
     @staticmethod
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
-                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision)
+                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
+                       plan.compile)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision)
+                    self.precision, self.compile)
 
 
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
@@ -287,6 +305,9 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     of the context's numbers, so each plan gets the very floats it would get priced alone.
     ``totals_only``: just iteration time and peak memory."""
     cluster, prof = model.cluster, model.cluster.profile
+    if any(c.compile != model.compiled for c in ctxs):
+        # the layer sums come from ``model``'s kernels; ``estimate`` switches models (``ModelCost.with_kernels``)
+        raise ValueError("contexts priced for other kernels than the model's: use model.with_kernels(compile)")
 
     # the numbers of each context, then of each plan
     ints, floats = [], []
@@ -315,7 +336,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     backward = np.asarray(layer_backward_s, dtype=float)
     grad_bytes = grad * params
     units = model.units_per_stage(pp)
-    dp_comm, exposed = _data_parallel_s(dp, tp, z, m, gathered * params, grad_bytes, stage_s, backward, cluster,
+    dp_comm, exposed = data_parallel_s(dp, tp, z, m, gathered * params, grad_bytes, stage_s, backward, cluster,
                                         units)
     opt_params = params / np.where(z >= 1, dp, 1)
     optimizer_s = np.where(offload, opt_params / prof.cpu_adam_params_per_s + 4 * opt_params /
@@ -348,40 +369,6 @@ def in_flight(pp, micro_batches, virtual_stages):
     base = np.minimum(micro_batches, pp) * 1.0
     interleaved = base * (1 + (pp - 1) / (pp * virtual_stages))
     return np.where(pp == 1, 1.0, np.where(virtual_stages > 1, interleaved, base))
-
-
-def _data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndarray, weight_bytes: np.ndarray,
-                     grad_bytes: np.ndarray, stage_s: np.ndarray, backward_s: np.ndarray, cluster: Cluster,
-                     units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(data-parallel communication seconds, the part of it not hidden behind compute), per step and plan.
-
-    ZeRO 0/1: one all-reduce of the gradients, behind the last micro-batch's backward. ZeRO 2: a
-    reduce-scatter behind every micro-batch's backward and one all-gather of the updated weights.
-    ZeRO 3: every micro-batch gathers the weights for its forward and again for its backward (behind
-    the stage's compute) and reduce-scatters its gradients. Hiding needs a device that communicates
-    beside computing (``overlaps_communication``): where the collective runs on the compute cores
-    (gloo on a CPU), all of it is exposed. Collectives are priced per (dp, tp) group shape."""
-    comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
-    copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
-    for d, t in sorted(set(zip(dp.tolist(), tp.tolist()))):
-        if d == 1:
-            continue
-        mesh = (dp == d) & (tp == t)
-        rows = mesh & (zero < 2)
-        if rows.any():
-            comm[rows] = all_reduce_s(grad_bytes[rows], d, t, cluster)
-            exposed[rows] = np.maximum(comm[rows] - backward_s[rows], 0.0)
-        rows = mesh & (zero >= 2)
-        if rows.any():
-            w, g, n = weight_bytes[rows], grad_bytes[rows], m[rows]
-            gather = all_gather_s(w, d, t, cluster, units[rows]) + copy_s * w
-            scatter = reduce_scatter_s(g, d, t, cluster, units[rows]) + copy_s * g
-            stage, back = stage_s[rows], backward_s[rows]
-            three = zero[rows] == 3
-            comm[rows] = np.where(three, n * (2 * gather + scatter), n * scatter + gather)
-            exposed[rows] = np.where(three, n * (np.maximum(2 * gather - stage, 0.0) + np.maximum(scatter - back, 0.0)),
-                                     n * np.maximum(scatter - back, 0.0) + np.maximum(gather - stage, 0.0))
-    return comm, exposed if cluster.profile.overlaps_communication else comm
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
@@ -441,7 +428,8 @@ class Estimate:
 
 
 def estimate(model: ModelCost, plan: Plan) -> Estimate:
-    """The what-if of one plan."""
+    """The what-if of one plan, priced for the kernels it runs (``plan.compile``)."""
+    model = model.with_kernels(plan.compile)
     if plan.tp > 1:
         model.check_branches(plan.tp_branches)
         model.check_sequence_parallel(plan)

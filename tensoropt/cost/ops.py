@@ -4,9 +4,10 @@ Roofline per op (Williams et al., 2009): time = max(FLOPs / (peak x efficiency(F
 bytes / achieved memory bandwidth) + a fixed launch overhead. Matrix products, convolutions and
 attention run at the profile's efficiency for their size; other ops are memory-bound. Backward
 moves about twice the forward's bytes (it reads the output gradient and the saved inputs and
-writes input and weight gradients). Chains of memory-bound ops are priced as fused only on a device
-whose profile says its runtime fuses them (``fuses_memory_bound_ops``: GPUs with fused kernels, not
-eager CPU kernels, which each read and write their tensors in full). Work divides by ``shard`` (the
+writes input and weight gradients). Chains of memory-bound ops are priced as fused only where the plan
+runs compiled (or Megatron-style fused) kernels (``fused``: the plan's ``compile``) on a device whose profile
+says compilation fuses them (``fuses_memory_bound_ops``: GPUs); eager PyTorch launches one kernel per op,
+each reading and writing its tensors in full (the torch engine as it runs today). Work divides by ``shard`` (the
 tensor-parallel degree for a sharded op); activation work scales with the micro-batch size,
 parameter reads do not.
 Autograd adds work of its own to the backward, which no forward op stands for and an op timed
@@ -47,14 +48,16 @@ class OpArrays:
     measured_sharded: tuple = ()     # (tp, forward_s array, backward_s array) at one rank's shapes
 
     @staticmethod
-    def of(ops: tuple[Op, ...], profile: DeviceProfile) -> OpArrays:
+    def of(ops: tuple[Op, ...], profile: DeviceProfile, fused: bool = False) -> OpArrays:
+        """The arrays of ``ops``; ``fused``: priced as compiled blocks run them (``fused_bytes``), where the
+        profile's device fuses at all."""
         def param_bytes(op: Op) -> int:
             return sum(m.nbytes for m, r in zip(op.inputs, op.sources) if r.kind == "param")
         moved = np.array([op.bytes_read + op.bytes_written - param_bytes(op) for op in ops], dtype=float)
         return OpArrays(
             forward_flops=np.array([op.forward_flops for op in ops], dtype=float),
             backward_flops=np.array([op.backward_flops for op in ops], dtype=float),
-            activation_bytes=moved - (fused_bytes(ops) if profile.fuses_memory_bound_ops else 0.0),
+            activation_bytes=moved - (fused_bytes(ops) if fused and profile.fuses_memory_bound_ops else 0.0),
             parameter_bytes=np.array([param_bytes(op) for op in ops], dtype=float),
             saved_bytes=np.array([op.saved_bytes for op in ops], dtype=float),
             glue_bytes=autograd_glue_bytes(ops),
@@ -78,8 +81,8 @@ def fused_bytes(ops: tuple[Op, ...]) -> np.ndarray:
     Chains of memory-bound ops run as one kernel on GPUs (Megatron-LM's fused scale-mask-softmax
     and bias-GeLU kernels, torch.compile's fusion): when a memory-bound op is the only reader of
     a memory-bound producer's output, it reads that tensor from registers, and the producer does
-    not write it unless autograd keeps it for backward. ``OpArrays.of`` applies this only where the
-    profile's ``fuses_memory_bound_ops`` is true."""
+    not write it unless autograd keeps it for backward. ``OpArrays.of`` applies this only to compiled plans
+    on a profile whose ``fuses_memory_bound_ops`` is true."""
     index = {op.index: i for i, op in enumerate(ops)}
 
     def producer(ref):

@@ -70,6 +70,9 @@ class DeviceProfile:
     # GPU collectives run on their own engines/streams beside compute (NCCL), so gradient communication hides
     # behind the backward; gloo on a CPU reduces and copies on the very cores that compute, so it cannot.
     overlaps_communication: bool = True
+    # Fraction of a collective's time that the compute it overlaps loses (NCCL kernels take SMs and memory
+    # bandwidth from the compute kernels beside them); fitted per GPU profile, 0 where unknown.
+    overlap_slowdown: float = 0.0
 
     @cached_property
     def _op_table(self) -> dict[str, tuple[float, float]]:
@@ -128,6 +131,7 @@ class DeviceProfile:
             op_times=tuple((k, float(v[0]), float(v[1])) for k, v in sorted(data.get("op_times", {}).items())),
             fuses_memory_bound_ops=bool(data.get("fuses_memory_bound_ops", True)),
             overlaps_communication=bool(data.get("overlaps_communication", True)),
+            overlap_slowdown=float(data.get("overlap_slowdown", 0.0)),
         )
 
 

@@ -74,6 +74,10 @@ class Plan:
     # one of PRECISIONS, as the launcher chose it; "" (plans made by hand or before the field existed): the
     # precision ``dtype`` and ``master_weights`` describe (``derived_precision``), priced as they always were
     precision: str = ""
+    # the kernels the plan is priced for: False, eager PyTorch (what the torch engine runs: one kernel per op);
+    # True, blocks compiled with torch.compile (memory-bound chains fused). plan.json key ``compile``; plans
+    # written before it existed load as eager
+    compile: bool = False
 
     @property
     def precision_name(self) -> str:
@@ -90,6 +94,8 @@ class Plan:
                  f"mb{self.micro_batch}x{self.grad_accumulation}", f"zero{self.zero}"]
         if self.offload:
             parts.append("offload")
+        if self.compile:
+            parts.append("compiled")
         if self.tp > 1 and self.tp_branches:
             parts.append("tp:" + "+".join(sorted(set(self.tp_branches))))
         for bp in self.blocks:
@@ -107,6 +113,7 @@ class Plan:
                 {"recompute": s.recompute, "sequence_parallel": s.sequence_parallel, "copies": n}
                 for s, n in bp.strategies]} for bp in self.blocks],
             "summary": self.summary(),
+            "compile": self.compile,
         } | ({"precision": self.precision} if self.precision else {})
 
     @staticmethod
@@ -124,6 +131,7 @@ class Plan:
                 (LayerStrategy(s["recompute"], s["sequence_parallel"]), s["copies"])
                 for s in b["strategies"])) for b in d["blocks"]),
             master_weights=d.get("master_weights", True), precision=d.get("precision") or "",
+            compile=d.get("compile", False),
         )
 
 
@@ -154,7 +162,7 @@ def plan_problems(d: object) -> list[str]:
     counts_valid = not problems              # the mesh and batch arithmetic needs them
     if not (_is_int(d["zero"]) and 0 <= d["zero"] <= 3):
         problems.append(f'"zero" must be a ZeRO stage 0-3, got {d["zero"]!r}')
-    problems += [f'"{key}" must be true or false, got {d[key]!r}' for key in ("offload", "master_weights")
+    problems += [f'"{key}" must be true or false, got {d[key]!r}' for key in ("offload", "master_weights", "compile")
                  if key in d and not isinstance(d[key], bool)]
     if d.get("dtype", "bfloat16") not in DTYPES:
         problems.append(f'"dtype" must be one of {", ".join(DTYPES)}, got {d["dtype"]!r}')

@@ -1,0 +1,234 @@
+"""How close `tensoropt estimate`'s prices come to published H100 trainings (issue 19's calibration set).
+
+Data: ``benchmarks/data/public_h100.json`` (54 rows transcribed from pytorch/torchtitan, NVIDIA/Megatron-LM and
+foundation-model-stack/fms-fsdp, each with repository, path and commit). Each row that the cost model can price
+is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation, bf16 mixed precision, compiled or
+eager kernels), priced with ``cost.model.estimate`` (what ``tensoropt estimate`` calls) on ``profiles/h100-80gb.json``,
+and compared with the measured step time:
+- torchtitan / fms-fsdp: tokens of one step on one data-parallel rank over its tokens/s/GPU, as the row's
+  ``derived.step_time_s`` gives it (local batch x seq / (tps x tp x pp x cp), torchtitan's metric).
+- Megatron-LM: the README prints TFLOP/s per GPU, counted with Megatron-Core's ``num_floating_point_operations``
+  (r0.8 ``training.py``: 12 B s L h^2 ((1 + g/a + s/h) + f/h + V/(2 L h)), no recomputation counted); the step
+  time is that count over (TFLOP/s x GPUs), and the same count divides our predicted step time.
+Rows the model cannot price are listed with why (float8 matmuls, A100s, context parallelism, async TP).
+
+    PYTHONPATH=$PWD python benchmarks/public_h100.py [--tag before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from _common import write_results
+
+import tensoropt
+from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+DATA = Path(__file__).resolve().parent / "data" / "public_h100.json"
+PROFILE = "h100-80gb"
+GPUS_PER_NODE = 8
+FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled")
+
+
+NOTES = """
+Constants of profiles/h100-80gb.json fitted on these rows (each with a physical meaning; its `sources` say the same):
+matmul_efficiency = the earlier assumed curve x 0.8 (largest products 0.60 of the 989 TFLOP/s dense bf16 peak),
+memory_efficiency 0.6 (eager memory-bound kernels at ~2.0 of 3.35 TB/s), overlap_slowdown 0.2 (compute beside a
+collective loses 20% of the collective's time). Link efficiencies and kernel_overhead_s are unchanged. Not fitted:
+which rows compile (from the sources), recomputation (stated, or fms-fsdp's fraction from its HFU/MFU), FSDP2's
+overlap (cost.data_parallel.fsdp_exposed_s), AdamW's foreach traffic (80 B/param, torch/optim/adam.py).
+
+Megatron-LM's tensor-parallel rows hide TP communication behind GEMMs (--tp-comm-overlap); the torch engine does
+not, so the price keeps it, and the last column shows these rows without it. torchtitan's vanilla-TP rows, which
+do not overlap it, need it (-18% and -29% without). Megatron's micro-batch, interleaving and recomputation are not
+stated (priced: micro-batch 1, no interleaving, no recomputation, distributed optimizer as ZeRO 1). fms-fsdp's 7B
+row ran HSDP (sharded in a node, replicated across), priced as ZeRO 3 over all 96 GPUs.
+"""
+
+
+def why_not(row: dict) -> str:
+    """Why a row cannot be priced (empty: it can)."""
+    p = row["parallelism"]
+    if not row["gpu"].startswith("H100"):
+        return f"not an H100 ({row['gpu']})"
+    if not row["dtype"].startswith("bf16"):
+        return "float8 matmuls (no float8 peak or kernels in the cost model)"
+    if (p.get("cp") or 1) > 1:
+        return "context parallelism"
+    if p.get("async_tp") or "asynctp" in (row.get("technique") or "").lower().replace(" ", ""):
+        return "async tensor parallelism (collective matmuls, not modelled)"
+    return ""
+
+
+def family(row: dict) -> str:
+    if row["source"] == "megatron_lm_readme_h100":
+        return "megatron-3d-fused"
+    return "fsdp-zero3-compiled" if compiled(row) else "fsdp-zero3-eager"
+
+
+def compiled(row: dict) -> bool:
+    """Whether the run's kernels are fused: Megatron-LM's fused kernels (priced as compiled blocks), or
+    torch.compile. The 405B bf16 row of docs/performance.md does not say; its train config at that commit
+    compiles by default (the data file's note)."""
+    return row["source"] == "megatron_lm_readme_h100" or row["compile"] is not False
+
+
+def model_config(row: dict) -> dict:
+    m = row["model"]
+    seq = row["seq_len"]
+    if m["arch"] == "llama":
+        return {"family": "llama", "hidden_size": m["hidden"], "num_layers": m["layers"],
+                "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
+                "ffn_hidden_size": m["ffn"], "seq_length": seq, "vocab_size": m["vocab"],
+                "rope_theta": 500000.0 if m["vocab"] == 128256 else 10000.0}
+    # Megatron GPT: LayerNorm, GeLU, biases, untied embeddings (the README's sizes match 12 L h^2 + 2 V h), fused
+    # (flash) attention; dropout and position embedding not stated: none, learned
+    return {"family": "gpt", "hidden_size": m["hidden"], "num_layers": m["layers"], "num_attention_heads": m["heads"],
+            "ffn_hidden_size": m["ffn"], "seq_length": seq, "vocab_size": m["vocab"], "dropout": 0.0,
+            "tie_embeddings": False, "attention": "flash"}
+
+
+def recompute_mix(row: dict, layers: int, sp: bool) -> tuple[tuple[LayerStrategy, int], ...]:
+    """(strategy, copies) of the row's activation checkpointing.
+
+    - torchtitan ``full``: every block; ``selective`` op-level (its default policy saves every other matmul's
+      output and recomputes the rest of the block, about half a forward) and ``layer`` (every other block
+      checkpointed): full recomputation on half the blocks.
+    - fms-fsdp ``selective``: a fraction f of blocks fully checkpointed, not stated; derived from its HFU / MFU
+      (recomputing f of the forward adds f x 2 to the 6 FLOPs per parameter and token: f = 3 (HFU/MFU - 1)).
+    torchtitan's tensor parallelism runs its norms sequence-parallel (``sp``).
+    - Megatron: not stated; none."""
+    text = (row.get("recompute") or "none").lower()
+    if text.startswith("full"):
+        full = layers
+    elif text.startswith("selective (block"):
+        m = row["measured"]
+        full = round(min(1.0, 3 * (m["hfu"] / m["mfu"] - 1)) * layers)
+    elif text.startswith("selective"):
+        full = layers // 2
+    else:
+        full = 0
+    return tuple((s, n) for s, n in ((LayerStrategy("none", sp), layers - full), (LayerStrategy("full", sp), full))
+                 if n)
+
+
+def megatron_flops(row: dict) -> float:
+    """Megatron-Core r0.8 ``num_floating_point_operations`` for one step (dense GPT, no gating)."""
+    m, s, b = row["model"], row["seq_len"], row["global_batch"]
+    h, L, a, g, f, v = m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"]
+    return 12 * b * s * L * h * h * ((1 + g / a + s / h) + f / h + v / (2 * L * h))
+
+
+def build_plan(row: dict, model: ModelCost) -> Plan:
+    p = row["parallelism"]
+    tp, pp = p["tp"] or 1, p["pp"] or 1
+    dp = row["gpus"] // (tp * pp)
+    layers = row["model"]["layers"]
+    block = model.blocks[0][0].name
+    if row["source"] == "megatron_lm_readme_h100":
+        # distributed optimizer (ZeRO 1), sequence parallelism with tp (--tp-comm-overlap needs it), micro-batch 1
+        # (not stated), bf16 with float32 master weights
+        mb = 1
+        strategies = ((LayerStrategy("none", tp > 1), layers // pp),)
+        plan = Plan(row["gpus"], dp, tp, pp, mb, row["global_batch"], 1, 1, False,
+                    model.branch_names if tp > 1 else (), "bfloat16", (BlockPlan(block, strategies),))
+    else:
+        mb = row["local_batch"] or row["micro_batch"]
+        plan = Plan(row["gpus"], dp, tp, pp, mb, mb * dp, 1, 3, False, model.branch_names if tp > 1 else (),
+                    "bfloat16", (BlockPlan(block, recompute_mix(row, layers, tp > 1)),), master_weights=False,
+                    precision="bf16-mixed")
+    if "compile" not in {f.name for f in dataclasses.fields(Plan)}:
+        return plan                  # the cost model before issue 19 (the "before" figures): no kernel modes
+    return dataclasses.replace(plan, compile=compiled(row))
+
+
+def kernels(plan: Plan) -> str:
+    """What the summary does not say: eager kernels, or (code before issue 19) no kernel modes at all."""
+    mode = getattr(plan, "compile", None)
+    return " (fused: one kernel mode before issue 19)" if mode is None else "" if mode else " eager"
+
+
+def measured_step_s(row: dict) -> float:
+    if row["source"] == "megatron_lm_readme_h100":
+        return megatron_flops(row) / (row["measured"]["tflops_per_gpu"] * 1e12 * row["gpus"])
+    return row["derived"]["step_time_s"]
+
+
+def price(row: dict, profile) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{row['model']['id']}-s{row['seq_len']}.json"
+        path.write_text(json.dumps(model_config(row)))
+        graph = tensoropt.capture(str(path)).graph
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(row["gpus"], GPUS_PER_NODE, profile))
+    plan = build_plan(row, model)
+    est = estimate(model, plan)
+    measured = measured_step_s(row)
+    return {"source": row["source"], "group": row["group"], "model": row["model"]["id"], "gpus": row["gpus"],
+            "family": family(row), "plan": plan.summary() + kernels(plan),
+            "measured_step_s": measured, "predicted_step_s": est.iteration_time_s,
+            "error": est.iteration_time_s / measured - 1,
+            # diagnostic only (not in the medians): Megatron's rows hide tensor-parallel communication behind GEMMs
+            # (--tp-comm-overlap), which the torch engine does not run and the price therefore keeps
+            "error_without_tp_comm": (est.iteration_time_s - est.time_breakdown["tensor_parallel_comm_s"])
+            / measured - 1,
+            "breakdown": {k: round(v, 4) for k, v in est.time_breakdown.items()}}
+
+
+def summary(rows: list[dict]) -> dict[str, dict]:
+    out = {}
+    groups = {f: [r for r in rows if r["family"] == f] for f in FAMILIES}
+    groups["fsdp-zero3 (eager + compiled)"] = [r for r in rows if r["family"].startswith("fsdp")]
+    for name, members in groups.items():
+        if members:
+            errors = [r["error"] for r in members]
+            out[name] = {"rows": len(members), "median_abs_error": statistics.median(abs(e) for e in errors),
+                         "median_signed_error": statistics.median(errors), "min": min(errors), "max": max(errors)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tag", default="", help="suffix of the result files (e.g. 'before')")
+    parser.add_argument("--note", default="", help="a line for the results (e.g. which code priced them)")
+    args = parser.parse_args()
+    data = json.loads(DATA.read_text())
+    profile = load_profile(PROFILE)
+    rows, skipped = [], []
+    for row in data["rows"]:
+        reason = why_not(row)
+        if reason:
+            skipped.append({"source": row["source"], "group": row["group"], "model": row["model"]["id"],
+                            "why": reason})
+            continue
+        rows.append(price(row, profile))
+        r = rows[-1]
+        print(f"{r['family']:20s} {r['model']:18s} {r['gpus']:5d} {r['plan'][:60]:60s} measured "
+              f"{r['measured_step_s']:8.3f} s predicted {r['predicted_step_s']:8.3f} s {r['error']:+.1%}", flush=True)
+    families = summary(rows)
+    for name, s in families.items():
+        print(f"{name}: {s['rows']} rows, median |error| {s['median_abs_error']:.1%}, median signed "
+              f"{s['median_signed_error']:+.1%} ({s['min']:+.1%} .. {s['max']:+.1%})")
+    lines = ["| family | rows | median abs error | median signed | range |", "|---|---:|---:|---:|---|"]
+    lines += [f"| {n} | {s['rows']} | {s['median_abs_error']:.1%} | {s['median_signed_error']:+.1%} | "
+              f"{s['min']:+.1%} .. {s['max']:+.1%} |" for n, s in families.items()]
+    lines += ["", "| source | group | model | GPUs | plan as priced | measured s/step | predicted | error | "
+              "error without TP comm (diagnostic) |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['source']} | {r['group']} | {r['model']} | {r['gpus']} | {r['plan']} | "
+              f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {r['error']:+.1%} | "
+              f"{r['error_without_tp_comm']:+.1%} |" for r in rows]
+    lines += ["", f"Not priced ({len(skipped)} rows):", ""]
+    lines += [f"- {s['source']} {s['group']} {s['model']}: {s['why']}" for s in skipped]
+    write_results("public_h100" + (f"_{args.tag}" if args.tag else ""), rows, "\n".join(lines) + "\n",
+                  f"\nProfile {PROFILE}; data {DATA.name} ({len(data['rows'])} rows). {args.note}\n{NOTES}",
+                  {"families": families, "skipped": skipped, "profile": PROFILE})
+
+
+if __name__ == "__main__":
+    main()
