@@ -152,6 +152,23 @@ class BlockCost:
         return all_gather_s(self.space.carried_bytes * micro_batch, tp, 1, self.cluster) if tp > 1 else 0.0
 
 
+def tp_comm_hidden_s(stage: list[tuple[BlockCost, list[tuple[LayerStrategy, int]]]], plan,
+                     overlap_slowdown: float) -> float:
+    """Tensor-parallel communication of one micro-batch on one stage that overlapping it with the GEMMs
+    hides (Megatron-LM ``--tp-comm-overlap``; Wang et al., ASPLOS'23, "Overlap communication with dependent
+    computation via decomposition"): per copy, the collectives run beside that copy's own compute, so at most
+    its compute time hides, and the compute beside them loses the profile's ``overlap_slowdown`` of the
+    overlapped time (as for data-parallel overlap, ``cost.data_parallel``). ``stage``: each block's cost and the
+    (strategy, copies) of one stage; ``plan``: a ``space.plan.Plan`` (its tp, branches and micro-batch)."""
+    hidden = 0.0
+    for cost, counts in stage:
+        for strategy, n in counts:
+            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch)
+            overlapped = min(c.tp_comm_s, c.forward_s + c.backward_s + c.recompute_s)
+            hidden += n * (1 - overlap_slowdown) * overlapped
+    return hidden
+
+
 @dataclass(frozen=True)
 class LooseCost:
     """The ops before the first block (first stage) or after the last one (last stage)."""

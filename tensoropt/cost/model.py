@@ -67,7 +67,7 @@ from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
-from .layer import BlockCost, LooseCost, LooseOps
+from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .profile import Cluster
 
 
@@ -427,8 +427,14 @@ class Estimate:
     time_breakdown: dict
 
 
-def estimate(model: ModelCost, plan: Plan) -> Estimate:
-    """The what-if of one plan, priced for the kernels it runs (``plan.compile``)."""
+def estimate(model: ModelCost, plan: Plan, megatron_tp_comm_overlap: bool = False) -> Estimate:
+    """The what-if of one plan, priced for the kernels it runs (``plan.compile``).
+
+    ``megatron_tp_comm_overlap`` prices a run that is not the torch engine's: Megatron-LM's
+    ``--tp-comm-overlap`` (Transformer Engine's userbuffers), which splits each tensor-parallel all-gather and
+    reduce-scatter into chunks and runs them beside the GEMMs that consume or produce them. The planner's space
+    never sets it (the torch engine runs TP collectives between its matmuls); it exists to price published
+    Megatron-LM runs (``benchmarks/public_h100.py``). Priced as ``tp_comm_hidden_s``."""
     model = model.with_kernels(plan.compile)
     if plan.tp > 1:
         model.check_branches(plan.tp_branches)
@@ -441,12 +447,16 @@ def estimate(model: ModelCost, plan: Plan) -> Estimate:
                                           plan.virtual_stages)
         time, back, acts, params = time + t, back + b, acts + a, params + p
         transient = max(transient, x)
-    r = evaluate(model, ctx, [time], [back], [acts], [transient], [params])
+    hidden = tp_comm_hidden_s(stage, plan, model.cluster.profile.overlap_slowdown) if megatron_tp_comm_overlap \
+        else 0.0
+    r = evaluate(model, ctx, [time - hidden], [back], [acts], [transient], [params])
     mem_keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "other_bytes")
     time_keys = ("compute_s", "pipeline_bubble_s", "pipeline_p2p_s", "data_parallel_comm_s",
                  "data_parallel_exposed_s", "optimizer_s")
     breakdown = {k: float(r[k][0]) for k in time_keys}
     breakdown.update(_layer_parts(stage, plan, ctx.micro_batches))
+    if megatron_tp_comm_overlap:
+        breakdown["tensor_parallel_hidden_s"] = ctx.micro_batches * hidden
     return Estimate(float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0]),
                     {k: float(r[k][0]) for k in mem_keys}, breakdown)
 
