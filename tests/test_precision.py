@@ -244,9 +244,10 @@ def test_bf16_mixed_trains_as_the_script_alone_in_bf16_mixed(tmp_path, alone, en
 # Tensor parallel (tp2, vocabulary split too) 5.1e-5, first step 9.8e-7: each rank rounds its partial output of a
 # row-parallel linear to bf16 before the bf16 all-reduce sums the halves, and likewise its partial input gradient
 # of a column-parallel one (what Megatron-LM's bf16 tensor parallelism does too). The script alone with just those
-# roundings added in one process (row linears as two input-feature halves each rounded to bf16, then summed;
-# column linears' input gradients likewise) lands 9.8e-8 from the launched first step and moves the 3-step losses
-# by 3.3e-5: the same order, so the deviation is the layout's, not a precision applied wrongly; bound 3x. Its
+# roundings added in one process (benchmarks/tp_bf16_roundings.py: row linears as two input-feature halves each
+# rounded to bf16, then summed; column linears' input gradients likewise) lands 9.8e-8 from the launched first step
+# and moves the 3-step losses by 3.3e-5: the same order, so the deviation is the layout's, not a precision applied
+# wrongly; bound 3x. Its
 # first step stays clear of the other precisions' (32-true 4.8e-6, bf16-mixed 8.9e-6): that is what tells them
 # apart, since over 3 steps the precisions move this model's losses by only 1.2e-5 to 3.3e-5.
 TP_FIRST_STEP_RTOL = 3e-6
