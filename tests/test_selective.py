@@ -142,8 +142,8 @@ def test_the_engine_wraps_each_copy_as_its_strategy_says():
 def _launched(plan, tmp_path, engine: str) -> list[float]:
     """The launched run of ``plan`` on a model the script builds on the meta device (``--meta``): each worker
     materialises its own part, on the CPU, and the losses must be those of the script alone with the model built
-    for real (the same values: ``init_fn`` on the materialised part; these runs were tests/test_meta_launch.py's
-    too)."""
+    for real (the same values: ``init_fn`` on the materialised part). These five runs are also the suite's
+    meta-built trainings under DDP, FSDP2 ZeRO 3, tp2, pp2 and DeepSpeed ZeRO 3."""
     data = launched_with_plan(plan, tmp_path, plan.devices, GPT_SCRIPT, "--meta", engine=engine)
     copies = sum(n for b in plan.blocks for s, n in b.strategies if s.recompute == "selective")
     assert f"attention core recomputed (selective) in {copies} block copies" in data["stdout"]
