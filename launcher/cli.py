@@ -12,7 +12,8 @@ from tensoropt.cli.common import limit_options, parse_bytes
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import choose_engine
 from tensoropt.search.ft import FrontierPoint
-from tensoropt.space.plan import PRECISIONS, Plan
+from tensoropt.space.plan import PRECISIONS
+from tensoropt.space.run_plan import RunPlan
 
 from . import launch as L
 from .nodes import check_nodes, fetch, plan_port, publish
@@ -117,7 +118,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")
     click.echo(f"model states: {L.precision(point.plan, graph)}")
-    click.echo(L.describe(json.loads(plan_file.read_text()), engine))
+    click.echo(L.describe(RunPlan.read(plan_file), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
     if dry_run:
@@ -155,10 +156,8 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
                engine: str | None, precision: str) -> tuple[FrontierPoint, str]:
     """The plan in ``data`` (from ``source``: a file, or node 0) for this script's model on these devices,
     priced again here: a plan's own figures were computed for whatever model and devices it was made for."""
-    try:
-        plan = Plan.from_json(data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise TensorOptError(f"{source}: not a readable plan file ({exc})") from exc
+    written = RunPlan.from_json(data, source)          # a bad field: one line naming it
+    plan = written.plan
     from tensoropt.graph.fold import fold
     blocks = {b.name: b.repeats for b in fold(graph).blocks}
     planned = {b.block: b.copies * plan.pp for b in plan.blocks}
@@ -168,7 +167,7 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
     if plan.devices != devices.count:
         raise TensorOptError(f"{source} is a plan for {plan.devices} devices, this launch has {devices.count}")
     try:
-        engine = choose_engine(L.planned_precision(plan, "torch", precision).to_json(), engine or data.get("engine"))
+        engine = choose_engine(L.planned_precision(plan, "torch", precision), engine or written.engine or None)
     except TensorOptError as exc:
         raise TensorOptError(f"{source}: {exc}") from exc
     return L.price(graph, devices, per_node, plan, engine, precision), engine

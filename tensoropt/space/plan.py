@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import fields as F
+
 RECOMPUTE = ("none", "selective", "full")
 PLAN_SCHEMA_VERSION = 1
 # training precisions, named as PyTorch Lightning names them: float32 weights with bf16 compute, everything in
@@ -111,18 +113,47 @@ class Plan:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
+        """The plan in ``d`` (``to_json``'s keys; extra keys are the caller's), every field checked for its JSON
+        type (``space.fields``) and the mesh and batch for consistency; a ValueError names the field."""
         if d.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise ValueError(f"plan schema_version {d.get('schema_version')!r} is not {PLAN_SCHEMA_VERSION}")
-        return Plan(
-            devices=int(d["devices"]), dp=int(d["dp"]), tp=int(d["tp"]), pp=int(d["pp"]),
-            micro_batch=int(d["micro_batch"]), global_batch=int(d["global_batch"]),
-            virtual_stages=int(d.get("virtual_stages", 1)), zero=int(d["zero"]), offload=bool(d["offload"]),
-            tp_branches=tuple(d.get("tp_branches", ())), dtype=d.get("dtype", "bfloat16"),
-            blocks=tuple(BlockPlan(b["block"], tuple(
-                (LayerStrategy(s["recompute"], bool(s["sequence_parallel"])), int(s["copies"]))
-                for s in b["strategies"])) for b in d["blocks"]),
-            master_weights=bool(d.get("master_weights", True)), precision=_precision(d.get("precision")),
+        plan = Plan(
+            devices=F.integer(d, "devices", minimum=1), dp=F.integer(d, "dp", minimum=1),
+            tp=F.integer(d, "tp", minimum=1), pp=F.integer(d, "pp", minimum=1),
+            micro_batch=F.integer(d, "micro_batch", minimum=1), global_batch=F.integer(d, "global_batch", minimum=1),
+            virtual_stages=F.integer(d, "virtual_stages", 1, minimum=1), zero=F.integer(d, "zero", minimum=0),
+            offload=F.boolean(d, "offload"), tp_branches=F.strings(d, "tp_branches", ()),
+            dtype=F.text(d, "dtype", "bfloat16"),
+            blocks=tuple(_block(b, f"blocks[{i}]") for i, b in enumerate(F.objects(d, "blocks"))),
+            master_weights=F.boolean(d, "master_weights", True), precision=_precision(d.get("precision")),
         )
+        _check(plan, d)
+        return plan
+
+
+def _block(b: dict[str, Any], where: str) -> BlockPlan:
+    strategies = F.objects(b, "strategies", where=where)
+    return BlockPlan(F.text(b, "block", where=where), tuple(
+        (LayerStrategy(F.text(s, "recompute", choices=RECOMPUTE, where=f"{where}.strategies[{j}]"),
+                       F.boolean(s, "sequence_parallel", where=f"{where}.strategies[{j}]")),
+         F.integer(s, "copies", minimum=0, where=f"{where}.strategies[{j}]"))
+        for j, s in enumerate(strategies)))
+
+
+def _check(plan: Plan, d: dict[str, Any]) -> None:
+    """The fields agree: the mesh fills the devices, the batch splits into micro-batches, and the derived
+    ``gradient_accumulation`` (where written) is the one the other fields give."""
+    if plan.dp * plan.tp * plan.pp != plan.devices:
+        raise ValueError(f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp} is not the plan's {plan.devices} devices")
+    if plan.zero > 3:
+        raise ValueError(f"field 'zero' is {plan.zero}, not a ZeRO stage (0, 1, 2 or 3)")
+    if plan.global_batch % (plan.dp * plan.micro_batch):
+        raise ValueError(f"global_batch {plan.global_batch} does not split into dp {plan.dp} x micro_batch "
+                         f"{plan.micro_batch}")
+    written = F.integer(d, "gradient_accumulation", plan.grad_accumulation)
+    if written != plan.grad_accumulation:
+        raise ValueError(f"field 'gradient_accumulation' is {written}, but global_batch / (dp x micro_batch) is "
+                         f"{plan.grad_accumulation}")
 
 
 def _precision(name: object) -> str:
