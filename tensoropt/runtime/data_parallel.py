@@ -77,7 +77,8 @@ def ddp_micro_batch(ddp: nn.parallel.DistributedDataParallel) -> MicroBatchHook:
 def data_parallel_stage(relay: Relay, plan: Plan, dp_mesh, device: torch.device) -> nn.Module:
     """A pipeline stage wrapped for data parallelism over ``dp_mesh``, as ``PipelineStage`` expects it: DDP around
     the relay under ZeRO 0 (the stage recognises it and syncs on the last backward only); under ZeRO 1 FSDP2 with
-    the relay as root (the stage defers the reduce-scatter to its last backward); under ZeRO 2/3 FSDP2 on the
+    the relay as root (the stage defers the reduce-scatter, and the freeing of the gathered parameters, to its
+    last backward: ``PipelineStage.perform_reduce_grad``); under ZeRO 2/3 FSDP2 on the
     block copies and the stage module inside the relay, so that FSDP2 runs its own hooks on every micro-batch (a
     root ``FSDPModule`` would be told by the stage to defer its reduce-scatter: unsharded gradients, not what
     ZeRO 2/3 is priced as); under ZeRO 2 the parameters stay gathered after each backward (``reshard_all``)."""
