@@ -92,12 +92,13 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
         else:
             data, source = fetch(master_addr, master_port, node_rank), "node 0's plan"
             why = f"node 0's plan, shared at {master_addr}:{plan_port(master_port)}, priced for this model here"
-            engine = data.get("engine") or engine                       # node 0 chose it
-            if data.get("precision", precision) != precision:          # and its precision: every node runs one
+            shared_plan = RunPlan.from_json(data, source)
+            engine = shared_plan.engine or engine                       # node 0 chose it
+            if (shared_plan.plan.precision or precision) != precision:  # and its precision: every node runs one
                 if named:
-                    raise TensorOptError(f"node 0 runs --precision {data['precision']}, this node was given "
-                                         f"{precision}: give every node the same --precision")
-                precision = data["precision"]
+                    raise TensorOptError(f"node 0 runs --precision {shared_plan.plan.precision}, this node was "
+                                         f"given {precision}: give every node the same --precision")
+                precision = shared_plan.plan.precision
                 graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
         point, engine = _load_plan(data, source, graph, devices, per_node, engine, precision)
         if point.peak_memory_bytes > devices.memory_bytes:
