@@ -99,7 +99,7 @@ def main() -> None:
                 sp = copy.deepcopy(block)
                 shard_copy(sp, branches, mesh, LAYOUT, "layers.0", (False, False, wrap is None))
                 got = gradients(wrap(sp) if wrap else sp, x, mask, grad)
-                key = f"{attention} {'+'.join(b['branch'] for b in branches)} {wrap.__name__ if wrap else 'none'}"
+                key = f"{attention} {'+'.join(b.branch for b in branches)} {wrap.__name__ if wrap else 'none'}"
                 out.setdefault("max_difference", {})[key] = max(float((a - b).abs().max()) for a, b in zip(got, whole))
     try:
         layout = (TPBranch("mlp", ("up",), ("down",), 64),)
