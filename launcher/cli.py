@@ -12,7 +12,8 @@ from tensoropt.cli.common import limit_options
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import choose_engine
 from tensoropt.search.ft import FrontierPoint
-from tensoropt.space.plan import PRECISIONS, Plan
+from tensoropt.space.plan import PRECISIONS
+from tensoropt.space.run_plan import RunPlan
 
 from . import launch as L
 from .inputs import check_counts, check_memory, check_paths, read_plan
@@ -95,12 +96,13 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
         else:
             data, source = fetch(master_addr, master_port, node_rank), "node 0's plan"
             why = f"node 0's plan, shared at {master_addr}:{plan_port(master_port)}, priced for this model here"
-            engine = data.get("engine") or engine                       # node 0 chose it
-            if data.get("precision", precision) != precision:          # and its precision: every node runs one
+            shared_plan = RunPlan.from_json(data, source)
+            engine = shared_plan.engine or engine                       # node 0 chose it
+            if (shared_plan.plan.precision or precision) != precision:  # and its precision: every node runs one
                 if named:
-                    raise TensorOptError(f"node 0 runs --precision {data['precision']}, this node was given "
-                                         f"{precision}: give every node the same --precision")
-                precision = data["precision"]
+                    raise TensorOptError(f"node 0 runs --precision {shared_plan.plan.precision}, this node was "
+                                         f"given {precision}: give every node the same --precision")
+                precision = shared_plan.plan.precision
                 graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
         point, engine = _load_plan(data, source, graph, devices, per_node, engine, precision)
         if point.peak_memory_bytes > devices.memory_bytes:
@@ -121,7 +123,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")
     click.echo(f"model states: {L.precision(point.plan, graph)}")
-    click.echo(L.describe(json.loads(plan_file.read_text()), engine))
+    click.echo(L.describe(RunPlan.read(plan_file), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
     if dry_run:
@@ -152,10 +154,8 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
                engine: str | None, precision: str) -> tuple[FrontierPoint, str]:
     """The plan in ``data`` (from ``source``: a file, or node 0) for this script's model on these devices,
     priced again here: a plan's own figures were computed for whatever model and devices it was made for."""
-    try:
-        plan = Plan.from_json(data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise TensorOptError(f"{source}: not a readable plan file ({exc})") from exc
+    written = RunPlan.from_json(data, source)          # a bad field: one line naming it
+    plan = written.plan
     from tensoropt.graph.fold import fold
     blocks = {b.name: b.repeats for b in fold(graph).blocks}
     planned = {b.block: b.copies * plan.pp for b in plan.blocks}
@@ -169,7 +169,7 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
         raise TensorOptError(f"{source} is priced for compiled blocks (\"compile\": true), but the engines run eager "
                              "PyTorch (launch --compile does not exist yet): set \"compile\": false")
     try:
-        engine = choose_engine(L.planned_precision(plan, "torch", precision).to_json(), engine or data.get("engine"))
+        engine = choose_engine(L.planned_precision(plan, "torch", precision), engine or written.engine or None)
     except TensorOptError as exc:
         raise TensorOptError(f"{source}: {exc}") from exc
     return L.price(graph, devices, per_node, plan, engine, precision), engine

@@ -28,8 +28,9 @@ from tensoropt.search.engines import ENGINE_SPACES, ENGINES, unsupported
 from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan, compute_dtype
-from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
-from tensoropt.space.vocab import VOCAB_PARALLEL_KEY, vocab_layout
+from tensoropt.space.run_plan import Prediction, RunPlan, VocabSplit, tp_layout_from_json
+from tensoropt.space.tp_layout import tp_layout
+from tensoropt.space.vocab import vocab_layout
 
 from .argv import torchrun_argv
 from .capture import capture_script
@@ -143,7 +144,7 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
         if space is None:
             continue
         result = search(model, devices.count, space)
-        candidates += [(p, name) for p in result.points if not unsupported(p.plan.to_json(), name)]
+        candidates += [(p, name) for p in result.points if not unsupported(p.plan, name)]
     values = np.array([[p.iteration_time_s, p.peak_memory_bytes] for p, _ in candidates]).reshape(-1, 2)
     return [candidates[i] for i in front_by_time(values)]
 
@@ -203,18 +204,21 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
     plan carries which linears of each block are column- and row-parallel, and whether (and which modules) the
     vocabulary is split."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    extra: dict = {"engine": engine, "device": device_kind}
-    if point.plan.tp > 1:
-        extra[TP_LAYOUT_KEY] = tp_layout(graph)
-        extra[VOCAB_PARALLEL_KEY] = vocab_layout(graph).for_tp(point.plan.tp)
+    plan, config = point.plan, None
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
-        write_json_atomic(config_path, deepspeed_config(point.plan.to_json()))
-        extra["deepspeed_config"] = str(config_path.resolve())
+        write_json_atomic(config_path, deepspeed_config(plan))
+        config = str(config_path.resolve())
+    tensor_parallel = plan.tp > 1
+    run_plan = RunPlan(
+        plan, engine=engine, device=device_kind,
+        tp_layout=tp_layout_from_json(tp_layout(graph)) if tensor_parallel else None,
+        vocab_parallel=VocabSplit.from_json(vocab_layout(graph).for_tp(plan.tp)) if tensor_parallel else None,
+        deepspeed_config=config,
+        predicted=Prediction(point.iteration_time_s, int(point.peak_memory_bytes), precision(plan, graph), why),
+        command=tuple(argv))
     path = run_dir / "plan.json"
-    write_json_atomic(path, point.plan.to_json() | extra | {"predicted": {
-        "iteration_time_s": point.iteration_time_s, "peak_memory_bytes": int(point.peak_memory_bytes),
-        "precision": precision(point.plan, graph), "why": why}, "command": argv})
+    write_json_atomic(path, run_plan.to_json())
     return path
 
 
@@ -227,29 +231,30 @@ def precision(plan: Plan, graph: OpGraph | None = None) -> str:
     return words + (f"; compute and activations in {autocast} under the script's autocast" if autocast else "")
 
 
-def describe(plan: dict, engine: str) -> str:
+def describe(run_plan: RunPlan, engine: str) -> str:
     """The configuration the workers will apply, in words (DeepSpeed's is its config file)."""
-    full, selective = (sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == kind)
+    plan = run_plan.plan
+    full, selective = (sum(n for bp in plan.blocks for s, n in bp.strategies if s.recompute == kind)
                        for kind in ("full", "selective"))
-    sequence = sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["sequence_parallel"])
+    sequence = sum(n for bp in plan.blocks for s, n in bp.strategies if s.sequence_parallel)
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
         return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
-            f"; precision {precision_words(of_plan(plan), engine, plan['zero'])}") + (
+            f"; precision {precision_words(of_plan(plan), engine, plan.zero)}") + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
-    vocab = plan.get(VOCAB_PARALLEL_KEY) or {}
-    parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
-             ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.get("enabled") else
-              f"vocabulary replicated ({vocab.get('reason')})") if plan["tp"] > 1 and vocab else "",
-             f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
-             {0: "DDP" if plan["dp"] > 1 else "",
+    vocab = run_plan.vocab_parallel
+    parts = [f"tensor parallel {plan.tp} (ColwiseParallel/RowwiseParallel)" if plan.tp > 1 else "",
+             ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.enabled else
+              f"vocabulary replicated ({vocab.reason})") if plan.tp > 1 and vocab else "",
+             f"pipeline {plan.pp} stages ({plan.grad_accumulation} micro-batches)" if plan.pp > 1 else "",
+             {0: "DDP" if plan.dp > 1 else "",
               1: "FSDP2 fully_shard (reshard_after_forward=False, gradient sync on the last micro-batch only)",
               2: "FSDP2 fully_shard (reshard_after_forward=False)",
-              3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
-             f"sequence parallel in {sequence} block copies per stage" if sequence and plan["tp"] > 1 else "",
+              3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan.zero, ""),
+             f"sequence parallel in {sequence} block copies per stage" if sequence and plan.tp > 1 else "",
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
              f"attention core recomputed (selective) in {selective} block copies per stage" if selective else "",
-             f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples",
-             f"precision {precision_words(of_plan(plan), engine, plan['zero'])}"]
+             f"micro-batches per step: {plan.grad_accumulation} of {plan.micro_batch} samples",
+             f"precision {precision_words(of_plan(plan), engine, plan.zero)}"]
     return "torch: " + ", ".join(p for p in parts if p)
 
 

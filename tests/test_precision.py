@@ -111,14 +111,14 @@ def test_plan_precision_round_trips_and_old_plans_load_as_before():
 def test_deepspeed_config_per_precision():
     from deepspeed.runtime.config import DeepSpeedConfig
     single = {"devices": 1, "dp": 1}
-    assert "bf16" not in deepspeed_config(_plan("32-true").to_json())
-    mixed = DeepSpeedConfig(deepspeed_config(_plan("bf16-mixed", zero=2, **single).to_json())).bfloat16_config
+    assert "bf16" not in deepspeed_config(_plan("32-true"))
+    mixed = DeepSpeedConfig(deepspeed_config(_plan("bf16-mixed", zero=2, **single))).bfloat16_config
     assert mixed.enabled and not mixed.bf16_master_weights_and_grads
-    pure = DeepSpeedConfig(deepspeed_config(_plan("bf16-true", zero=2, **single).to_json())).bfloat16_config
+    pure = DeepSpeedConfig(deepspeed_config(_plan("bf16-true", zero=2, **single))).bfloat16_config
     assert pure.enabled and pure.bf16_master_weights_and_grads and pure.bf16_optimizer_states
     # DeepSpeed keeps float32 master weights without ZeRO: bf16-true is not its to run there
-    assert unsupported(_plan("bf16-true").to_json(), "deepspeed") == ["bf16-true without ZeRO"]
-    assert not unsupported(_plan("bf16-true", zero=2).to_json(), "deepspeed")
+    assert unsupported(_plan("bf16-true"), "deepspeed") == ["bf16-true without ZeRO"]
+    assert not unsupported(_plan("bf16-true", zero=2), "deepspeed")
 
 
 def test_a_script_under_its_own_autocast_runs_bf16_mixed_only(small_gpt):

@@ -19,7 +19,7 @@ from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.selective import selective_wrapper
-from tensoropt.space.plan import BlockPlan, LayerStrategy
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 BATCH, SEQ = 2, 64
 
@@ -128,9 +128,8 @@ def test_the_engine_wraps_each_copy_as_its_strategy_says():
     from tensoropt.runtime.selective import selective_checkpoint
     model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
                                         seq_length=16, vocab_size=64))
-    plan = {"pp": 1, "blocks": [{"block": "layers.*", "strategies": [
-        {"recompute": r, "sequence_parallel": False, "copies": n} for r, n in (("selective", 2), ("full", 1),
-                                                                               ("none", 1))]}]}
+    plan = Plan(devices=1, dp=1, tp=1, pp=1, micro_batch=1, global_batch=1, blocks=(BlockPlan("layers.*", tuple(
+        (LayerStrategy(r), n) for r, n in (("selective", 2), ("full", 1), ("none", 1)))),))
     apply_recompute(model, plan)
     kinds = [getattr(getattr(layer, "checkpoint_fn", None), "func", None) for layer in model.layers]
     assert kinds[:2] == [selective_checkpoint] * 2 and kinds[2] is torch.utils.checkpoint.checkpoint

@@ -89,9 +89,8 @@ def test_a_plan_running_a_position_mixing_stream_sequence_parallel_does_not_fit_
 
 
 def test_torch_runs_sequence_parallel_plans_and_deepspeed_refuses_them():
-    plan = {"tp": 2, "pp": 1, "dp": 1, "devices": 2, "zero": 0, "offload": False, "virtual_stages": 1,
-            "blocks": [{"block": "layers.*", "strategies": [{"recompute": "none", "sequence_parallel": True,
-                                                               "copies": 4}]}]}
+    plan = Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=1, global_batch=1,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("none", True), 4),)),))
     assert unsupported(plan, "torch") == []
     assert "sequence parallelism" in unsupported(plan, "deepspeed")
 

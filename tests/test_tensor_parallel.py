@@ -12,6 +12,8 @@ from workers import dry_run_plan, tensoropt_cli, tp2
 import tensoropt
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.tensor_parallel import check_degree, sharded_branches
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+from tensoropt.space.run_plan import RunPlan, tp_layout_from_json
 from tensoropt.space.tp_layout import tp_layout
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
@@ -91,11 +93,14 @@ def test_layout_comes_from_the_graphs_branches(write_json):
 def test_plans_the_runtime_cannot_shard_are_refused():
     layout = {"layers.*": [{"branch": "attn", "column": ["attn.qkv"], "row": ["attn.proj"], "max_tp": 2},
                            {"branch": "mlp", "column": ["mlp.up"], "row": ["mlp.down"], "max_tp": 256}]}
-    plan = {"summary": "dp1 tp4 pp1", "tp_branches": ["mlp"], "blocks": [{"block": "layers.*"}]}
-    assert sharded_branches(plan | {"tp_layout": layout}) == {"layers.*": layout["layers.*"][1:]}
+    plan = Plan(devices=4, dp=1, tp=4, pp=1, micro_batch=1, global_batch=1, tp_branches=("mlp",),
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 2),)),))
+    typed = tp_layout_from_json(layout)
+    assert sharded_branches(RunPlan(plan, tp_layout=typed)) == {"layers.*": typed[0][1][1:]}
+    assert typed[0][1][1].to_json() == layout["layers.*"][1]
     with pytest.raises(TensorOptError, match="has no 'tp_layout'"):
-        sharded_branches(plan)
+        sharded_branches(RunPlan(plan))
     with pytest.raises(TensorOptError, match="made for another model"):
-        sharded_branches(plan | {"tp_layout": {"blocks.*": layout["layers.*"]}})
+        sharded_branches(RunPlan(plan, tp_layout=tp_layout_from_json({"blocks.*": layout["layers.*"]})))
     with pytest.raises(TensorOptError, match="tp must divide 2"):
-        check_degree("layers.*", layout["layers.*"], 4)
+        check_degree("layers.*", typed[0][1], 4)

@@ -3,6 +3,7 @@ which models allow it, read from the captured graph; the cost model pricing the 
 replicated where the model or the degree refuses it); and real 2-worker gloo runs training to the losses of
 the script run alone, with whole weights out of ``full_state_dict`` and checkpoints."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -23,6 +24,8 @@ from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.vocab_parallel import apply_vocab_parallel, check_vocab, vocab_entry
+from tensoropt.space.plan import Plan
+from tensoropt.space.run_plan import RunPlan, VocabSplit
 from tensoropt.space.tp_check import check_tensor_parallel, with_tp_checks
 from tensoropt.space.vocab import check_vocab_modules, vocab_layout, with_vocab_check
 
@@ -95,7 +98,7 @@ def test_the_head_is_priced_as_it_runs():
 
 def test_the_runtime_refuses_a_layout_the_model_does_not_have():
     """Hand-edited or stale plans stop in one line before anything is sharded."""
-    entry = {"enabled": True, "embedding": "embed", "head": "head", "tied": False, "vocab": 128}
+    entry = VocabSplit(True, embedding="embed", head="head", tied=False, vocab=128)
     embedding, head = nn.Embedding(128, H), nn.Linear(H, 128, bias=False)
     check_vocab(entry, embedding, head, 2)
     with pytest.raises(TensorOptError, match="does not divide the vocabulary of 128"):
@@ -105,11 +108,12 @@ def test_the_runtime_refuses_a_layout_the_model_does_not_have():
     head.weight = embedding.weight
     with pytest.raises(TensorOptError, match="not tied"):
         check_vocab(entry, embedding, head, 2)
-    assert not vocab_entry({})["enabled"]                          # written without one: replicated
+    plan = RunPlan(Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=1, global_batch=1))
+    assert not vocab_entry(plan).enabled                           # written without one: replicated
     with pytest.raises(TensorOptError, match="a ScaledHead where an Linear was captured"):
         model = gpt()
         model.head = ScaledHead(128)
-        apply_vocab_parallel(model, {"vocab_parallel": entry}, None)
+        apply_vocab_parallel(model, dataclasses.replace(plan, vocab_parallel=entry), None)
 
 
 # ---- real workers (3 launches) ----------------------------------------------------------------------------
