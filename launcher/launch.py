@@ -3,12 +3,9 @@ found, write the plan, start the workers through torchrun and exit with their st
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +28,7 @@ from tensoropt.space.plan import Plan, compute_dtype
 from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
 from tensoropt.space.vocab import VOCAB_PARALLEL_KEY, vocab_layout
 
+from . import workers
 from .argv import torchrun_argv
 from .capture import capture_script
 from .devices import Devices, detect
@@ -171,19 +169,16 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, en
     return best, next(e for p, e in front if p is best), why, len(front)
 
 
-def run_workers(argv: list[str], env: dict) -> int:
-    """Start torchrun, forward SIGINT/SIGTERM to it, return its exit status."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
-
-    def forward(signum, _frame):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+def run_workers(argv: list[str], env: dict, run_dir: Path) -> None:
+    """Run torchrun until its workers finish. Ctrl-C (or SIGTERM) stops the workers and ends the launch as a
+    ``KeyboardInterrupt`` (one line, exit status 130); a failure shows the first failing rank's own error and is
+    a one-line ``TensorOptError`` (``launcher.workers``); torchrun's own output is kept in RUN_DIR/torchrun.log."""
+    outcome = workers.run(argv, env, run_dir / "torchrun.log")
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    if outcome.status:
+        raise TensorOptError(workers.report(outcome) + f"; every rank's output: {run_dir / 'logs'}")
+    workers.release_held(outcome.output)
 
 
 def main_env(devices: Devices, plan_path: Path) -> dict:
