@@ -177,7 +177,8 @@ def run_workers(argv: list[str], env: dict, run_dir: Path) -> None:
     if outcome.interrupted:
         raise KeyboardInterrupt
     if outcome.status:
-        raise TensorOptError(workers.report(outcome) + f"; every rank's output: {run_dir / 'logs'}")
+        logs = f"; every rank's output: {run_dir / 'logs'}" if outcome.output.last else ""
+        raise TensorOptError(workers.report(outcome) + logs)
     workers.release_held(outcome.output)
 
 

@@ -31,8 +31,9 @@ LINE_PREFIX = "tensoropt-rank${rank}|"          # torchrun substitutes the globa
 _WORKER_LINE = re.compile(r"tensoropt-rank(\d+)\|(.*)", re.S)
 _OWN_PREFIX = re.compile(r"\[rank\d+\]: ?")     # torch's excepthook prefixes a worker's traceback lines itself
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
-_RENDEZVOUS = re.compile(r"(Timed out after \d+ seconds waiting for clients\. \d+/\d+ clients joined|"
-                         r"DistNetworkError|DistStoreError|client socket has timed out|Connection refused)")
+# torchrun's own exception when the nodes never met (the static rendezvous' TCPStore: the master timed out
+# waiting for the other nodes, or a node could not reach the master)
+_RENDEZVOUS = re.compile(r"(?:DistStoreError|DistNetworkError|RendezvousTimeoutError|RendezvousError)\b:?[ \t]*(.*)")
 STOP_WAIT_S = 30
 
 
@@ -69,9 +70,11 @@ class WorkerOutput:
         return (self.order[0] if self.order else None), None
 
     def rendezvous_failure(self) -> str | None:
-        """torchrun's reason, when it stopped because the nodes never met."""
-        match = _RENDEZVOUS.search("".join(self.torchrun))
-        return match.group(1) if match else None
+        """torchrun's reason, when it stopped because the nodes never met (no worker started)."""
+        found = [m for line in self.torchrun if (m := _RENDEZVOUS.search(line))]
+        if self.last or not found:
+            return None
+        return found[-1].group(1).strip() or found[-1].group(0).strip()
 
 
 @dataclass
@@ -147,8 +150,9 @@ def report(outcome: Outcome, out=None) -> str:
     summary the launcher stops with."""
     out = out or sys.stderr
     output = outcome.output
-    if (reason := output.rendezvous_failure()) and not output.last:
-        return f"the nodes did not meet at the rendezvous ({reason})"
+    if reason := output.rendezvous_failure():
+        return (f"the nodes did not meet at the rendezvous ({reason[:200]}): start every node with the same "
+                "--nnodes, --master-addr and --master-port, or raise --rendezvous-timeout")
     rank, code = output.first_failure()
     if rank is None:
         return f"workers exited with status {outcome.status}"
