@@ -163,8 +163,7 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
         plan = Plan.from_json(data)
     except (ValueError, KeyError, TypeError) as exc:
         raise TensorOptError(f"{source}: not a readable plan file ({exc})") from exc
-    from tensoropt.graph.fold import fold
-    blocks = {b.name: b.repeats for b in fold(graph).blocks}
+    blocks = {b.name: b.repeats for b in L.folded(graph).blocks}
     planned = {b.block: b.copies * plan.pp for b in plan.blocks}
     if planned != blocks:
         raise TensorOptError(f"{source} is a plan for another model (blocks {planned}, this script's model has "
