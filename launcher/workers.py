@@ -29,7 +29,7 @@ from pathlib import Path
 
 LINE_PREFIX = "tensoropt-rank${rank}|"          # torchrun substitutes the global rank
 _WORKER_LINE = re.compile(r"tensoropt-rank(\d+)\|(.*)", re.S)
-_OWN_PREFIX = re.compile(r"\[rank\d+\]: ?")     # torch's excepthook prefixes a worker's traceback lines itself
+_OWN_PREFIX = re.compile(r"^\[rank\d+\]: ?")     # torch's excepthook prefixes a worker's traceback lines itself
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 # torchrun's own exception when the nodes never met (the static rendezvous' TCPStore: the master timed out
 # waiting for the other nodes, or a node could not reach the master)
@@ -57,7 +57,8 @@ class WorkerOutput:
             self.last[rank] = plain.rstrip("\n")
         if rank in self.held or plain.startswith("Traceback (most recent call last):"):
             if rank not in self.held:
-                self.held[rank], _ = [], self.order.append(rank)
+                self.held[rank] = []
+                self.order.append(rank)
             self.held[rank].append(plain)
         else:
             out.write(text)

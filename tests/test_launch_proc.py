@@ -41,8 +41,10 @@ def _interrupt(proc: subprocess.Popen) -> tuple[str, list, list[str]]:
     return err, under, commands
 
 
-def test_ctrl_c_during_a_training_launch_stops_every_worker(tmp_path):
-    proc = _launcher(tmp_path, GPT_SCRIPT, "--", "--steps", 1000, "--pause-s", 0.05)
+@pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
+def test_ctrl_c_during_a_training_launch_stops_every_worker(tmp_path, elastic):
+    supervised = ["--elastic", "--checkpoint-dir", tmp_path / "ckpt"] if elastic else []
+    proc = _launcher(tmp_path, GPT_SCRIPT, *supervised, "--", "--steps", 1000, "--pause-s", 0.05)
     for line in proc.stdout:                         # rank 0 has trained a step: both workers are running
         if line.startswith("step 0 loss"):
             break
