@@ -101,7 +101,8 @@ def test_a_bad_tp_layout_or_strategy_names_where(gpt_graph, tmp_path):
     with pytest.raises(TensorOptError, match=r"field 'tp_layout.layers.\*\[0\].row' is missing"):
         RunPlan.from_json(written | {"tp_layout": {"layers.*": [branch]}})
     blocks = [{"block": "layers.*", "strategies": [{"recompute": "some", "sequence_parallel": True, "copies": 4}]}]
-    with pytest.raises(TensorOptError, match=r'block layers.\*: "recompute" must be one of none, selective, full, got \'some\''):
+    with pytest.raises(TensorOptError, match=r'block layers.\*: "recompute" must be one of none, selective, full, '
+                                             r"got 'some'"):
         RunPlan.from_json(written | {"blocks": blocks})
 
 

@@ -40,6 +40,13 @@ def unsupported(plan: Plan, engine: str) -> list[str]:
     ] if needed]
 
 
+def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
+    """Whether an engine keeps a float32 master copy beside bf16 weights: DeepSpeed's bf16 mode does under
+    bf16-mixed (``BF16_Optimizer``, ZeRO's float32 partitions: 2 + 2 + 12 bytes per parameter); the torch engine
+    keeps the weights themselves in float32 (``cost.model.torch_mixed``), and bf16-true / 32-true keep none."""
+    return engine == "deepspeed" and precision == "bf16-mixed"
+
+
 def choose_engine(plan: Plan, requested: str | None = None) -> str:
     """The engine that runs a plan: ``requested`` if it can, else torch, else DeepSpeed."""
     for engine in [requested] if requested else ENGINES:
@@ -50,4 +57,4 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
                          "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
-__all__ = ["ENGINES", "ENGINE_SPACES", "choose_engine", "unsupported"]
+__all__ = ["ENGINES", "ENGINE_SPACES", "choose_engine", "master_weights", "unsupported"]
