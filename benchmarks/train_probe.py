@@ -148,7 +148,7 @@ def main() -> None:
             run.train_step(batch)
     wall, cpu = timed_steps(run, batch, args.steps)
     memory = tracked_peak(tracker, run, batch)
-    result = {"rank": run.rank, "world_size": run.world_size, "plan": run.plan and run.plan["summary"],
+    result = {"rank": run.rank, "world_size": run.world_size, "plan": run.plan and run.plan.summary(),
               "engine": run.engine, "adam": args.adam, "step_times_s": wall, "step_cpu_times_s": cpu,
               "median_step_s": statistics.median(wall), "median_step_cpu_s": statistics.median(cpu),
               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

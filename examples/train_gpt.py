@@ -69,7 +69,7 @@ def main() -> None:
                                                  for k in sorted(params)]).numpy())
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine,
+            json.dump({"losses": losses, "plan": run.plan and run.plan.summary(), "engine": run.engine,
                        "step_times_s": step_times} | run.device_report(), f)
     run.close()
 

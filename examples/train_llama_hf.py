@@ -38,7 +38,7 @@ def main() -> None:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}, f)
+            json.dump({"losses": losses, "plan": run.plan and run.plan.summary(), "engine": run.engine}, f)
     run.close()
 
 

@@ -73,7 +73,7 @@ def main() -> None:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine,
+            json.dump({"losses": losses, "plan": run.plan and run.plan.summary(), "engine": run.engine,
                        "step_times_s": step_times} | run.device_report(), f)
     run.close()
 

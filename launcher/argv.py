@@ -7,15 +7,22 @@ from collections.abc import Sequence
 
 
 def torchrun_argv(script: str, script_args: Sequence[str], nproc_per_node: int, nnodes: int = 1,
-                  node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None) -> list[str]:
+                  node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
+                  log_dir: str | None = None, rendezvous_timeout_s: int | None = None) -> list[str]:
     """``python -m torch.distributed.run`` for one node of the job: a standalone rendezvous on one
-    node, the static master address and port across nodes."""
+    node, the static master address and port across nodes, where a node waits for the others at most
+    ``rendezvous_timeout_s`` (torch's default is 600 s). With ``log_dir`` each worker's stderr is also written
+    there and echoed with its rank (``launcher.workers``)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
     if nnodes == 1 and master_addr is None:
         argv.append("--standalone")
     else:
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr or "127.0.0.1",
                  "--master-port", str(master_port or 29500)]
+        if rendezvous_timeout_s is not None:
+            argv += ["--rdzv-conf", f"timeout={rendezvous_timeout_s}"]
+    if log_dir is not None:
+        argv += ["--log-dir", str(log_dir), "--redirects", "2", "--tee", "2"]
     return argv + [script, *script_args]
 
 

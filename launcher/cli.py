@@ -12,11 +12,12 @@ from tensoropt.cli.common import limit_options
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import choose_engine
 from tensoropt.search.ft import FrontierPoint
-from tensoropt.space.plan import PRECISIONS, Plan
+from tensoropt.space.plan import PRECISIONS
+from tensoropt.space.run_plan import RunPlan
 
 from . import launch as L
 from .inputs import check_counts, check_memory, check_paths, read_plan
-from .nodes import check_nodes, fetch, plan_port, publish
+from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, publish
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -42,6 +43,9 @@ from .nodes import check_nodes, fetch, plan_port, publish
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--master-addr", default=None)
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None)
+@click.option("--rendezvous-timeout", "rendezvous_timeout_s", type=click.IntRange(min=1),
+              default=DEFAULT_RENDEZVOUS_TIMEOUT_S, show_default=True,
+              help="seconds a node's torchrun waits for the other nodes before it stops (--nnodes > 1)")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="for planning (default: --gpus)")
 @click.option("--dry-run", is_flag=True, help="print the chosen plan and configuration, start nothing")
 @click.option("--run-dir", default="tensoropt-run", show_default=True, help="where plan.json is written")
@@ -56,8 +60,8 @@ from .nodes import check_nodes, fetch, plan_port, publish
 @limit_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, precision, nnodes, node_rank,
-           master_addr, master_port, gpus_per_node, dry_run, run_dir, no_cache, elastic, checkpoint_dir,
-           checkpoint_every, min_gpus, resources_file, script_args, limits):
+           master_addr, master_port, rendezvous_timeout_s, gpus_per_node, dry_run, run_dir, no_cache, elastic,
+           checkpoint_dir, checkpoint_every, min_gpus, resources_file, script_args, limits):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
@@ -95,12 +99,13 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
         else:
             data, source = fetch(master_addr, master_port, node_rank), "node 0's plan"
             why = f"node 0's plan, shared at {master_addr}:{plan_port(master_port)}, priced for this model here"
-            engine = data.get("engine") or engine                       # node 0 chose it
-            if data.get("precision", precision) != precision:          # and its precision: every node runs one
+            shared_plan = RunPlan.from_json(data, source)
+            engine = shared_plan.engine or engine                       # node 0 chose it
+            if (shared_plan.plan.precision or precision) != precision:  # and its precision: every node runs one
                 if named:
-                    raise TensorOptError(f"node 0 runs --precision {data['precision']}, this node was given "
-                                         f"{precision}: give every node the same --precision")
-                precision = data["precision"]
+                    raise TensorOptError(f"node 0 runs --precision {shared_plan.plan.precision}, this node was "
+                                         f"given {precision}: give every node the same --precision")
+                precision = shared_plan.plan.precision
                 graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
         point, engine = _load_plan(data, source, graph, devices, per_node, engine, precision)
         if point.peak_memory_bytes > devices.memory_bytes:
@@ -113,7 +118,8 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     if checkpoint_dir and engine != "torch":
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
                              f"on {engine}: add --engine torch")
-    argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port)
+    argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port,
+                           log_dir=str(Path(run_dir).resolve() / "logs"), rendezvous_timeout_s=rendezvous_timeout_s)
     plan_file = L.write_plan(Path(run_dir), point, engine, why, argv, graph, devices.kind)
     click.echo(f"devices: {world} x {devices.kind} ({devices.memory_bytes / 2**30:.1f} GiB each), profile "
                f"{devices.profile_name}" + (f"; {devices.note}" if devices.note else ""))
@@ -121,7 +127,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")
     click.echo(f"model states: {L.precision(point.plan, graph)}")
-    click.echo(L.describe(json.loads(plan_file.read_text()), engine))
+    click.echo(L.describe(RunPlan.read(plan_file), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
     if dry_run:
@@ -131,10 +137,10 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     if checkpoint_dir:
         from .elastic import checkpoint_env
         env |= checkpoint_env(Path(checkpoint_dir), checkpoint_every)
-    status = L.run_workers(argv, env)
-    del store                                   # node 0 serves its plan until its workers are done
-    if status:
-        raise TensorOptError(f"workers exited with status {status}")
+    try:
+        L.run_workers(argv, env, Path(run_dir))
+    finally:
+        del store                               # node 0 serves its plan until its workers are done
 
 
 def _check_elastic(checkpoint_dir, plan_path, engine, nnodes) -> None:
@@ -152,12 +158,9 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
                engine: str | None, precision: str) -> tuple[FrontierPoint, str]:
     """The plan in ``data`` (from ``source``: a file, or node 0) for this script's model on these devices,
     priced again here: a plan's own figures were computed for whatever model and devices it was made for."""
-    try:
-        plan = Plan.from_json(data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise TensorOptError(f"{source}: not a readable plan file ({exc})") from exc
-    from tensoropt.graph.fold import fold
-    blocks = {b.name: b.repeats for b in fold(graph).blocks}
+    written = RunPlan.from_json(data, source)          # a bad field: one line naming it
+    plan = written.plan
+    blocks = {b.name: b.repeats for b in L.folded(graph).blocks}
     planned = {b.block: b.copies * plan.pp for b in plan.blocks}
     if planned != blocks:
         raise TensorOptError(f"{source} is not a plan for this model: its blocks' copies x pp {plan.pp} are "
@@ -169,7 +172,7 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
         raise TensorOptError(f"{source} is priced for compiled blocks (\"compile\": true), but the engines run eager "
                              "PyTorch (launch --compile does not exist yet): set \"compile\": false")
     try:
-        engine = choose_engine(L.planned_precision(plan, "torch", precision).to_json(), engine or data.get("engine"))
+        engine = choose_engine(L.planned_precision(plan, "torch", precision), engine or written.engine or None)
     except TensorOptError as exc:
         raise TensorOptError(f"{source}: {exc}") from exc
     return L.price(graph, devices, per_node, plan, engine, precision), engine

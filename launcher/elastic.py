@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from tensoropt.cli.common import MAX_DEVICES, parse_bytes
 from tensoropt.errors import TensorOptError, first_line
 from tensoropt.graph.ir import OpGraph
@@ -32,6 +34,7 @@ from tensoropt.search.limits import NO_LIMITS, Limits
 
 from . import launch as L
 from .gpus import gpu_count
+from .workers import STOP_WAIT_S, kill_tree, stop_tree
 
 POLL_S = 0.5
 MAX_SAME_FAILURE = 2          # the same failure at the same checkpoint this many times: give up
@@ -107,22 +110,6 @@ def _failure(run_dir: Path) -> dict | None:
     return None
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Kill torchrun and every worker under it. Nothing after the last checkpoint is kept anyway, and
-    a checkpoint being written when they die is never the one resumed from; SIGTERM would only make
-    torchrun print a stack trace. Workers may sit in process groups of their own, so the whole tree
-    is killed, not torchrun's group: a survivor would wait in a collective forever."""
-    import psutil
-    tree = []
-    with contextlib.suppress(psutil.NoSuchProcess):
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        for process in [psutil.Process(proc.pid), *tree]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-    proc.wait()
-    psutil.wait_procs(tree, timeout=30)
-
-
 def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.Devices, options: ElasticOptions,
                 run_dir: Path, echo: Callable[[str], None]) -> int:
     """Supervise the job until it finishes (0) or cannot go on (one-line TensorOptError)."""
@@ -149,7 +136,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
         changed = _wait(proc, devices, options, have, echo)
         if changed != have:
-            _stop(proc)
+            stop_tree(proc)
             event = f"devices changed {count} -> {changed.count}" if changed.count != count else \
                 f"memory per device changed {have.memory_bytes / 2**30:.1f} -> {changed.memory_bytes / 2**30:.1f} GiB"
             have = changed
@@ -176,7 +163,8 @@ def _wait(proc: subprocess.Popen, devices: L.Devices, options: ElasticOptions, h
           echo: Callable[[str], None] = print) -> Resources:
     """Wait for the workers to exit; return early with the new resources if they change. A resources file that
     turns bad is said once (until it changes again), not every poll.
-    SIGINT/SIGTERM to the launcher stop the workers and end the job."""
+    SIGINT/SIGTERM to the launcher stop the workers and end the job as a Ctrl-C does (one line, exit status 130).
+    """
     said: set[str] = set()
 
     def once(line: str) -> None:
@@ -184,9 +172,9 @@ def _wait(proc: subprocess.Popen, devices: L.Devices, options: ElasticOptions, h
             said.add(line)
             echo(line)
 
-    def forward(signum, _frame):
-        _stop(proc)
-        raise TensorOptError(f"elastic: stopped by signal {signum}")
+    def forward(_signum, _frame):           # may run inside proc.poll(): kill and wait without Popen's lock
+        psutil.wait_procs(kill_tree(proc.pid), timeout=STOP_WAIT_S)
+        raise KeyboardInterrupt
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while proc.poll() is None:

@@ -3,34 +3,33 @@ found, write the plan, start the workers through torchrun and exit with their st
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 
-import numpy as np
-
+from tensoropt import planning
 from tensoropt.cost.model import ModelCost, estimate, state_bytes
 from tensoropt.cost.profile import Cluster
 from tensoropt.errors import TensorOptError
+from tensoropt.frontier import Frontier
 from tensoropt.graph.cache import write_json_atomic
-from tensoropt.graph.fold import fold
 from tensoropt.graph.ir import OpGraph
+from tensoropt.planning import NoPlanError, NoPlanFitsError, folded
 from tensoropt.profiler.run import threads_per_worker
 from tensoropt.runtime import PLAN_ENV
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.runtime.precision import PRECISION_ENV, checked, of_plan
 from tensoropt.runtime.precision import words as precision_words
-from tensoropt.search.engines import ENGINE_SPACES, ENGINES, unsupported
-from tensoropt.search.ft import FrontierPoint, SearchSpace, front_by_time, search
+from tensoropt.search.engines import ENGINE_SPACES, ENGINES, master_weights
+from tensoropt.search.ft import FrontierPoint
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan, compute_dtype
-from tensoropt.space.tp_layout import TP_LAYOUT_KEY, tp_layout
-from tensoropt.space.vocab import VOCAB_PARALLEL_KEY, vocab_layout
+from tensoropt.space.run_plan import Prediction, RunPlan, VocabSplit, tp_layout_from_json
+from tensoropt.space.tp_layout import tp_layout
+from tensoropt.space.vocab import vocab_layout
 
+from . import workers
 from .argv import torchrun_argv
 from .capture import capture_script
 from .devices import Devices, detect
@@ -99,7 +98,11 @@ def planned_precision(plan: Plan, engine: str, precision: str) -> Plan:
 
 
 def cost_model(graph: OpGraph, devices: Devices, per_node: int) -> ModelCost:
-    return ModelCost(graph, fold(graph), Cluster(devices.count, min(per_node, devices.count), devices.profile))
+    return ModelCost(graph, folded(graph), cluster(devices, per_node))
+
+
+def cluster(devices: Devices, per_node: int) -> Cluster:
+    return Cluster(devices.count, min(per_node, devices.count), devices.profile)
 
 
 def price(graph: OpGraph, devices: Devices, per_node: int, plan: Plan, engine: str,
@@ -114,76 +117,66 @@ def price(graph: OpGraph, devices: Devices, per_node: int, plan: Plan, engine: s
     return FrontierPoint(plan, result.iteration_time_s, result.peak_memory_bytes)
 
 
-def master_weights(engine: str, precision: str = "bf16-mixed") -> bool:
-    """Whether an engine keeps a float32 master copy beside bf16 weights: DeepSpeed's bf16 mode does under
-    bf16-mixed (``BF16_Optimizer``, ZeRO's float32 partitions: 2 + 2 + 12 bytes per parameter); the torch engine
-    keeps the weights themselves in float32 (``cost.model.torch_mixed``), and bf16-true / 32-true keep none."""
-    return engine == "deepspeed" and precision == "bf16-mixed"
-
-
 def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str | None = None,
                    pipeline: bool = True, limits: Limits = NO_LIMITS,
                    precision: str | None = None) -> list[tuple[FrontierPoint, str]]:
-    """The frontier of plans an engine can run: one search per engine (``engine`` alone if given),
-    merged into one (time, memory) Pareto front; on a tie the engine listed first in ENGINES wins.
+    """The frontier of plans an engine can run, whatever their memory: ``tensoropt.plan`` over the engines
+    (``engine`` alone if given), fastest first; on a tie the engine listed first in ENGINES wins.
     ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
-    are not resharded yet); so does a model whose forward returns more than the loss tensor (a Hugging
-    Face output), which the pipeline engine cannot split. The user's
-    ``limits`` narrow each engine's part of the space; an engine whose part they empty is not searched. Every
-    plan is priced in ``precision`` (default ``default_precision``) as its engine holds it."""
-    global_batch, precision = int(graph.meta("global_batch") or 0), precision or default_precision(graph)
-    pipeline = pipeline and graph.meta("output", "tensor") == "tensor"
-    model = cost_model(graph, devices, per_node)
-    candidates = []                          # in ENGINES order: of two equal points the first is kept
-    for name in [engine] if engine else ENGINES:
-        part = ENGINE_SPACES[name] | ({} if pipeline else {"pipeline_stages": (1,)})
-        space = limits.restrict(SearchSpace(global_batch=global_batch, dtype=compute_dtype(precision),
-                                            master_weights=master_weights(name, precision), precision=precision,
-                                            **part))
-        if space is None:
-            continue
-        result = search(model, devices.count, space)
-        candidates += [(p, name) for p in result.points if not unsupported(p.plan.to_json(), name)]
-    values = np.array([[p.iteration_time_s, p.peak_memory_bytes] for p, _ in candidates]).reshape(-1, 2)
-    return [candidates[i] for i in front_by_time(values)]
+    are not resharded yet; ``tensoropt.plan`` also leaves them out for a model whose forward returns more than
+    the loss). The user's ``limits`` narrow each engine's part of the space. Every plan is priced in
+    ``precision`` (default ``default_precision``) as its engine holds it."""
+    try:
+        front = _plan(graph, devices, per_node, engine, pipeline, limits, precision, fits=False)
+    except NoPlanError:
+        return []
+    return list(zip(front.points, front.engines))
+
+
+def _plan(graph: OpGraph, devices: Devices, per_node: int, engine: str | None, pipeline: bool, limits: Limits,
+          precision: str | None, fits: bool) -> Frontier:
+    return planning.plan(graph, cluster(devices, per_node), budget=devices.memory_bytes,
+                         engines=[engine] if engine else ENGINES, limits=limits,
+                         precision=precision or default_precision(graph), pipeline=pipeline, fits=fits)
 
 
 def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, engine: str | None = None,
              pipeline: bool = True, limits: Limits = NO_LIMITS,
              precision: str | None = None) -> tuple[FrontierPoint, str, str, int]:
     """(point, engine, why, frontier size) for the devices found, within the user's ``limits``, in
-    ``precision`` (default ``default_precision``)."""
-    front = runnable_front(graph, devices, per_node, engine, pipeline, limits, precision)
+    ``precision`` (default ``default_precision``): the frontier ``tensoropt.plan`` gives for the devices'
+    memory, and the point of it the objective prefers."""
     global_batch = int(graph.meta("global_batch") or 0)
-    if not front and limits:
-        raise TensorOptError(f"no plan the runtime can apply on {devices.count} devices respects {limits.flags()} "
-                             f"(global batch {global_batch}" + (f", engine {engine}" if engine else "")
-                             + "): relax the limits")
-    if not front:
+    try:
+        front = _plan(graph, devices, per_node, engine, pipeline, limits, precision, fits=True)
+    except NoPlanError:
+        if limits:
+            raise TensorOptError(f"no plan the runtime can apply on {devices.count} devices respects {limits.flags()} "
+                                 f"(global batch {global_batch}" + (f", engine {engine}" if engine else "")
+                                 + "): relax the limits") from None
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
-                             f"{devices.count} devices: make it a multiple of {devices.count}")
-    try:
-        best, why = choose([p for p, _ in front], devices.memory_bytes, objective)
-    except TensorOptError as exc:
-        notes = [str(exc), f"searched within {limits.flags()}" if limits else "", devices.note or ""]
+                             f"{devices.count} devices: make it a multiple of {devices.count}") from None
+    except NoPlanFitsError as exc:
+        notes = [f"{exc} (add devices or memory)", f"searched within {limits.flags()}" if limits else "",
+                 devices.note or ""]
         raise TensorOptError("; ".join(n for n in notes if n)) from None
-    why += f" (objective {objective}, {len(front)} frontier points" + (f"; {limits.describe()})" if limits else ")")
-    return best, next(e for p, e in front if p is best), why, len(front)
+    best, why = choose(list(front.points), devices.memory_bytes, objective)
+    why += f" (objective {objective}, {len(front.points)} frontier points" + \
+        (f"; {limits.describe()})" if limits else ")")
+    return best, front.engine_of(best), why, len(front.points)
 
 
-def run_workers(argv: list[str], env: dict) -> int:
-    """Start torchrun, forward SIGINT/SIGTERM to it, return its exit status."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
-
-    def forward(signum, _frame):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+def run_workers(argv: list[str], env: dict, run_dir: Path) -> None:
+    """Run torchrun until its workers finish. Ctrl-C (or SIGTERM) stops the workers and ends the launch as a
+    ``KeyboardInterrupt`` (one line, exit status 130); a failure shows the first failing rank's own error and is
+    a one-line ``TensorOptError`` (``launcher.workers``); torchrun's own output is kept in RUN_DIR/torchrun.log."""
+    outcome = workers.run(argv, env, run_dir / "torchrun.log")
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    if outcome.status:
+        logs = f"; every rank's output: {run_dir / 'logs'}" if outcome.output.last else ""
+        raise TensorOptError(workers.report(outcome) + logs)
+    workers.release_held(outcome.output)
 
 
 def main_env(devices: Devices, plan_path: Path) -> dict:
@@ -203,18 +196,21 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
     plan carries which linears of each block are column- and row-parallel, and whether (and which modules) the
     vocabulary is split."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    extra: dict = {"engine": engine, "device": device_kind}
-    if point.plan.tp > 1:
-        extra[TP_LAYOUT_KEY] = tp_layout(graph)
-        extra[VOCAB_PARALLEL_KEY] = vocab_layout(graph).for_tp(point.plan.tp)
+    plan, config = point.plan, None
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
-        write_json_atomic(config_path, deepspeed_config(point.plan.to_json()))
-        extra["deepspeed_config"] = str(config_path.resolve())
+        write_json_atomic(config_path, deepspeed_config(plan))
+        config = str(config_path.resolve())
+    tensor_parallel = plan.tp > 1
+    run_plan = RunPlan(
+        plan, engine=engine, device=device_kind,
+        tp_layout=tp_layout_from_json(tp_layout(graph)) if tensor_parallel else None,
+        vocab_parallel=VocabSplit.from_json(vocab_layout(graph).for_tp(plan.tp)) if tensor_parallel else None,
+        deepspeed_config=config,
+        predicted=Prediction(point.iteration_time_s, int(point.peak_memory_bytes), precision(plan, graph), why),
+        command=tuple(argv))
     path = run_dir / "plan.json"
-    write_json_atomic(path, point.plan.to_json() | extra | {"predicted": {
-        "iteration_time_s": point.iteration_time_s, "peak_memory_bytes": int(point.peak_memory_bytes),
-        "precision": precision(point.plan, graph), "why": why}, "command": argv})
+    write_json_atomic(path, run_plan.to_json())
     return path
 
 
@@ -227,32 +223,33 @@ def precision(plan: Plan, graph: OpGraph | None = None) -> str:
     return words + (f"; compute and activations in {autocast} under the script's autocast" if autocast else "")
 
 
-def describe(plan: dict, engine: str) -> str:
+def describe(run_plan: RunPlan, engine: str) -> str:
     """The configuration the workers will apply, in words (DeepSpeed's is its config file)."""
-    full, selective = (sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["recompute"] == kind)
+    plan = run_plan.plan
+    full, selective = (sum(n for bp in plan.blocks for s, n in bp.strategies if s.recompute == kind)
                        for kind in ("full", "selective"))
-    sequence = sum(s["copies"] for b in plan["blocks"] for s in b["strategies"] if s["sequence_parallel"])
+    sequence = sum(n for bp in plan.blocks for s, n in bp.strategies if s.sequence_parallel)
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
         return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
-            f"; precision {precision_words(of_plan(plan), engine, plan['zero'])}") + (
+            f"; precision {precision_words(of_plan(plan), engine, plan.zero)}") + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
-    vocab = plan.get(VOCAB_PARALLEL_KEY) or {}
-    parts = [f"tensor parallel {plan['tp']} (ColwiseParallel/RowwiseParallel)" if plan["tp"] > 1 else "",
-             ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.get("enabled") else
-              f"vocabulary replicated ({vocab.get('reason')})") if plan["tp"] > 1 and vocab else "",
-             f"pipeline {plan['pp']} stages ({plan['gradient_accumulation']} micro-batches)" if plan["pp"] > 1 else "",
-             {0: "DDP" if plan["dp"] > 1 else "",
+    vocab = run_plan.vocab_parallel
+    parts = [f"tensor parallel {plan.tp} (ColwiseParallel/RowwiseParallel)" if plan.tp > 1 else "",
+             ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.enabled else
+              f"vocabulary replicated ({vocab.reason})") if plan.tp > 1 and vocab else "",
+             f"pipeline {plan.pp} stages ({plan.grad_accumulation} micro-batches)" if plan.pp > 1 else "",
+             {0: "DDP" if plan.dp > 1 else "",
               1: "FSDP2 fully_shard (reshard_after_forward=False, gradient sync on the last micro-batch only)",
               2: "FSDP2 fully_shard (reshard_after_forward=False)",
-              3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan["zero"], ""),
-             f"sequence parallel in {sequence} block copies per stage" if sequence and plan["tp"] > 1 else "",
+              3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan.zero, ""),
+             f"sequence parallel in {sequence} block copies per stage" if sequence and plan.tp > 1 else "",
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
              f"attention core recomputed (selective) in {selective} block copies per stage" if selective else "",
-             f"micro-batches per step: {plan['gradient_accumulation']} of {plan['micro_batch']} samples",
-             f"precision {precision_words(of_plan(plan), engine, plan['zero'])}"]
+             f"micro-batches per step: {plan.grad_accumulation} of {plan.micro_batch} samples",
+             f"precision {precision_words(of_plan(plan), engine, plan.zero)}"]
     return "torch: " + ", ".join(p for p in parts if p)
 
 
 __all__ = ["ENGINE_SPACES", "OBJECTIVES", "Devices", "capture_script", "check_precision", "choose", "default_precision",
-           "describe", "detect", "main_env", "master_weights", "plan_for", "planned_precision", "precision", "price",
-           "run_workers", "runnable_front", "torchrun_argv", "write_plan"]
+           "describe", "detect", "folded", "main_env", "master_weights", "plan_for", "planned_precision", "precision",
+           "price", "run_workers", "runnable_front", "torchrun_argv", "write_plan"]

@@ -23,6 +23,9 @@ PLAN_TIMEOUT_ENV = "TENSOROPT_PLAN_TIMEOUT_S"
 # node 0 captures its model and searches before it can share a plan: minutes for the largest models
 DEFAULT_PLAN_TIMEOUT_S = 900.0
 POLL_S = 0.5
+# how long a node's torchrun waits for the others once every node has the plan (they start within seconds of
+# each other then); torch's own default is 600 s
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 300
 
 
 def check_nodes(nnodes: int, node_rank: int, master_addr: str | None, dry_run: bool) -> None:
@@ -94,4 +97,4 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
-__all__ = ["check_nodes", "fetch", "plan_port", "publish"]
+__all__ = ["DEFAULT_RENDEZVOUS_TIMEOUT_S", "check_nodes", "fetch", "plan_port", "publish"]

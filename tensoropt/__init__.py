@@ -1,18 +1,30 @@
-"""TensorOpt: plan and launch distributed PyTorch training on the time/memory Pareto frontier."""
+"""TensorOpt: plan and launch distributed PyTorch training on the time/memory Pareto frontier.
+
+Every public name is imported on first use (PEP 562): ``import tensoropt`` itself imports nothing heavy, so
+the ``tensoropt`` command can catch a Ctrl-C while torch is still importing (``tensoropt.cli.main``), and
+planning never imports the runtime.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .api import Captured, capture  # noqa: E402
-from .graph.fold import FoldedGraph, fold  # noqa: E402
-from .graph.ir import Op, OpGraph  # noqa: E402
+# public name -> the module that defines it
+_EXPORTS = {"Captured": "api", "capture": "api", "plan": "planning", "FoldedGraph": "graph.fold",
+            "fold": "graph.fold", "Op": "graph.ir", "OpGraph": "graph.ir", "Frontier": "frontier",
+            "parallelize": "runtime", "meta_init": "runtime"}
 
-__all__ = ["Captured", "FoldedGraph", "Op", "OpGraph", "capture", "fold", "meta_init", "parallelize", "__version__"]
+__all__ = ["Captured", "FoldedGraph", "Frontier", "Op", "OpGraph", "capture", "fold", "meta_init", "parallelize",
+           "plan", "__version__"]
 
 
 def __getattr__(name: str):
-    """``tensoropt.parallelize`` and ``tensoropt.meta_init`` live in the runtime, imported only when a
-    training script asks: planning never imports the runtime."""
-    if name in ("parallelize", "meta_init"):
-        from . import runtime
-        return getattr(runtime, name)
-    raise AttributeError(f"module 'tensoropt' has no attribute {name!r}")
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:                                   # a subpackage reached as an attribute (``tensoropt.graph``)
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'tensoropt' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value

@@ -1,5 +1,7 @@
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,19 +10,20 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
 
+# Every test, and every process a test starts, uses a fresh capture cache and an empty folder of measured
+# profiles, never the user's (~/.cache/tensoropt). Set when pytest loads this file, before any test module
+# copies the environment (tests/workers.py's ENV does, at import).
+ISOLATED = {"TENSOROPT_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-cache-"),
+            "TENSOROPT_PROFILE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-profiles-")}
+os.environ.update(ISOLATED)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _isolated_cache(tmp_path_factory):
-    """All tests share one fresh capture cache and an empty folder of measured profiles, never the user's."""
-    paths = {"TENSOROPT_CACHE_DIR": tmp_path_factory.mktemp("tensoropt-cache"),
-             "TENSOROPT_PROFILE_DIR": tmp_path_factory.mktemp("tensoropt-profiles")}
-    old = {name: os.environ.get(name) for name in paths}
-    os.environ.update({name: str(path) for name, path in paths.items()})
-    yield paths["TENSOROPT_CACHE_DIR"]
-    for name, value in old.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+def _isolated_cache():
+    """The test session's capture cache (see ISOLATED), removed at the end."""
+    yield Path(ISOLATED["TENSOROPT_CACHE_DIR"])
+    for path in ISOLATED.values():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

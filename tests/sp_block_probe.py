@@ -20,9 +20,9 @@ from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.selective import selective_wrapper
 from tensoropt.runtime.tp_guard import _check_sequence_parallel
 from tensoropt.runtime.tp_styles import shard_copy
+from tensoropt.space.run_plan import TPBranch
 
-LAYOUT = [{"branch": "attn", "column": ["attn.qkv"], "row": ["attn.proj"], "max_tp": 4},
-          {"branch": "mlp", "column": ["mlp.up"], "row": ["mlp.down"], "max_tp": 64}]
+LAYOUT = (TPBranch("attn", ("attn.qkv",), ("attn.proj",), 4), TPBranch("mlp", ("mlp.up",), ("mlp.down",), 64))
 BATCH, SEQ, HIDDEN = 2, 32, 64
 
 
@@ -99,10 +99,10 @@ def main() -> None:
                 sp = copy.deepcopy(block)
                 shard_copy(sp, branches, mesh, LAYOUT, "layers.0", (False, False, wrap is None))
                 got = gradients(wrap(sp) if wrap else sp, x, mask, grad)
-                key = f"{attention} {'+'.join(b['branch'] for b in branches)} {wrap.__name__ if wrap else 'none'}"
+                key = f"{attention} {'+'.join(b.branch for b in branches)} {wrap.__name__ if wrap else 'none'}"
                 out.setdefault("max_difference", {})[key] = max(float((a - b).abs().max()) for a, b in zip(got, whole))
     try:
-        layout = [{"branch": "mlp", "column": ["up"], "row": ["down"], "max_tp": 64}]
+        layout = (TPBranch("mlp", ("up",), ("down",), 64),)
         _check_sequence_parallel(MixesPositions(), "mixes.0", layout, layout, mesh, (torch.randn(2, SEQ, HIDDEN),), {})
         out["refused"] = None
     except TensorOptError as exc:

@@ -2,7 +2,10 @@
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +91,20 @@ def test_an_interrupted_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
 def test_cache_can_be_bypassed(tmp_path):
     tensoropt.capture("gpt2-small", seq_len=64, cache_dir=tmp_path)
     assert tensoropt.capture("gpt2-small", seq_len=64, cache=False).cached is False
+
+
+def test_tests_keep_out_of_the_users_cache(tmp_path, write_json):
+    """The processes tests start get workers.ENV: a capture there, with HOME and XDG_CACHE_HOME moved to an empty
+    folder, writes into the session's own cache and nothing under the home (the user's ~/.cache)."""
+    from workers import ENV
+    assert ENV["TENSOROPT_CACHE_DIR"] == os.environ["TENSOROPT_CACHE_DIR"] != str(Path.home() / ".cache" / "tensoropt")
+    cache, home = Path(ENV["TENSOROPT_CACHE_DIR"]), tmp_path / "home"
+    home.mkdir()
+    before = set(cache.rglob("*"))
+    model = write_json("unique.json", {"family": "gpt", "hidden_size": 32, "num_layers": 1, "num_attention_heads": 2,
+                                       "ffn_hidden_size": 64, "seq_length": 8, "vocab_size": 72})
+    moved = {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    result = subprocess.run([sys.executable, "-m", "tensoropt", "inspect", "--model", model], capture_output=True,
+                            text=True, timeout=300, env=ENV | moved)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert set(cache.rglob("*")) > before and list(home.iterdir()) == []

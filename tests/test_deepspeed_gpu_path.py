@@ -100,6 +100,8 @@ def test_out_of_memory_while_the_plan_is_applied_exits_with_the_oom_status(tmp_p
     (tmp_path / "notes").mkdir()
     result = _launch(tmp_path, engine, zero, "--oom-in-init", env=env)
     assert result.returncode != 0
-    assert re.search(rf"exitcode\s*:\s*{OOM_EXIT_CODE}\b", result.stderr), result.stderr[-3000:]
+    # the launcher's one line names the first failing rank and its status (torchrun's report is in torchrun.log)
+    assert re.search(rf"^error: rank \d failed \(exit status {OOM_EXIT_CODE}\)", result.stderr, re.M), \
+        result.stderr[-3000:]
     notes = [json.loads(p.read_text()) for p in sorted((tmp_path / "notes").glob("failure-rank*.json"))]
     assert notes and all(n["kind"] == "oom" and n["step"] == 0 and "simulated" in n["message"] for n in notes), notes

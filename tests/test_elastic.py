@@ -12,7 +12,7 @@ import psutil
 import pytest
 from workers import ENV, GPT_SCRIPT
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 SCRIPT = GPT_SCRIPT
 STEPS = 12
 # between two plans (dp2 ZeRO 3 against one process) the parameters differ by ~5e-6 after 12 AdamW
@@ -51,6 +51,7 @@ def finish(proc):
     return [line for line in out.splitlines() if line.startswith("elastic:")]
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_killed_worker_resumes_from_the_last_checkpoint(reference, tmp_path):
     proc = start(tmp_path)
     wait_for_checkpoint(tmp_path, 4, proc)
@@ -66,6 +67,7 @@ def test_killed_worker_resumes_from_the_last_checkpoint(reference, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_shrink_and_grow_replan_and_reshard(reference, tmp_path):
     resources = tmp_path / "resources.json"
     resources.write_text(json.dumps({"gpus": 2}))
@@ -81,6 +83,7 @@ def test_shrink_and_grow_replan_and_reshard(reference, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_less_memory_per_device_replans(reference, tmp_path):
     resources = tmp_path / "resources.json"
     resources.write_text(json.dumps({"gpus": 2}))
@@ -95,6 +98,7 @@ def test_less_memory_per_device_replans(reference, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_out_of_memory_moves_to_a_plan_with_less_memory(reference, tmp_path):
     dry = subprocess.run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, "--device", "cpu", "--gpus", "2",
                           "--elastic", "--checkpoint-dir", tmp_path / "ckpt", "--dry-run", "--run-dir",
@@ -112,6 +116,7 @@ def test_out_of_memory_moves_to_a_plan_with_less_memory(reference, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_crash_while_checkpointing_keeps_the_previous_checkpoint(reference, tmp_path):
     env = {**ENV, "TENSOROPT_CRASH_IN_CHECKPOINT": "4"}                  # every attempt dies saving step 4
     proc = start(tmp_path, env=env, pause_s=0)

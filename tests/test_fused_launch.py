@@ -14,7 +14,7 @@ import pytest
 from conftest import EXAMPLES, REPO
 from workers import ENV, dry_run_plan, losses_alone, tensoropt_cli, tp2
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 FUSED, HF = str(REPO / "tests" / "train_fused.py"), str(EXAMPLES / "train_hf.py")
 
 CASES = {   # name: (script, its arguments, the branches tensor parallelism may shard)
@@ -33,6 +33,7 @@ def launch(script, plan, tmp_path, *args, checkpoint_dir=None) -> subprocess.Com
                          tmp_path / "run", *extra, "--", *args, cwd=tmp_path)
 
 
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("case", CASES)
 def test_fused_projections_train_under_the_launchers_tp2_plan_to_the_losses_alone(tmp_path, case):
     """``launch --tp 2``: the launcher's own choice among the tensor-parallel plans it offers for the model."""
@@ -57,6 +58,7 @@ def test_a_plan_sharding_a_hard_coded_split_stops_before_any_worker(tmp_path):
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_a_wrong_layout_is_caught_before_training(tmp_path):
     """plan.json's layout with the segments of the fused gate/up projection removed (as if the analysis had
     missed them): the workers' check of the sharded block against the whole one stops them in one line."""
@@ -82,6 +84,7 @@ def test_a_wrong_layout_is_caught_before_training(tmp_path):
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_checkpoints_of_reordered_projections_reshard_onto_other_plans(tmp_path):
     """2 steps under tp2 (fused projections held in segment order), then 2 more resumed under FSDP2 over dp2;
     and the other way round: each run continues the losses of the script run alone for 4 steps."""

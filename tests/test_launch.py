@@ -13,7 +13,7 @@ from workers import ENV, GPT_SCRIPT, losses_alone, tensoropt_cli
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 SCRIPT = GPT_SCRIPT
 
 
@@ -55,11 +55,13 @@ def _with(plan: Plan, zero: int, micro_batch: int, full_recompute: int, offload:
 @pytest.mark.parametrize("engine, zero, micro_batch, full_recompute, offload", [
     ("torch", 0, 4, 0, False),      # DDP
     ("torch", 2, 2, 2, False),      # FSDP2 without resharding (ZeRO 2), 2 accumulation steps, 2 of 4 layers recomputed
-    ("torch", 3, 1, 4, False),      # FSDP2 (ZeRO 3), 4 accumulation steps, every layer recomputed
+    # FSDP2 (ZeRO 3), 4 accumulation steps, every layer recomputed (dp2 mb1x4 zero3 [4xfull]): the plan node 0
+    # chooses and both nodes run in test_two_nodes_on_localhost_run_node_0s_plan, against the same reference
     ("deepspeed", 1, 2, 2, False),  # ZeRO 1, 2 accumulation steps, deepspeed.checkpointing on 2 of 4 layers
     ("deepspeed", 2, 4, 0, True),   # ZeRO 2 with the optimizer offloaded
     ("deepspeed", 3, 1, 4, False),  # ZeRO 3, 4 accumulation steps, every layer recomputed
 ])
+@pytest.mark.xdist_group("multiprocess")
 def test_two_workers_match_one_process(reference, chosen, tmp_path, engine, zero, micro_batch, full_recompute,
                                        offload):
     losses = _run_plan(_with(chosen, zero, micro_batch, full_recompute, offload), tmp_path, engine)
@@ -122,6 +124,7 @@ def test_dry_run_reuses_the_capture_until_a_source_changes(tmp_path):
     assert dry_run()[1] == 3                                     # an edited script is captured again
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_hugging_face_llama_script_launches_on_two_workers(tmp_path):
     script = str(EXAMPLES / "train_llama_hf.py")
     alone = losses_alone(script, tmp_path / "alone.json")
@@ -148,6 +151,7 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_two_nodes_on_localhost_run_node_0s_plan(reference, tmp_path):
     """Two launchers as node ranks 0 and 1 of one job. Left to itself node 1 would choose another plan (its
     objective differs); it runs node 0's, shared through the rendezvous, and the job trains as one."""

@@ -1,7 +1,7 @@
-"""Models built on the meta device, launched: real 2-worker CPU trainings whose workers shard the meta model
-and materialise only their part, against the same script run alone (materialised whole, same seed); the
-initialisation a meta-built model gets under each plan, against the script run alone with the model built for
-real; and the launcher's capture of a 70B-parameter script, which must never allocate its weights."""
+"""Models built on the meta device, launched: the initialisation a meta-built model gets under each plan (real
+2-worker CPU runs whose workers shard the meta model and materialise only their part), against the script run
+alone with the model built for real; and the launcher's capture of a 70B-parameter script, which must never
+allocate its weights. Meta-built models training to the losses of the script alone: tests/test_selective.py."""
 
 import dataclasses
 import json
@@ -13,57 +13,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import EXAMPLES
-from workers import ENV, GPT_SCRIPT, dry_run_plan, losses_alone, tensoropt_cli
+from workers import ENV, dry_run_plan, tensoropt_cli
 
 from tensoropt.cost.profile import load_profile
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 LARGE = str(EXAMPLES / "train_llama_large.py")
 INIT_SCRIPT = str(Path(__file__).parent / "init_parity.py")
-
-
-@pytest.fixture(scope="module")
-def chosen(tmp_path_factory):
-    return dry_run_plan(GPT_SCRIPT, tmp_path_factory.mktemp("dry"))
-
-
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    """The script run by hand with --meta: one process, the whole model materialised on the CPU."""
-    return losses_alone(GPT_SCRIPT, tmp_path_factory.mktemp("alone") / "losses.json", "--meta")
 
 
 def _blocks(recompute: str, copies: int) -> tuple[BlockPlan, ...]:
     return (BlockPlan("layers.*", ((LayerStrategy(recompute), copies),)),)
 
 
-PLANS = {   # name: (engine, changes to the 2-worker plan)
-    "ddp": ("torch", dict(dp=2, tp=1, pp=1, zero=0, micro_batch=4, tp_branches=(), blocks=_blocks("none", 4))),
-    "fsdp2-zero3": ("torch", dict(dp=2, tp=1, pp=1, zero=3, micro_batch=1, tp_branches=(), blocks=_blocks("full", 4))),
-    "tp2": ("torch", dict(dp=1, tp=2, pp=1, zero=0, micro_batch=4, tp_branches=("attn", "mlp"),
-                          blocks=_blocks("none", 4))),
-    "pipeline2": ("torch", dict(dp=1, tp=1, pp=2, zero=0, micro_batch=2, tp_branches=(), blocks=_blocks("none", 2))),
-    "deepspeed-zero3": ("deepspeed", dict(dp=2, tp=1, pp=1, zero=3, micro_batch=2, tp_branches=(),
-                                          blocks=_blocks("none", 4))),
-}
-
-
-@pytest.mark.parametrize("name", PLANS)
-def test_meta_built_model_trains_as_materialised_by_hand(chosen, alone, tmp_path, name):
-    engine, changes = PLANS[name]
-    plan = dataclasses.replace(chosen, virtual_stages=1, offload=False, **changes)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
-                           "--run-dir", tmp_path / "run", "--", "--steps", 3, "--meta", "--out", tmp_path / "out.json",
-                           cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "out.json").read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), engine)
-    assert (data["device"], data["parameter_devices"]) == ("cpu", ["cpu"])
-    assert json.loads((tmp_path / "run" / "plan.json").read_text())["device"] == "cpu"
-    np.testing.assert_allclose(data["losses"], alone, rtol=2e-5)
+# A meta-built GPT trains under DDP, FSDP2 ZeRO 3, tp2, a 2-stage pipeline and DeepSpeed ZeRO 3 to the losses of the
+# script alone: tests/test_selective.py::test_selective_plans_train_to_the_losses_of_the_script_alone launches its
+# selective plans of those five layouts with --meta (one run asserts both), checking the workers' device as here.
 
 
 INIT_PLANS = {   # name: changes to the 2-worker plan of init_parity.py (global batch 4)
@@ -88,6 +54,7 @@ def init_reference(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("name", INIT_PLANS)
 def test_meta_built_models_get_the_values_of_apply_on_the_models_built_for_real(init_plan, init_reference, tmp_path,
                                                                                 name):

@@ -63,9 +63,9 @@ def _small_gpt() -> DecoderLM:
                                        seq_length=16, vocab_size=64))
 
 
-def _plan(pp: int, copies: int) -> dict:
-    return {"pp": pp, "blocks": [{"block": "layers.*", "strategies": [
-        {"recompute": "none", "sequence_parallel": False, "copies": copies}]}]}
+def _plan(pp: int, copies: int) -> Plan:
+    return Plan(devices=pp, dp=1, tp=1, pp=pp, micro_batch=1, global_batch=pp,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), copies),)),))
 
 
 def test_four_relayed_stages_compute_the_model():

@@ -10,10 +10,10 @@ from tensoropt.search.engines import choose_engine, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 
-def _plan(**change) -> dict:
+def _plan(**change) -> Plan:
     base = Plan(devices=4, dp=2, tp=1, pp=2, micro_batch=2, global_batch=8, zero=0, offload=False,
                 blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 1))),))
-    return dataclasses.replace(base, **change).to_json()
+    return dataclasses.replace(base, **change)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

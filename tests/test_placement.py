@@ -15,6 +15,8 @@ from tensoropt.cost.profile import load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.device import check_placement, misplaced, to_device, worker_device
 from tensoropt.runtime.run import Run
+from tensoropt.space.plan import Plan
+from tensoropt.space.run_plan import RunPlan
 
 META, CPU = torch.device("meta"), torch.device("cpu")
 
@@ -48,18 +50,22 @@ def test_train_step_refuses_a_model_moved_away_after_parallelize():
     model = nn.Linear(4, 1)
     _, _, run = tensoropt.parallelize(model, lambda p: torch.optim.SGD(p, lr=0.1), example_inputs=torch.ones(1, 4),
                                       global_batch=2)
-    run.plan, run.device = {"summary": "dp1"}, torch.device("cuda", 0)              # as a GPU worker's run
+    run.plan, run.device = _run_plan("cuda"), torch.device("cuda", 0)              # as a GPU worker's run
     with pytest.raises(TensorOptError, match="weight .cpu., bias .cpu. not on cuda:0"):
         run.train_step(torch.ones(2, 4))
 
 
+def _run_plan(device: str) -> RunPlan:
+    return RunPlan(Plan(devices=1, dp=1, tp=1, pp=1, micro_batch=1, global_batch=1), device=device)
+
+
 def test_the_plan_names_the_device_kind():
-    assert worker_device({"device": "cpu"}) == CPU
+    assert worker_device(_run_plan("cpu")) == CPU
     with pytest.raises(TensorOptError, match="plan device 'tpu' is unknown"):
-        worker_device({"device": "tpu"})
+        _run_plan("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(TensorOptError, match=r"the plan trains on GPUs, but worker 0 sees 0 GPU\(s\)"):
-            worker_device({"device": "cuda"})
+            worker_device(_run_plan("cuda"))
 
 
 def test_a_full_device_is_one_line_before_any_worker_starts(write_json):

@@ -17,10 +17,10 @@ from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 
-def _plan(**change) -> dict:
+def _plan(**change) -> Plan:
     base = Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=2, global_batch=8, zero=0, offload=False,
                 blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 3))),))
-    return dataclasses.replace(base, **change).to_json()
+    return dataclasses.replace(base, **change)
 
 
 def test_the_plan_decides_the_engine():
@@ -56,7 +56,7 @@ def test_deepspeed_config_trains_a_bf16_model_in_the_precision_it_was_priced_in(
     assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
                             "check_grad_overflow": False}
     assert bf16["data_types"] == {"grad_accum_dtype": "bf16"}
-    single = dict(_plan(dtype="bfloat16", zero=1, devices=1, dp=1))       # DeepSpeedConfig checks one process
+    single = _plan(dtype="bfloat16", zero=1, devices=1, dp=1)       # DeepSpeedConfig checks one process
     parsed = DeepSpeedConfig(deepspeed_config(single))
     assert parsed.bfloat16_config.enabled and not parsed.bfloat16_config.bf16_master_weights_and_grads
     assert not parsed.float16_config.enabled and parsed.grad_accum_dtype == "bf16"
@@ -74,7 +74,7 @@ def test_launcher_front_is_pareto_and_every_point_runs_on_its_engine(write_json)
     engines = {engine for _, engine in front}
     assert front and engines <= {"torch", "deepspeed"}
     for point, engine in front:
-        assert not unsupported(point.plan.to_json(), engine)
+        assert not unsupported(point.plan, engine)
         assert point.plan.dtype == graph.params[0][1].dtype               # planned in the precision it trains in
         # the torch engine trains bf16 weights in bf16; DeepSpeed's ZeRO optimizer keeps float32 partitions
         assert point.plan.master_weights == (engine == "deepspeed")
@@ -94,7 +94,7 @@ def test_a_given_plan_is_priced_for_this_model_and_these_devices(write_json):
     from tensoropt.graph.fold import fold
     graph = capture(write_json("gpt.json", SMALL_GPT), batch_size=1, seq_len=32).graph
     devices = Devices("cuda", 2, 80 * 2**30, load_profile("h100-80gb"))
-    plan = Plan.from_json(_plan(zero=2, master_weights=True))
+    plan = _plan(zero=2, master_weights=True)
     priced = price(graph, devices, 2, plan, "torch", "bf16-mixed")
     expected = estimate(ModelCost(graph, fold(graph), Cluster(2, 2, devices.profile)),
                         dataclasses.replace(plan, master_weights=False, precision="bf16-mixed"))

@@ -11,6 +11,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from workers import GPT_SCRIPT, dry_run_plan, launched_with_plan, tensoropt_cli
 
 import tensoropt
 from tensoropt.cost.model import ModelCost
@@ -18,7 +19,7 @@ from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.selective import selective_wrapper
-from tensoropt.space.plan import BlockPlan, LayerStrategy
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 BATCH, SEQ = 2, 64
 
@@ -127,9 +128,8 @@ def test_the_engine_wraps_each_copy_as_its_strategy_says():
     from tensoropt.runtime.selective import selective_checkpoint
     model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
                                         seq_length=16, vocab_size=64))
-    plan = {"pp": 1, "blocks": [{"block": "layers.*", "strategies": [
-        {"recompute": r, "sequence_parallel": False, "copies": n} for r, n in (("selective", 2), ("full", 1),
-                                                                               ("none", 1))]}]}
+    plan = Plan(devices=1, dp=1, tp=1, pp=1, micro_batch=1, global_batch=1, blocks=(BlockPlan("layers.*", tuple(
+        (LayerStrategy(r), n) for r, n in (("selective", 2), ("full", 1), ("none", 1)))),))
     apply_recompute(model, plan)
     kinds = [getattr(getattr(layer, "checkpoint_fn", None), "func", None) for layer in model.layers]
     assert kinds[:2] == [selective_checkpoint] * 2 and kinds[2] is torch.utils.checkpoint.checkpoint
@@ -139,23 +139,19 @@ def test_the_engine_wraps_each_copy_as_its_strategy_says():
 # --- real workers: tensoropt launch --plan with selective copies trains to the script's own losses ---
 
 def _launched(plan, tmp_path, engine: str) -> list[float]:
-    from workers import GPT_SCRIPT, tensoropt_cli
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan.to_json()))
-    out = tmp_path / "losses.json"
-    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", plan.devices, "--plan", path, "--engine",
-                           engine, "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    """The launched run of ``plan`` on a model the script builds on the meta device (``--meta``): each worker
+    materialises its own part, on the CPU, and the losses must be those of the script alone with the model built
+    for real (the same values: ``init_fn`` on the materialised part). These five runs are also the suite's
+    meta-built trainings under DDP, FSDP2 ZeRO 3, tp2, pp2 and DeepSpeed ZeRO 3."""
+    data = launched_with_plan(plan, tmp_path, plan.devices, GPT_SCRIPT, "--meta", engine=engine)
     copies = sum(n for b in plan.blocks for s, n in b.strategies if s.recompute == "selective")
-    assert f"attention core recomputed (selective) in {copies} block copies" in result.stdout
-    data = json.loads(out.read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), engine)
+    assert f"attention core recomputed (selective) in {copies} block copies" in data["stdout"]
+    assert (data["device"], data["parameter_devices"]) == ("cpu", ["cpu"]) and data["written"]["device"] == "cpu"
     return data["losses"]
 
 
 @pytest.fixture(scope="module")
 def dry_plan(tmp_path_factory):
-    from workers import GPT_SCRIPT, dry_run_plan
     return dry_run_plan(GPT_SCRIPT, tmp_path_factory.mktemp("dry"))
 
 
@@ -184,7 +180,6 @@ def test_selective_plans_train_to_the_losses_of_the_script_alone(reference, dry_
 @pytest.mark.xdist_group("multiprocess")
 def test_the_launcher_chooses_selective_plans_and_they_train(reference, tmp_path):
     """``--recompute selective`` leaves the launcher only selective plans: it finds one it can run and runs it."""
-    from workers import GPT_SCRIPT, tensoropt_cli
     out = tmp_path / "losses.json"
     result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--recompute", "selective",
                            "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, cwd=tmp_path)

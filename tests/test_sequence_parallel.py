@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import EXAMPLES, REPO
 from torch import nn
-from workers import ENV, dry_run_plan, losses_alone, tensoropt_cli, tp2
+from workers import ENV, dry_run_plan, launched_with_plan, losses_alone, tp2
 
 import tensoropt
 from tensoropt.cost.model import ModelCost, estimate
@@ -89,26 +89,17 @@ def test_a_plan_running_a_position_mixing_stream_sequence_parallel_does_not_fit_
 
 
 def test_torch_runs_sequence_parallel_plans_and_deepspeed_refuses_them():
-    plan = {"tp": 2, "pp": 1, "dp": 1, "devices": 2, "zero": 0, "offload": False, "virtual_stages": 1,
-            "blocks": [{"block": "layers.*", "strategies": [{"recompute": "none", "sequence_parallel": True,
-                                                               "copies": 4}]}]}
+    plan = Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=1, global_batch=1,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("none", True), 4),)),))
     assert unsupported(plan, "torch") == []
     assert "sequence parallelism" in unsupported(plan, "deepspeed")
 
 
-def _launch(script, plan: Plan, tmp_path, *script_args) -> list[float]:
-    """``tensoropt launch --plan`` for 3 steps; the losses rank 0 wrote."""
-    name = plan.summary().replace(" ", "_").replace("[", "").replace("]", "").replace(",", "_")
-    path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
-    path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", plan.devices, "--plan", path, "--engine",
-                           "torch", "--run-dir", tmp_path / f"run-{name}", "--", "--steps", 3, "--out", out,
-                           *script_args, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "sequence parallel in" in result.stdout
-    data = json.loads(out.read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
-    return data["losses"]
+def _launch(script, plan: Plan, tmp_path, *script_args) -> dict:
+    """``tensoropt launch --plan`` for 3 steps: rank 0's output (and the plan.json the workers got)."""
+    data = launched_with_plan(plan, tmp_path, plan.devices, script, *script_args)
+    assert "sequence parallel in" in data["stdout"]
+    return data
 
 
 def _with(plan: Plan, *strategies: tuple[str, bool, int], **changes) -> Plan:
@@ -152,29 +143,39 @@ def test_gpt_tp2_sequence_parallel_matches_one_process(tmp_path):
     (tmp_path / "dry").mkdir()
     base = tp2(dry_run_plan(GPT, tmp_path / "dry"), ("attn", "mlp"), micro_batch=4)
     every = _with(base, ("full", True, 1), ("none", True, 3))
-    np.testing.assert_allclose(_launch(GPT, every, tmp_path), alone, rtol=2e-5)
+    np.testing.assert_allclose(_launch(GPT, every, tmp_path)["losses"], alone, rtol=2e-5)
     mixed = _with(base, ("none", False, 2), ("full", True, 1), ("none", True, 1), tp_branches=("mlp",))
-    np.testing.assert_allclose(_launch(GPT, mixed, tmp_path), alone, rtol=2e-5)
+    np.testing.assert_allclose(_launch(GPT, mixed, tmp_path)["losses"], alone, rtol=2e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_hugging_face_llama_tp2_mixed_sequence_parallel_matches_one_process(tmp_path):
-    """Separate q/k/v (one gather for the three) and gate/up projections, RMSNorm weights as replicated DTensors."""
+    """Separate q/k/v (one gather for the three) and gate/up projections, RMSNorm weights as replicated DTensors.
+    Grouped-query attention (4 query heads on 2 key/value heads: each rank runs 2 query heads on its one key/value
+    head), in the tensor-parallel copy first and the SP copies after it: this run was also
+    tests/test_tensor_parallel.py's LLaMA GQA case."""
     alone = losses_alone(LLAMA, tmp_path / "alone.json")
     (tmp_path / "dry").mkdir()
     base = tp2(dry_run_plan(LLAMA, tmp_path / "dry"), ("self_attn", "mlp"), micro_batch=4)
     plan = _with(base, ("none", False, 1), ("full", True, 1), ("none", True, 2))
-    np.testing.assert_allclose(_launch(LLAMA, plan, tmp_path), alone, rtol=2e-5)
+    launched = _launch(LLAMA, plan, tmp_path)
+    assert "tensor parallel 2" in launched["stdout"] and launched["written"]["tp_layout"]
+    np.testing.assert_allclose(launched["losses"], alone, rtol=2e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_gpt_tp2_sequence_parallel_with_fsdp2_over_dp2_matches_one_process(tmp_path):
     """4 workers: FSDP2 (ZeRO 3) over dp reduces the norms' gradients, partial over the sequence shares, on the
-    tensor-parallel axis too; foreach AdamW over DTensors of both meshes."""
+    tensor-parallel axis too; foreach AdamW over DTensors of both meshes. The first copy runs tensor-parallel
+    without SP, and the vocabulary-split embedding and head are sharded by FSDP2 too: this one run is also
+    tensor parallelism with FSDP2 over dp2 (it replaced such runs in tests/test_tensor_parallel.py and
+    tests/test_vocab_parallel.py)."""
     alone = losses_alone(GPT, tmp_path / "alone.json", "--foreach")
     (tmp_path / "dry").mkdir()
     base = tp2(dry_run_plan(GPT, tmp_path / "dry", devices=4), ("attn", "mlp"), micro_batch=2)
     plan = _with(base, ("full", False, 1), ("full", True, 1), ("none", True, 2), dp=2, zero=3)
-    np.testing.assert_allclose(_launch(GPT, plan, tmp_path, "--foreach"), alone, rtol=2e-5)
+    launched = _launch(GPT, plan, tmp_path, "--foreach")
+    assert "tensor parallel 2" in launched["stdout"] and launched["written"]["vocab_parallel"]["enabled"]
+    np.testing.assert_allclose(launched["losses"], alone, rtol=2e-5)

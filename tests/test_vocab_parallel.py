@@ -1,8 +1,9 @@
 """The vocabulary split over tensor-parallel ranks (embedding, LM head, cross-entropy under ``loss_parallel``):
 which models allow it, read from the captured graph; the cost model pricing the layout that runs (split, or
-replicated where the model or the degree refuses it); and real 2- and 4-worker gloo runs training to the losses of
+replicated where the model or the degree refuses it); and real 2-worker gloo runs training to the losses of
 the script run alone, with whole weights out of ``full_state_dict`` and checkpoints."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -23,6 +24,8 @@ from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.vocab_parallel import apply_vocab_parallel, check_vocab, vocab_entry
+from tensoropt.space.plan import Plan
+from tensoropt.space.run_plan import RunPlan, VocabSplit
 from tensoropt.space.tp_check import check_tensor_parallel, with_tp_checks
 from tensoropt.space.vocab import check_vocab_modules, vocab_layout, with_vocab_check
 
@@ -95,7 +98,7 @@ def test_the_head_is_priced_as_it_runs():
 
 def test_the_runtime_refuses_a_layout_the_model_does_not_have():
     """Hand-edited or stale plans stop in one line before anything is sharded."""
-    entry = {"enabled": True, "embedding": "embed", "head": "head", "tied": False, "vocab": 128}
+    entry = VocabSplit(True, embedding="embed", head="head", tied=False, vocab=128)
     embedding, head = nn.Embedding(128, H), nn.Linear(H, 128, bias=False)
     check_vocab(entry, embedding, head, 2)
     with pytest.raises(TensorOptError, match="does not divide the vocabulary of 128"):
@@ -105,14 +108,15 @@ def test_the_runtime_refuses_a_layout_the_model_does_not_have():
     head.weight = embedding.weight
     with pytest.raises(TensorOptError, match="not tied"):
         check_vocab(entry, embedding, head, 2)
-    assert not vocab_entry({})["enabled"]                          # written without one: replicated
+    plan = RunPlan(Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=1, global_batch=1))
+    assert not vocab_entry(plan).enabled                           # written without one: replicated
     with pytest.raises(TensorOptError, match="a ScaledHead where an Linear was captured"):
         model = gpt()
         model.head = ScaledHead(128)
-        apply_vocab_parallel(model, {"vocab_parallel": entry}, None)
+        apply_vocab_parallel(model, dataclasses.replace(plan, vocab_parallel=entry), None)
 
 
-# ---- real workers (5 launches) ----------------------------------------------------------------------------
+# ---- real workers (3 launches) ----------------------------------------------------------------------------
 
 def launch(script, tmp_path, *args, devices: int = 2, plan=None, script_args=()) -> dict:
     """``tensoropt launch`` (``--tp 2``, or ``plan``) for 3 steps; the plan.json it wrote and rank 0's output."""
@@ -131,15 +135,22 @@ def launch(script, tmp_path, *args, devices: int = 2, plan=None, script_args=())
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_gpt_tp2_splits_the_tied_vocabulary_and_saves_whole_weights(tmp_path):
-    """The built-in GPT (tied embedding and head) under the launcher's tp2 plan: its losses, its final weights
-    gathered by ``full_state_dict``, and the weights of its last checkpoint loaded into the model built whole,
-    all equal the script run alone."""
-    alone = losses_alone(GPT, tmp_path / "alone.json", "--save-params", tmp_path / "alone.npy")
+    """The built-in GPT (tied embedding and head) under tp2 with both branches sharded, 2 micro-batches accumulated,
+    2 of 4 layers recomputed and AdamW's foreach kernels (CUDA's default, which refuse a parameter list mixing the
+    sharded linears' DTensors and the plain norms): its losses, its final weights gathered by ``full_state_dict``,
+    and the weights of its last checkpoint loaded into the model built whole, all equal the script run alone.
+    (This run was also tests/test_tensor_parallel.py's GPT tp2 case; the launcher's own --tp 2 choice is launched
+    below and in tests/test_fused_launch.py.)"""
+    alone = losses_alone(GPT, tmp_path / "alone.json", "--foreach", "--save-params", tmp_path / "alone.npy")
+    (tmp_path / "dry").mkdir()
+    plan = tp2(dry_run_plan(GPT, tmp_path / "dry"), ("attn", "mlp"), micro_batch=4, full_recompute=2)
     ckpt = tmp_path / "ckpt"
-    run = launch(GPT, tmp_path, "--checkpoint-dir", ckpt, "--checkpoint-every", 3,
-                 script_args=("--save-params", tmp_path / "tp.npy"))
+    run = launch(GPT, tmp_path, "--checkpoint-dir", ckpt, "--checkpoint-every", 3, plan=plan,
+                 script_args=("--foreach", "--save-params", tmp_path / "tp.npy"))
     assert run["tp"] == 2 and run["vocab_parallel"] == {"enabled": True, "embedding": "embed", "head": "head",
                                                         "tied": True, "vocab": 128}
+    assert (run["out"]["plan"], run["out"]["engine"]) == (plan.summary(), "torch")
+    assert "tensor parallel 2" in run["stdout"] and run["tp_layout"], "the workers must be told which linears to shard"
     assert "vocabulary split over tp" in run["stdout"]
     np.testing.assert_allclose(run["out"]["losses"], alone, rtol=2e-5)
     # AdamW divides each gradient by its own running size, so a weight whose gradient is near float32 rounding
@@ -169,17 +180,8 @@ def test_hugging_face_gpt2_tied_embeddings_tp2(tmp_path):
     np.testing.assert_allclose(run["out"]["losses"], alone, rtol=2e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("multiprocess")
-def test_gpt_dp2_tp2_fsdp2_splits_the_vocabulary(tmp_path):
-    """4 workers: FSDP2 (ZeRO 3) over dp2 on top of the vocabulary-split embedding and head over tp2."""
-    import dataclasses
-    alone = losses_alone(GPT, tmp_path / "alone.json", "--foreach")
-    (tmp_path / "dry").mkdir()
-    plan = tp2(dry_run_plan(GPT, tmp_path / "dry", devices=4), ("attn", "mlp"), micro_batch=2)
-    run = launch(GPT, tmp_path, devices=4, plan=dataclasses.replace(plan, dp=2, zero=3), script_args=("--foreach",))
-    assert run["vocab_parallel"]["enabled"]
-    np.testing.assert_allclose(run["out"]["losses"], alone, rtol=2e-5)
+# FSDP2 (ZeRO 3) over dp2 on top of the vocabulary-split embedding and head over tp2 (4 workers) is asserted by
+# tests/test_sequence_parallel.py::test_gpt_tp2_sequence_parallel_with_fsdp2_over_dp2_matches_one_process.
 
 
 @pytest.mark.slow

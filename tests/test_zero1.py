@@ -18,9 +18,11 @@ from tensoropt.cost.model import ModelCost, estimate, state_bytes
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.graph.fold import fold
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.torch_engine import apply, fsdp_micro_batch
+from tensoropt.runtime.data_parallel import fsdp_micro_batch
+from tensoropt.runtime.torch_engine import apply
 from tensoropt.search.engines import ENGINE_SPACES, choose_engine, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+from tensoropt.space.run_plan import RunPlan
 
 LAYERS = 2
 BLOCKS = (BlockPlan("layers.*", ((LayerStrategy("none"), LAYERS),)),)
@@ -37,10 +39,10 @@ def _plan(precision: str, **change) -> Plan:
 def test_the_torch_engine_runs_zero1_plans():
     assert 1 in ENGINE_SPACES["torch"]["zero_stages"]
     for change in [{}, dict(devices=4, pp=2), dict(devices=4, tp=2, tp_branches=("attn",))]:
-        plan = _plan("32-true", **change).to_json()
+        plan = _plan("32-true", **change)
         assert unsupported(plan, "torch") == [] and choose_engine(plan) == "torch", change
-    assert unsupported(_plan("32-true", offload=True).to_json(), "torch") == ["optimizer offload"]
-    assert unsupported(_plan("32-true", devices=4, tp=2, zero=0).to_json(), "torch") == [
+    assert unsupported(_plan("32-true", offload=True), "torch") == ["optimizer offload"]
+    assert unsupported(_plan("32-true", devices=4, tp=2, zero=0), "torch") == [
         "tensor and data parallelism without ZeRO 1, 2 or 3"]
 
 
@@ -101,7 +103,7 @@ def test_zero1_holds_what_is_priced(one_rank):
     torch.manual_seed(0)
     model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
                                         seq_length=16, vocab_size=64))
-    plan = _plan("bf16-mixed", devices=1, dp=1, micro_batch=1, global_batch=2).to_json()
+    plan = RunPlan(_plan("bf16-mixed", devices=1, dp=1, micro_batch=1, global_batch=2))
     model, _, _ = apply(model, None, plan, torch.device("cpu"))
     params = _fsdp_params(model)
     assert params

@@ -110,7 +110,7 @@ def main() -> None:
             torch.save(params, args.save_params)
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine}, f)
+            json.dump({"losses": losses, "plan": run.plan and run.plan.summary(), "engine": run.engine}, f)
     run.close()
 
 

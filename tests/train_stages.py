@@ -38,7 +38,7 @@ def main() -> None:
     mesh_dims = {name: p.device_mesh.ndim if hasattr(p, "device_mesh") else 0 for name, p in model.named_parameters()}
     if run.rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"], "engine": run.engine,
+            json.dump({"losses": losses, "plan": run.plan and run.plan.summary(), "engine": run.engine,
                        "local_shapes": shapes, "replicated": replicated, "mesh_dims": mesh_dims}, f)
     run.close()
 

@@ -47,7 +47,7 @@ def main() -> None:
     losses = [run.train_step((inputs[step], targets[step])) for step in range(args.steps)]
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "plan": run.plan and run.plan["summary"]}, f)
+            json.dump({"losses": losses, "plan": run.plan and run.plan.summary()}, f)
     run.close()
 
 

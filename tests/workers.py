@@ -49,14 +49,17 @@ def tp2(plan: Plan, branches: tuple[str, ...], micro_batch: int, full_recompute:
                                micro_batch=micro_batch, global_batch=8, blocks=(BlockPlan(block.block, strategies),))
 
 
-def launched_with_plan(plan: Plan, tmp_path, devices: int, script: str = GPT_SCRIPT) -> dict:
-    """What rank 0 of ``script --steps 3`` wrote when launched on ``devices`` CPU workers with ``plan`` given by
-    ``--plan``; the run is checked to have used that plan on the torch engine."""
+def launched_with_plan(plan: Plan, tmp_path, devices: int, script: str = GPT_SCRIPT, *script_args,
+                       engine: str = "torch") -> dict:
+    """What rank 0 of ``script --steps 3 *script_args`` wrote when launched on ``devices`` CPU workers with
+    ``plan`` given by ``--plan`` on ``engine``, checked to have run that plan there; with the launcher's output
+    (``"stdout"``) and the plan.json it handed the workers (``"written"``)."""
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
-    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--plan", path, "--run-dir",
-                           tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--plan", path, "--engine", engine,
+                           "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json",
+                           *script_args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), "torch")
-    return data
+    assert (data["plan"], data["engine"]) == (plan.summary(), engine)
+    return data | {"stdout": result.stdout, "written": json.loads((tmp_path / "run" / "plan.json").read_text())}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import re
 from dataclasses import dataclass
 
 import click
@@ -17,37 +16,13 @@ from ..graph.fold import FoldedGraph, fold
 from ..graph.ir import OpGraph
 from ..search.limits import Limits
 from ..space.plan import RECOMPUTE
+from ..units import parse_bytes  # noqa: F401  (re-exported: the commands parse sizes with it)
 
 # sane upper bounds on counts: far above any cluster planned today (the largest have ~10^5 GPUs), far below what
 # would make a search loop for minutes over divisors (``--gpus 1000000000`` did)
 MAX_DEVICES = 2**17
 MAX_DEVICES_PER_NODE = 1024
 MAX_GLOBAL_BATCH = 2**24
-# a size per device above this is a typo (a unit missing or doubled): no device holds a pebibyte
-MAX_BYTES = 2**50
-
-_UNITS = {"": None, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "pb": 1e15,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
-          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_bytes(text: str | int, flag: str = "--mem") -> float:
-    """'40GiB', '40 GB', '4e10B' -> bytes. A whole number without a unit ('45936257537') is a byte count,
-    as everywhere else (DeepSpeed configs, torch); a fraction needs a unit. A size must be above 0 and at most
-    ``MAX_BYTES``."""
-    text = str(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match and not match.group(2) and match.group(1).isdigit():
-        size = float(int(match.group(1)))
-    elif not match or unit not in _UNITS or _UNITS[unit] is None:
-        raise TensorOptError(f"{flag} {text!r}: give a size with a unit, e.g. 40GiB, 80GB or 512MiB, "
-                             "or a whole number of bytes")
-    else:
-        size = float(match.group(1)) * _UNITS[unit]
-    if not 0 < size <= MAX_BYTES:
-        raise TensorOptError(f"{flag} {text!r}: give a size above 0 and at most 1 PiB per device, e.g. 40GiB")
-    return size
 
 
 def check_counts(**counts: int | None) -> None:

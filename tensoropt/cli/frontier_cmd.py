@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import json
-import time
 from pathlib import Path
 
 import click
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ..api import capture
+from ..cost.profile import Cluster, load_profile
 from ..errors import TensorOptError
 from ..frontier import Frontier, load_frontier, plot_frontier
 from ..graph.cache import write_json_atomic
 from ..paths import PLOT_SUFFIXES, check_output_file
-from ..search.ft import SearchSpace, search
+from ..planning import NoPlanError, NoPlanFitsError, plan
 from ..search.limits import NO_LIMITS, Limits
-from ..search.pareto import nondominated
-from .common import check_counts, limit_options, load, model_options, parse_bytes, parse_gpus
+from .common import check_counts, limit_options, model_options, parse_bytes, parse_gpus
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 
@@ -27,37 +27,27 @@ DEFAULT_GLOBAL_BATCH = 512
 
 def run_search(model: str, gpus: list[int], per_node: int, device: str, global_batch: int, seq_len: int | None,
                no_fold: bool, limits: Limits = NO_LIMITS) -> Frontier:
-    loaded = load(model, device, seq_len)
-    start = time.perf_counter()
-    points = []
-    space = limits.restrict(SearchSpace(global_batch=global_batch))
-    for n in gpus if space is not None else ():
-        cost = loaded.model_cost(n, per_node)
-        points += search(cost, n, space, doubling=not no_fold).points
-    if not points and limits:
-        raise TensorOptError(f"no plan for {model} on {gpus} devices respects {limits.flags()} with --global-batch "
-                             f"{global_batch}: relax the limits")
-    if not points:
+    """``tensoropt.plan`` for the command's flags: the planner's whole space, only plans that fit the profile's
+    memory (a plan the devices cannot hold is not a plan), each failure one line."""
+    profile = load_profile(device)
+    captured = capture(model, seq_len=seq_len)
+    # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the
+    # search (a full collection there cost gpt3-175b's search ~70 ms, a third of it)
+    gc.freeze()
+    clusters = [Cluster(n, min(per_node, n), profile) for n in gpus]
+    try:
+        return plan(captured, clusters, global_batch=global_batch, limits=limits, fold_blocks=not no_fold)
+    except NoPlanError:
+        if limits:
+            raise TensorOptError(f"no plan for {model} on {gpus} devices respects {limits.flags()} with "
+                                 f"--global-batch {global_batch}: relax the limits") from None
         raise TensorOptError(f"no plan runs {model} on {gpus} devices with --global-batch {global_batch}: "
-                             "make the global batch a multiple of the data-parallel degrees you allow")
-    capacity = loaded.profile.memory_bytes
-    fitting = [p for p in points if p.peak_memory_bytes <= capacity]
-    if not fitting:
-        least = min(p.peak_memory_bytes for p in points)
-        raise TensorOptError(f"no plan for {model} on {gpus} x {loaded.profile.name} fits the device's "
-                             f"{binary_bytes(capacity)}; the least memory any plan needs is {binary_bytes(least)}"
-                             + (f" within {limits.flags()}" if limits else "")
-                             + " (add devices or pick a larger device profile)")
-    points = fitting                      # a plan the devices cannot hold is not a plan
-    values = np.array([[p.iteration_time_s, p.peak_memory_bytes, p.plan.devices] for p in points])
-    keep = sorted(nondominated(values), key=lambda i: (values[i, 0], values[i, 1]))
-    seconds = time.perf_counter() - start
-    graph = loaded.graph
-    batch = int(graph.meta("batch_size") or 1)
-    return Frontier(graph.name, tuple(gpus), per_node, loaded.profile.name, global_batch,
-                    int(graph.meta("seq_len") or 0) or None, graph.flops_per_iteration / batch,
-                    loaded.profile.peak("bfloat16"), tuple(points[i] for i in keep), seconds,
-                    loaded.capture_seconds, loaded.folding)
+                             "make the global batch a multiple of the data-parallel degrees you allow") from None
+    except NoPlanFitsError as exc:
+        raise TensorOptError(f"no plan for {model} on {gpus} x {profile.name} fits the device's "
+                             f"{binary_bytes(exc.budget_bytes)}; the least memory any plan needs is "
+                             f"{binary_bytes(exc.least_memory_bytes)}" + (f" within {limits.flags()}" if limits else "")
+                             + " (add devices or pick a larger device profile)") from None
 
 
 def _check_load(ctx: click.Context, limits: Limits) -> None:

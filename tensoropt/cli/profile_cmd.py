@@ -55,7 +55,7 @@ def profile(device: str, model: str | None, nproc: int | None, link_profile: str
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   transient=True) as progress:
         task = progress.add_task("profiling", total=total_steps(settings) + len(ops))
-        advance = lambda what: progress.update(task, advance=1, description=what)   # noqa: E731
+        advance = _stages(lambda what: progress.update(task, advance=1, description=what), progress.console)
         data = run(out.stem, settings, advance)
         if ops:
             data["op_times"], skipped = calibrate_ops(ops, settings, advance)
@@ -64,6 +64,21 @@ def profile(device: str, model: str | None, nproc: int | None, link_profile: str
     DeviceProfile.from_json(data)                    # the cost model can read what we write
     write_json_atomic(out, data)                     # all or nothing: an interrupted run writes nothing
     _summary(data, out)
+
+
+def _stages(update, console):
+    """The progress callback; where no terminal shows the bar (a log, a pipe), each kind of step (its first
+    word: matmul, all_reduce, ...) is also one line on stderr when it first ends, so a log says how far the run
+    got."""
+    seen: set[str] = set()
+
+    def advance(what: str) -> None:
+        update(what)
+        kind = what.split(" ", 1)[0]
+        if not console.is_terminal and kind not in seen:
+            seen.add(kind)
+            click.echo(f"profiling: {what}", err=True)
+    return advance
 
 
 def _visible(device: str) -> int:

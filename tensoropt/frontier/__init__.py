@@ -29,6 +29,11 @@ class Frontier:
     search_seconds: float = 0.0
     capture_seconds: float = 0.0
     folding: dict = field(default_factory=dict)
+    engines: tuple[str, ...] = ()      # the engine that runs each point, where planned for engines (``plan``)
+
+    def engine_of(self, p: FrontierPoint) -> str | None:
+        """The engine that runs ``p`` (None for a frontier of the planner's whole space)."""
+        return next((e for q, e in zip(self.points, self.engines) if q is p), None)
 
     def tokens_per_s(self, p: FrontierPoint) -> float | None:
         return self.global_batch * self.seq_len / p.iteration_time_s if self.seq_len else None
@@ -47,9 +52,10 @@ class Frontier:
         return min(p.peak_memory_bytes for p in self.points)
 
     def point_json(self, p: FrontierPoint) -> dict[str, Any]:
+        engine = self.engine_of(p)
         return {"iteration_time_s": p.iteration_time_s, "peak_memory_bytes": int(p.peak_memory_bytes),
                 "devices": p.plan.devices, "tokens_per_s": self.tokens_per_s(p), "mfu": self.mfu(p),
-                "plan": p.plan.to_json()}
+                "plan": p.plan.to_json()} | ({"engine": engine} if engine else {})
 
     def to_json(self, chosen: FrontierPoint | None = None) -> dict[str, Any]:
         return {
@@ -74,7 +80,8 @@ class Frontier:
         return Frontier(d["model"], tuple(d["devices"]), int(d["devices_per_node"]), d["device_profile"],
                         int(d["global_batch"]), d.get("seq_len"), float(d["flops_per_sample"]),
                         float(d["peak_flops_per_device"]), points, float(d.get("search_seconds", 0.0)),
-                        float(d.get("capture_seconds", 0.0)), d.get("folding", {}))
+                        float(d.get("capture_seconds", 0.0)), d.get("folding", {}),
+                        tuple(p["engine"] for p in d["points"]) if all("engine" in p for p in d["points"]) else ())
 
 
 def load_frontier(path: str | Path) -> Frontier:

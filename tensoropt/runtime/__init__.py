@@ -15,7 +15,8 @@ The one call a training script makes, and the one call per step::
   precision the script trains in); nothing trains. A forward that does not return the loss is a one-line
   error here, before any worker starts (``graph.loss``). This is how the launcher learns the model from
   the script itself.
-- Under ``tensoropt launch`` with a plan (``TENSOROPT_PLAN`` set, workers started by torchrun): the
+- Under ``tensoropt launch`` with a plan (``TENSOROPT_PLAN`` set, workers started by torchrun): plan.json
+  is read once into a typed ``RunPlan`` (``space.run_plan``; a bad field is a one-line error), the
   process binds to its device (``cuda:LOCAL_RANK`` for a GPU plan, see ``device``), joins the process
   group, and the engine the plan names (``torch_engine``, ``deepspeed_engine``) applies the plan and puts
   the model there; ``train_step`` moves every micro-batch to the device.
@@ -40,6 +41,7 @@ from torch import nn
 
 from ..errors import TensorOptError
 from ..search.engines import ENGINES, choose_engine, unsupported
+from ..space.run_plan import RunPlan
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .param_groups import build_optimizer
@@ -73,19 +75,19 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     plan_path = os.environ.get(PLAN_ENV)
     if not plan_path:
         return _alone(model, optimizer_fn, global_batch, materializer)
-    plan = json.loads(Path(plan_path).read_text())
-    engine = plan.get("engine") or choose_engine(plan)
-    if missing := unsupported(plan, engine):     # never run a plan as something else than what was planned
-        raise TensorOptError(f"plan {plan['summary']} needs {', '.join(missing)}, which the {engine} engine does not "
-                             "apply")
-    device = worker_device(plan)
+    run_plan = RunPlan.read(plan_path)
+    engine = run_plan.engine or choose_engine(run_plan.plan)
+    if missing := unsupported(run_plan.plan, engine):     # never run a plan as something else than what was planned
+        raise TensorOptError(f"plan {run_plan.summary()} needs {', '.join(missing)}, which the {engine} engine does "
+                             "not apply")
+    device = worker_device(run_plan)
     with exit_on_out_of_memory(0, int(os.environ.get("RANK", "0"))):     # as in a step: the launcher re-plans
         if engine == "deepspeed":
             from .deepspeed_engine import apply
-            model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer)
+            model, optimizer, run = apply(model, optimizer_fn, run_plan, device, materializer)
         else:
             from .torch_engine import apply
-            model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer, example_inputs)
+            model, optimizer, run = apply(model, optimizer_fn, run_plan, device, materializer, example_inputs)
     run.model, run.optimizer, run.device = model, optimizer, device
     return model, optimizer, _resume(run, engine)
 

@@ -9,18 +9,21 @@ import fnmatch
 
 from torch import nn
 
-
-def block_modules(model: nn.Module, plan: dict) -> list[str]:
-    """Module names of every copy of the plan's blocks, in model order (``layers.*`` -> layers.0...)."""
-    names = [n for n, _ in model.named_modules()]
-    out = []
-    for block in plan["blocks"]:
-        pattern = block["block"]
-        out += [n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
-    return out
+from ..space.plan import Plan
 
 
-def largest_block_bytes(model: nn.Module, plan: dict) -> int:
+def copies_of(model: nn.Module, pattern: str) -> list[str]:
+    """Module names of every copy of one block (``layers.*`` -> layers.0, layers.1, ...), in model order."""
+    depth = pattern.count(".")
+    return [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, pattern) and n.count(".") == depth]
+
+
+def block_modules(model: nn.Module, plan: Plan) -> list[str]:
+    """Module names of every copy of the plan's blocks, block by block, each in model order."""
+    return [name for bp in plan.blocks for name in copies_of(model, bp.block)]
+
+
+def largest_block_bytes(model: nn.Module, plan: Plan) -> int:
     """Bytes of the parameters and buffers of the plan's largest block copy (on meta too: no memory read)."""
     sizes = [sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
              for m in map(model.get_submodule, block_modules(model, plan))]
@@ -33,4 +36,4 @@ def replace_module(model: nn.Module, name: str, wrap) -> None:
     setattr(parent, child, wrap(getattr(parent, child)))
 
 
-__all__ = ["block_modules", "largest_block_bytes", "replace_module"]
+__all__ = ["block_modules", "copies_of", "largest_block_bytes", "replace_module"]

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..space.plan import Plan
+from ..space.run_plan import RunPlan
 from .blocks import largest_block_bytes
 from .device import check_placement, init_process_group
 from .materialize import Materializer, place
@@ -28,16 +30,16 @@ from .run import Run, call_model, loss_of, mean_over_group
 NEVER_PRINT_STEPS = 2**31 - 1
 
 
-def deepspeed_config(plan: dict) -> dict:
-    """The DeepSpeed config that runs ``plan`` (its JSON) as planned: the precision it was priced in
+def deepspeed_config(plan: Plan) -> dict:
+    """The DeepSpeed config that runs ``plan`` as planned: the precision it was priced in
     (``precision``), no gradient clipping (the plan's step is a plain optimizer step)."""
-    zero: dict = {"stage": plan["zero"]}
-    if plan["offload"]:
+    zero: dict = {"stage": plan.zero}
+    if plan.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
-        "train_batch_size": plan["global_batch"],
-        "train_micro_batch_size_per_gpu": plan["micro_batch"],
-        "gradient_accumulation_steps": plan["gradient_accumulation"],
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accumulation,
         "gradient_clipping": 0.0,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,      # the script's torch optimizer, not a DeepSpeed one
@@ -51,7 +53,7 @@ def deepspeed_config(plan: dict) -> dict:
     return config
 
 
-def precision(plan: dict) -> dict:
+def precision(plan: Plan) -> dict:
     """The config sections for the plan's precision (``runtime.precision``), holding the bytes it was priced with
     (``cost.model.state_bytes``):
 
@@ -66,7 +68,7 @@ def precision(plan: dict) -> dict:
     A plan without a precision (older plan files): bf16-mixed for a bf16 model, float32 mode otherwise. Without
     the section DeepSpeed would run a bf16 model in its float32 mode: float32 gradients and communication,
     twice the bytes priced; float16 would need loss scaling, which no plan prices."""
-    name = plan.get("precision") or ("bf16-mixed" if plan.get("dtype", "bfloat16") == "bfloat16" else "32-true")
+    name = plan.precision or ("bf16-mixed" if plan.dtype == "bfloat16" else "32-true")
     if name == "32-true":
         return {}
     pure = name == "bf16-true"
@@ -75,8 +77,8 @@ def precision(plan: dict) -> dict:
             "data_types": {"grad_accum_dtype": "bf16"}}
 
 
-def recomputes(plan: dict) -> bool:
-    return any(s["recompute"] == "full" for b in plan["blocks"] for s in b["strategies"])
+def recomputes(plan: Plan) -> bool:
+    return any(s.recompute == "full" for bp in plan.blocks for s, _ in bp.strategies)
 
 
 def _checkpointed(forward, *args, **kwargs):
@@ -86,7 +88,7 @@ def _checkpointed(forward, *args, **kwargs):
     return checkpointing.checkpoint(forward, *args, **kwargs)
 
 
-def apply_recompute(model: nn.Module, plan: dict, config: dict) -> None:
+def apply_recompute(model: nn.Module, plan: Plan, config: dict) -> None:
     """Recompute the plan's block copies: in full with ``deepspeed.checkpointing``, selectively (the attention
     core only) with ``runtime.selective``. The forward is replaced on the instance rather than wrapped in a new
     module, so parameter names (and checkpoints) stay as the script's model has them."""
@@ -104,7 +106,7 @@ def apply_recompute(model: nn.Module, plan: dict, config: dict) -> None:
         module.forward = functools.partial(selective_checkpoint, module.forward)
 
 
-def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
+def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.device,
           materializer: Materializer | None = None) -> tuple[nn.Module, object, Run]:
     """``deepspeed.initialize`` on the model put on ``device``: whole for ZeRO 0-2 (DeepSpeed keeps every
     weight on every device there), cut into this rank's ZeRO 3 partitions as it gets storage (``partition``)."""
@@ -113,13 +115,13 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
 
     init_process_group(device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    path = plan.get("deepspeed_config")
+    plan, path = run_plan.plan, run_plan.deepspeed_config
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
     if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
         materializer.block_bytes = largest_block_bytes(model, plan)
     if named := of_plan(plan):        # the weights in the dtype DeepSpeed trains them in (bf16 mode: bf16)
         model.to(torch.float32 if named == "32-true" else torch.bfloat16)
-    if plan["zero"] == 3:
+    if plan.zero == 3:
         partition(model, device, config, materializer)
     else:
         place(model, device, materializer)
@@ -128,8 +130,8 @@ def apply(model: nn.Module, optimizer_fn, plan: dict, device: torch.device,
     optimizer = build_optimizer(optimizer_fn, model.parameters())
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = Run(rank, world, rank, world, plan["micro_batch"], plan["gradient_accumulation"], plan["global_batch"],
-              plan, "deepspeed", _stepper(engine) if optimizer else None, device=device)
+    run = Run(rank, world, rank, world, plan.micro_batch, plan.grad_accumulation, plan.global_batch,
+              run_plan, "deepspeed", _stepper(engine) if optimizer else None, device=device)
     return engine, ds_optimizer, run
 
 

@@ -1,6 +1,6 @@
 """Where a worker trains: its device, its process group, and the check that everything is there.
 
-One code path for GPUs and CPUs. The plan says which kind of device it was made for (``plan["device"]``,
+One code path for GPUs and CPUs. The plan says which kind of device it was made for (``RunPlan.device``,
 written by the launcher); a worker binds itself to ``cuda:LOCAL_RANK`` for a GPU plan (NCCL for GPU
 tensors, gloo beside it for CPU ones) or to the CPU (gloo). Nothing else in the runtime asks which kind
 it runs on: modules and batches go to ``worker_device(...)``, whatever it is.
@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
-
-DEVICE_KINDS = ("cuda", "cpu")
+from ..space.run_plan import DEVICE_KINDS, RunPlan
 
 
 def default_kind() -> str:
@@ -28,10 +27,10 @@ def default_kind() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def worker_device(plan: Mapping | None) -> torch.device:
+def worker_device(plan: RunPlan | None) -> torch.device:
     """This worker's device for ``plan``: ``cuda:LOCAL_RANK`` (made current) or the CPU. A GPU plan on a
     worker that sees no GPU, or fewer GPUs than its local rank, is a one-line error."""
-    kind = (plan or {}).get("device") or default_kind()
+    kind = (plan.device if plan is not None else "") or default_kind()
     if kind not in DEVICE_KINDS:
         raise TensorOptError(f"plan device {kind!r} is unknown: use one of {', '.join(DEVICE_KINDS)}")
     if kind == "cpu":

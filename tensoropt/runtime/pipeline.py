@@ -7,13 +7,9 @@ those of one (pp, tp) coordinate hold the same stages and average their gradient
 coordinate split their stages' block copies, embedding and head by Megatron-LM's layout (``pipeline_tp``).
 The model is cut into ``pp * virtual_stages`` stages (``pipeline_split``); pipeline rank ``r`` holds
 stages ``r, r + pp, ...`` (one with plain 1F1B, several with interleaved 1F1B, Narayanan et al. 2021,
-https://arxiv.org/abs/2104.04473). Each stage is wrapped for data parallelism over the ``dp`` group: DDP
-under ZeRO 0 (``PipelineStage`` itself skips DDP's all-reduce on all but the last micro-batch's backward),
-FSDP2 ``fully_shard`` on every block copy and the stage module under ZeRO 2/3 (reduce-scattered after every
-micro-batch's backward, as the cost model prices it and as the un-piped engine runs it; under ZeRO 2 the
-parameters stay gathered until the step ends), on every block copy and the relay under ZeRO 1 (parameters
-gathered and gradients accumulated whole until the last backward, reduce-scattered once), over the
-tensor-parallel shards where tp > 1 (2-D DTensors, as FSDP2 composes with tensor parallelism).
+https://arxiv.org/abs/2104.04473). Each stage is wrapped for data parallelism over the ``dp`` group by
+``data_parallel.data_parallel_stage`` (DDP under ZeRO 0, FSDP2 under ZeRO 1-3, as the un-piped engine runs
+them, over the tensor-parallel shards where tp > 1: 2-D DTensors, as FSDP2 composes with tensor parallelism).
 
 Parameters used on several stages (tied input and output embeddings) are copied onto each stage by the
 split; their gradients are summed over those stages (on this rank, then over the pipeline ranks that hold
@@ -31,21 +27,23 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..errors import TensorOptError
-from .blocks import block_modules, replace_module
+from ..space.run_plan import RunPlan
+from .blocks import replace_module
+from .data_parallel import data_parallel_stage, reshard_all
 from .device import local_tensor, to_device
 from .materialize import Materializer, place, tied_parameters
 from .param_groups import build_optimizer
 from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
 from .pipeline_tp import check_before_cutting, shard_stage, shard_vocabulary
 from .pipeline_trace import trace_pipeline
-from .precision import autocast_forward, fsdp_kwargs, of_plan
+from .precision import autocast_forward, of_plan
 from .recompute import recompute_wrappers
 from .run import Batch, Run, Stepper, loss_of
 from .vocab_parallel import LossContext, loss_context
 
 
-def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.Optimizer] | None, plan: dict,
-                   device: torch.device, materializer: Materializer | None = None,
+def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.Optimizer] | None,
+                   run_plan: RunPlan, device: torch.device, materializer: Materializer | None = None,
                    example_inputs: Batch | None = None) -> tuple[nn.Module, object, Run]:
     """Cut ``model`` into the plan's stages and return this rank's (stage module, optimizer, Run): one stage
     module, or a ``merged_view`` of them with virtual stages. Only this rank's stages are put on
@@ -55,18 +53,19 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     if example_inputs is None:
         raise TensorOptError("pipeline stages are cut by tracing one micro-batch: pass example_inputs to "
                              "tensoropt.parallelize")
-    pp, dp, tp, virtual = plan["pp"], plan["dp"], plan["tp"], plan.get("virtual_stages", 1)
+    plan = run_plan.plan
+    pp, dp, tp, virtual = plan.pp, plan.dp, plan.tp, plan.virtual_stages
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
     mine = [pp_rank + k * pp for k in range(virtual)]
     tied, recomputed = tied_parameters(model), recompute_wrappers(model, plan)
     signature = inspect.signature(model.forward)
     if tp > 1:
-        check_before_cutting(model, plan, mesh["tp"], device, example_inputs)
+        check_before_cutting(model, run_plan, mesh["tp"], device, example_inputs)
     if materializer is not None:        # a meta-built model is cut on meta, buffers too (their values are kept)
         model._apply(lambda t: t.to("meta"))
     trace_device = next(iter(model.parameters())).device
-    args, kwargs = to_device(example_micro_batch(example_inputs, plan["micro_batch"]), trace_device)
+    args, kwargs = to_device(example_micro_batch(example_inputs, plan.micro_batch), trace_device)
     # bf16-mixed: the stages' graphs compute in bf16 (a meta-built model is traced on fake CPU tensors)
     pipe = trace_pipeline(model, args, kwargs, split_spec(model, plan), of_plan(plan))
     if pipe.num_stages != n_stages:
@@ -86,8 +85,8 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
             place(module, device, materializer)
         shared[s] = tie_within_stage(module, tied, held[s])
         if tp > 1:                                  # before recomputation wraps the copies
-            shard_stage(module, plan, mesh["tp"], s)
-            vocab_split |= shard_vocabulary(module, plan, mesh["tp"])
+            shard_stage(module, run_plan, mesh["tp"], s)
+            vocab_split |= shard_vocabulary(module, run_plan, mesh["tp"])
         for name in sorted(recomputed.keys() & {n for n, _ in module.named_modules()}):
             replace_module(module, name, recomputed[name])
         modules.append(module)
@@ -96,7 +95,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     relays = [Relay(m, w) for m, w in zip(modules, wirings)]
     for relay in relays:                            # and run under the autocast they were traced in
         autocast_forward(relay, of_plan(plan), device)
-    wrapped = [data_parallel(relay, plan, mesh["dp"], device) for relay in relays]
+    wrapped = [data_parallel_stage(relay, plan, mesh["dp"], device) for relay in relays]
     # FSDP2 replaced the parameters with sharded ones: the tied ones are looked up again by name
     shared = {s: {index: module.get_parameter(next(n for n in tied[index] if n in held[s])) for index in by_index}
               for (s, by_index), module in zip(sorted(shared.items()), modules)}
@@ -106,11 +105,11 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     stepper = None
     if optimizer is not None:
         inputs = tuple(dict.fromkeys(name for w in wirings for name in w.model_inputs))
-        after_schedule = reshard_all(modules) if plan["zero"] == 2 else None
-        stepper = pipeline_stepper(stages, plan["gradient_accumulation"], optimizer, signature, inputs, reductions,
+        after_schedule = reshard_all(modules) if plan.zero == 2 else None
+        stepper = pipeline_stepper(stages, plan.grad_accumulation, optimizer, signature, inputs, reductions,
                                    after_schedule, dp * tp, loss_context(vocab_split), device)
-    run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan["micro_batch"], plan["gradient_accumulation"],
-              plan["global_batch"], plan, "torch", stepper, device=device)
+    run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan.micro_batch, plan.grad_accumulation,
+              plan.global_batch, run_plan, "torch", stepper, device=device)
     return (modules[0] if virtual == 1 else merged_view(modules)), optimizer, run
 
 
@@ -149,45 +148,6 @@ class Stage(PipelineStage):
             with module.no_sync():
                 return module(*args, **kwargs)
         return super()._compute_outputs(*args, module=module, **kwargs)
-
-
-def data_parallel(relay: Relay, plan: dict, dp_mesh, device: torch.device) -> nn.Module:
-    """The stage wrapped for data parallelism over ``dp_mesh``, as ``PipelineStage`` expects it: DDP around the
-    relay (the stage recognises it and syncs on the last backward only); under ZeRO 2/3 FSDP2 on the block
-    copies and the stage module inside the relay, so that FSDP2 runs its own hooks on every micro-batch (a
-    root ``FSDPModule`` would be told by the stage to defer its reduce-scatter: unsharded gradients, not what
-    ZeRO 2/3 is priced as). Under ZeRO 2 the parameters are kept gathered after each backward; the stepper
-    reshards them once the schedule is done. Under ZeRO 1 the relay itself is FSDP2's root, so the stage does
-    defer: gradients accumulate unsharded over the micro-batches and are reduce-scattered, and the gathered
-    parameters freed, once after the schedule's last backward (``PipelineStage.perform_reduce_grad``)."""
-    stage_module = relay.stage
-    if plan["zero"] >= 1:
-        from torch.distributed.fsdp import fully_shard
-        reshard, precision = plan["zero"] == 3, fsdp_kwargs(of_plan(plan))
-        for name in block_modules(stage_module, plan):
-            fully_shard(stage_module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard, **precision)
-        root = relay if plan["zero"] == 1 else stage_module
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, **precision)
-        if plan["zero"] == 2:
-            stage_module.set_reshard_after_backward(False)
-        return relay
-    if plan["dp"] > 1:
-        # gradients live in DDP's buckets, not in a second copy: 1x gradient memory, as planned
-        return nn.parallel.DistributedDataParallel(relay, device_ids=[device.index] if device.type == "cuda" else None,
-                                                   process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
-    return relay
-
-
-def reshard_all(modules: list[nn.Module]) -> Callable[[], None]:
-    """Free the gathered parameters of every FSDP2 module in ``modules`` (ZeRO 2 keeps them through the
-    micro-batches): the next step gathers the updated shards again."""
-    from torch.distributed.fsdp import FSDPModule
-    fsdp = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
-
-    def reshard() -> None:
-        for module in fsdp:
-            module.reshard()
-    return reshard
 
 
 def shared_gradient_groups(shared: dict[int, dict[int, nn.Parameter]], tied: list[tuple[str, ...]],

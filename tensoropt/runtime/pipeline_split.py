@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
-from .blocks import block_modules
+from ..space.plan import Plan
+from .blocks import block_modules, copies_of
 from .materialize import tie
 from .run import Batch
 
@@ -78,25 +79,25 @@ def retarget_devices(stage_module: nn.Module, device: torch.device) -> None:
             graph_module.recompile()
 
 
-def split_spec(model: nn.Module, plan: dict) -> dict:
+def split_spec(model: nn.Module, plan: Plan) -> dict:
     """Split points before the first copy of every stage but the first, for ``pp * virtual_stages`` stages
     (device ``r`` runs stages ``r, r + pp, ...``: each gets an equal share of its device's copies). Refuses a
     plan whose per-stage mix of blocks the model's order of copies cannot give (a plan runs as planned)."""
     from torch.distributed.pipelining import SplitPoint
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     copies = sorted(block_modules(model, plan), key=order.__getitem__)
-    pp, virtual = plan["pp"], plan.get("virtual_stages", 1)
+    pp, virtual = plan.pp, plan.virtual_stages
     stages = pp * virtual
     per_stage = len(copies) // stages
     if not copies or len(copies) % stages:
         raise TensorOptError(f"the model's {len(copies)} block copies do not split into {stages} equal pipeline stages"
                              + (f" ({pp} devices x {virtual} virtual stages)" if virtual > 1 else ""))
-    per_device = {b["block"]: sum(s["copies"] for s in b["strategies"]) for b in plan["blocks"]}
+    per_device = {bp.block: bp.copies for bp in plan.blocks}
     if any(n % virtual for n in per_device.values()):
         raise TensorOptError(f"the plan puts block copies {per_device} on every device, which do not split into "
                              f"{virtual} equal virtual stages")
     planned = {block: n // virtual for block, n in per_device.items()}
-    block_of = {name: b["block"] for b in plan["blocks"] for name in block_modules(model, {"blocks": [b]})}
+    block_of = {name: bp.block for bp in plan.blocks for name in copies_of(model, bp.block)}
     for s in range(stages):
         share = copies[s * per_stage:(s + 1) * per_stage]
         got = {block: sum(block_of[n] == block for n in share) for block in planned}

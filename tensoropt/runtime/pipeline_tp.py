@@ -33,54 +33,54 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..errors import TensorOptError
-from .blocks import block_modules
-from .sequence_parallel import layout_of
+from ..space.plan import BlockPlan, LayerStrategy
+from ..space.run_plan import RunPlan
+from .blocks import copies_of
 from .tensor_parallel import check_degree, sharded_branches
 from .tp_guard import check_sharded_blocks
 from .tp_styles import shard_copy
 from .vocab_parallel import vocab_entry, vocab_styles
 
 
-def check_before_cutting(model: nn.Module, plan: dict, tp_mesh, device: torch.device, example_inputs) -> None:
+def check_before_cutting(model: nn.Module, run_plan: RunPlan, tp_mesh, device: torch.device, example_inputs) -> None:
     """``tp_guard`` on the uncut model's first copy of every sharded block (a one-line error if the sharded copy
     computes something else)."""
-    first, sharded = {}, sharded_branches(plan)
+    first, sharded = {}, sharded_branches(run_plan)
     for block, branches in sharded.items():
         check_degree(block, branches, tp_mesh.size())
-    for block in plan["blocks"]:
-        if block["block"] in sharded or any(_sequence_parallel(block)):
-            first[block["block"]] = (block_modules(model, {"blocks": [block]})[0], sharded.get(block["block"], []))
-    sp_layouts = {block["block"]: layout_of(plan, block["block"]) for block in plan["blocks"]
-                  if any(_sequence_parallel(block))}
+    for bp in run_plan.plan.blocks:
+        if bp.block in sharded or any(_sequence_parallel(bp)):
+            first[bp.block] = (copies_of(model, bp.block)[0], sharded.get(bp.block, ()))
+    sp_layouts = {bp.block: run_plan.layout_of(bp.block) for bp in run_plan.plan.blocks if any(_sequence_parallel(bp))}
     check_sharded_blocks(model, example_inputs, first, tp_mesh, device, sp_layouts)
 
 
-def shard_stage(stage_module: nn.Module, plan: dict, tp_mesh, stage: int = 0) -> None:
+def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int = 0) -> None:
     """Shard, in place, the linears of every block copy this stage holds over ``tp_mesh``, and run the copies the
     plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc).
 
     ``stage`` is the stage's index among all ``pp * virtual_stages``: the plan's strategies list a DEVICE's
     copies, and with virtual stages a device holds stages r, r + pp, ..., so a stage's copies are the slice
     ``(stage // pp) * size`` on of them (as ``recompute.recomputed_modules`` reads them)."""
-    sharded = sharded_branches(plan)
-    for block in plan["blocks"]:
-        branches = sharded.get(block["block"], [])
-        copies = block_modules(stage_module, {"blocks": [block]})
-        first = (stage // plan["pp"]) * len(copies)
-        flags = _sequence_parallel(block)[first:first + len(copies)]
-        keeps = [s["recompute"] == "none" for s in _per_copy(block)][first:first + len(copies)]
+    sharded = sharded_branches(run_plan)
+    for bp in run_plan.plan.blocks:
+        branches = sharded.get(bp.block, ())
+        copies = copies_of(stage_module, bp.block)
+        first = (stage // run_plan.plan.pp) * len(copies)
+        flags = _sequence_parallel(bp)[first:first + len(copies)]
+        keeps = [s.recompute == "none" for s in _per_copy(bp)][first:first + len(copies)]
         if len(copies) > len(flags):
-            raise TensorOptError(f"a pipeline stage holds {len(copies)} copies of block {block['block']!r}, the plan "
+            raise TensorOptError(f"a pipeline stage holds {len(copies)} copies of block {bp.block!r}, the plan "
                                  f"runs {len(flags)} per stage: re-plan with `tensoropt launch`")
         relay: dict = {}
         for j, name in enumerate(copies):
             copy = stage_module.get_submodule(name)
-            for linear in {n for b in branches for n in (*b["column"], *b["row"])}:
+            for linear in {n for b in branches for n in b.linears}:
                 _restore_linear(copy, linear, f"{name}.{linear}")
             # the stream is handed on as a share only between consecutive SP copies of this stage
             handoff = (j > 0 and flags[j - 1], j + 1 < len(copies) and flags[j + 1], keeps[j])
             if branches or flags[j]:
-                shard_copy(copy, branches, tp_mesh, layout_of(plan, block["block"]) if flags[j] else None, name,
+                shard_copy(copy, branches, tp_mesh, run_plan.layout_of(bp.block) if flags[j] else None, name,
                            handoff, relay, _stream_argument(copy, name) if flags[j] else None)
 
 
@@ -102,35 +102,35 @@ def _stream_argument(copy: nn.Module, name: str) -> int:
                          "parallelism cannot tell its stream: plan without sequence parallelism or with --pp 1")
 
 
-def _per_copy(block: dict) -> list[dict]:
-    """The strategy of each copy of ``block`` on one stage, in order (strategies carry copy counts)."""
-    return [s for s in block["strategies"] for _ in range(s["copies"])]
+def _per_copy(bp: BlockPlan) -> list[LayerStrategy]:
+    """The strategy of each copy of the block on one stage, in order (strategies carry copy counts)."""
+    return [s for s, n in bp.strategies for _ in range(n)]
 
 
-def _sequence_parallel(block: dict) -> list[bool]:
-    return [bool(s.get("sequence_parallel", False)) for s in _per_copy(block)]
+def _sequence_parallel(bp: BlockPlan) -> list[bool]:
+    return [s.sequence_parallel for s in _per_copy(bp)]
 
 
-def shard_vocabulary(stage_module: nn.Module, plan: dict, tp_mesh) -> bool:
+def shard_vocabulary(stage_module: nn.Module, run_plan: RunPlan, tp_mesh) -> bool:
     """Split the vocabulary as plan.json says (``vocab_parallel``) in the modules this stage calls: the embedding
     on the first stage, the head on the last (a stage holding a tied one's weight without calling it gets the
     sharded parameter, so the tie survives). Whether this stage computes its loss on sharded logits."""
-    entry = vocab_entry(plan)
-    if not entry.get("enabled"):
+    entry = vocab_entry(run_plan)
+    if not entry.enabled:
         return False
     called = {n.target for n in stage_module.graph.nodes if n.op == "call_module"}
     embed_style, head_style = vocab_styles()
     split = False
-    for name, kind, style in ((entry["embedding"], nn.Embedding, embed_style), (entry["head"], nn.Linear, head_style)):
+    for name, kind, style in ((entry.embedding, nn.Embedding, embed_style), (entry.head, nn.Linear, head_style)):
         if name not in called:
             continue
         module = _restore(stage_module, name, name, kind)
-        if module.weight.shape[0] != entry["vocab"] or entry["vocab"] % tp_mesh.size():
+        if module.weight.shape[0] != entry.vocab or entry.vocab % tp_mesh.size():
             raise TensorOptError(f"{name} holds {module.weight.shape[0]} vocabulary rows, the plan splits "
-                                 f"{entry['vocab']} over {tp_mesh.size()} devices: re-plan with `tensoropt launch`")
+                                 f"{entry.vocab} over {tp_mesh.size()} devices: re-plan with `tensoropt launch`")
         parallelize_module(module, tp_mesh, style)
-        if entry["tied"]:
-            other = entry["head"] if name == entry["embedding"] else entry["embedding"]
+        if entry.tied:
+            other = entry.head if name == entry.embedding else entry.embedding
             if _holds(stage_module, other):
                 stage_module.get_submodule(other).weight = module.weight
         split |= kind is nn.Linear

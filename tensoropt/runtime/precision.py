@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..errors import TensorOptError
-from ..space.plan import PRECISIONS, derived_precision
+from ..space.plan import PRECISIONS, Plan
 
 PRECISION_ENV = "TENSOROPT_PRECISION"
 
@@ -47,19 +47,13 @@ def checked(name: str, source: str) -> str:
     return name
 
 
-def of_plan(plan: dict | None) -> str | None:
-    """The precision a plan (its JSON) trains in: its ``precision`` key; None for a plan without one (written
+def of_plan(plan: Plan | None) -> str | None:
+    """The precision a plan trains in: its ``precision``; None for a plan without one (written
     before precisions were named: the model trains as the script built it). Run alone: ``PRECISION_ENV``."""
     if plan is None:
         name = os.environ.get(PRECISION_ENV)
         return checked(name, PRECISION_ENV) if name else None
-    name = plan.get("precision")
-    return checked(name, "plan precision") if name else None
-
-
-def legacy_precision(plan: dict) -> str:
-    """The precision a plan without a ``precision`` key was priced in (for words only)."""
-    return derived_precision(plan.get("dtype", "bfloat16"), plan.get("master_weights", True))
+    return checked(plan.precision, "plan precision") if plan.precision else None
 
 
 def parameter_dtype(precision: str) -> torch.dtype:

@@ -7,36 +7,37 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from .blocks import block_modules, replace_module
+from ..space.plan import Plan
+from .blocks import copies_of, replace_module
 from .selective import selective_wrapper
 
 
-def recomputed_modules(model: nn.Module, plan: dict, kind: str = "full") -> list[str]:
+def recomputed_modules(model: nn.Module, plan: Plan, kind: str = "full") -> list[str]:
     """The block copies the plan recomputes as ``kind`` says (full or selective): on each pipeline stage,
     the stage's first copies of each block, as many as its strategies say (strategies carry copy counts per
     stage). With virtual stages a device's copies are its stages' shares (stages r, r + pp, ...), in order."""
     out = []
-    stages = plan["pp"] * plan.get("virtual_stages", 1)
-    for block in plan["blocks"]:
-        copies = block_modules(model, {"blocks": [block]})
-        per_stage = [s["recompute"] for s in block["strategies"] for _ in range(s["copies"])]
+    stages = plan.pp * plan.virtual_stages
+    for bp in plan.blocks:
+        copies = copies_of(model, bp.block)
+        per_stage = [s.recompute for s, n in bp.strategies for _ in range(n)]
         size = max(len(copies) // stages, 1)        # copies per (virtual) stage
         for i, name in enumerate(copies):
             stage, offset = divmod(i, size)
-            position = (stage // plan["pp"]) * size + offset   # among its device's copies
+            position = (stage // plan.pp) * size + offset   # among its device's copies
             if position < len(per_stage) and per_stage[position] == kind:
                 out.append(name)
     return out
 
 
-def recompute_wrappers(model: nn.Module, plan: dict) -> dict[str, object]:
+def recompute_wrappers(model: nn.Module, plan: Plan) -> dict[str, object]:
     """{block copy: the wrapper that recomputes it}: ``checkpoint_wrapper`` for full recomputation, the
     selective one (``runtime.selective``: the attention core only) for selective."""
     return {**{name: checkpoint_wrapper for name in recomputed_modules(model, plan, "full")},
             **{name: selective_wrapper for name in recomputed_modules(model, plan, "selective")}}
 
 
-def apply_recompute(model: nn.Module, plan: dict) -> None:
+def apply_recompute(model: nn.Module, plan: Plan) -> None:
     for name, wrap in recompute_wrappers(model, plan).items():
         replace_module(model, name, wrap)
 

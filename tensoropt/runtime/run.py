@@ -20,6 +20,7 @@ import torch
 
 from ..errors import TensorOptError
 from ..graph.loss import loss_problem, loss_tensor
+from ..space.run_plan import RunPlan
 from .device import check_placement, local_tensor, to_device
 
 Batch = torch.Tensor | tuple | Mapping
@@ -132,11 +133,11 @@ OOM_EXIT_CODE = 75                  # a worker ran out of device memory (the lau
 RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_MEMORY_BYTES"
 
 
-def _simulate_out_of_memory(plan: dict | None) -> None:
+def _simulate_out_of_memory(plan: RunPlan | None) -> None:
     """Devices with ``TENSOROPT_SIMULATED_MEMORY_BYTES`` each: a plan predicted to need more fails as a
     real out-of-memory error would (CPU workers never run out of memory at these sizes; tests need to)."""
     limit = os.environ.get(SIMULATED_MEMORY_ENV)
-    needed = (plan or {}).get("predicted", {}).get("peak_memory_bytes", 0)
+    needed = plan.predicted.peak_memory_bytes if plan is not None and plan.predicted is not None else 0
     if limit and needed > int(limit):
         raise torch.OutOfMemoryError(f"simulated: the plan needs {needed} bytes per device, the device has {limit}")
 
@@ -180,7 +181,7 @@ class Run:
     micro_batch: int = 0             # samples per forward on this rank (0: the whole global batch)
     grad_accumulation: int = 1
     global_batch: int = 0
-    plan: dict | None = None
+    plan: RunPlan | None = None      # the plan.json this worker runs (None: run by hand)
     engine: str = "none"             # none (run by hand) | torch | deepspeed
     stepper: Stepper | None = field(default=None, repr=False)
     step: int = 0                    # optimizer steps done (resumed runs start at the checkpoint's)

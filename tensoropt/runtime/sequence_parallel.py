@@ -38,32 +38,32 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..errors import TensorOptError
-from ..space.tp_layout import TP_LAYOUT_KEY
-from .blocks import block_modules
+from ..space.plan import Plan
+from ..space.run_plan import Branches
+from .blocks import copies_of
 
 SEQUENCE_DIM = 1
 
 
-def sequence_parallel_copies(model: nn.Module, plan: dict) -> dict[str, tuple[bool, bool, bool]]:
+def sequence_parallel_copies(model: nn.Module, plan: Plan) -> dict[str, tuple[bool, bool, bool]]:
     """{copy module name: (its input arrives sharded, its output stays sharded, it keeps its activations)} for
     every copy the plan runs sequence-parallel; a copy hands its share on only to the next copy of the same block
     that is SP too; a copy without recomputation keeps only its share of the branches' gathered inputs."""
-    if plan["tp"] < 2:
+    if plan.tp < 2:
         return {}
     out = {}
-    for block in plan["blocks"]:
-        copies = block_modules(model, {"blocks": [block]})
-        per_stage = [(s.get("sequence_parallel", False), s["recompute"] == "none") for s in block["strategies"]
-                     for _ in range(s["copies"])]
-        flags = [sp for sp, _ in per_stage] * plan["pp"]
-        keeps = [keep for _, keep in per_stage] * plan["pp"]
+    for bp in plan.blocks:
+        copies = copies_of(model, bp.block)
+        per_stage = [(s.sequence_parallel, s.recompute == "none") for s, n in bp.strategies for _ in range(n)]
+        flags = [sp for sp, _ in per_stage] * plan.pp
+        keeps = [keep for _, keep in per_stage] * plan.pp
         for i, (name, sp) in enumerate(zip(copies, flags)):
             if sp:
                 out[name] = (i > 0 and flags[i - 1], i + 1 < len(flags) and flags[i + 1], keeps[i])
     return out
 
 
-def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], sharded: list[dict], tp_mesh,
+def apply_sequence_parallel(copy: nn.Module, name: str, layout: Branches, sharded: Branches, tp_mesh,
                             handoff: tuple[bool, bool, bool], relay: dict | None = None,
                             stream_argument: int | None = None) -> None:
     """Make one already tensor-sharded copy run its stream on the rank's share of the sequence (module doc).
@@ -74,17 +74,17 @@ def apply_sequence_parallel(copy: nn.Module, name: str, layout: list[dict], shar
     must stay innermost), ``relay``: shared by a run of copies so that a copy can check it receives the very
     share its predecessor handed on, ``stream_argument``: the position of the stream among the copy's arguments
     where it is not the first tensor (a traced copy's arguments are in the trace's order)."""
-    names = {b["branch"] for b in sharded}
+    names = {b.branch for b in sharded}
     gathers = _GatherOnce(tp_mesh)
     linears = set()
     for branch in layout:
-        local = branch["branch"] not in names
-        for column in branch["column"]:
+        local = branch.branch not in names
+        for column in branch.column:
             copy.get_submodule(column).register_forward_pre_hook(gathers.hook(local), prepend=True)
         if local:
-            for row in branch["row"]:
+            for row in branch.row:
                 copy.get_submodule(row).register_forward_hook(_slice_output(tp_mesh))
-        linears |= set(branch["column"]) | set(branch["row"])
+        linears |= set(branch.linears)
     _replicate_stream_parameters(copy, linears, tp_mesh)
     relay = {} if relay is None else relay
     copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay, handoff[2], stream_argument),
@@ -242,9 +242,4 @@ def _same_values(handed: torch.Tensor | None, x: torch.Tensor) -> bool:
         handed.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
-def layout_of(plan: dict, block: str) -> list[dict]:
-    """Every branch of ``block`` that plan.json's layout names (sharded or not)."""
-    return plan.get(TP_LAYOUT_KEY, {}).get(block, [])
-
-
-__all__ = ["apply_sequence_parallel", "layout_of", "sequence_parallel_copies"]
+__all__ = ["apply_sequence_parallel", "sequence_parallel_copies"]

@@ -1,6 +1,6 @@
 """Tensor parallelism for the torch engine: Megatron-LM's layout with ``torch.distributed.tensor``.
 
-In every copy of the plan's blocks, each branch the plan shards (``plan["tp_branches"]``, the planner's
+In every copy of the plan's blocks, each branch the plan shards (``Plan.tp_branches``, the planner's
 branch names) gets ``ColwiseParallel`` on its first linears (attention QKV or q/k/v projections, MLP
 up/gate: weight split by output features, the input replicated) and ``RowwiseParallel`` on its output
 linears (attention output projection, MLP down: weight split by input features, the partial outputs
@@ -23,83 +23,83 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import TensorOptError
+from ..space.run_plan import Branches, RunPlan
 from ..space.tp_layout import TP_LAYOUT_KEY
-from .blocks import block_modules
-from .sequence_parallel import layout_of, sequence_parallel_copies
+from .blocks import copies_of
+from .sequence_parallel import sequence_parallel_copies
 from .tp_guard import check_sharded_blocks
 from .tp_styles import shard_copy
 from .vocab_parallel import apply_vocab_parallel
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh, device, example_inputs=None) -> bool:
+def apply_tensor_parallel(model: nn.Module, run_plan: RunPlan, tp_mesh, device, example_inputs=None) -> bool:
     """Shard, in place, the linears of the plan's tensor-parallel branches over ``tp_mesh`` (and run the copies
     the plan marks sequence-parallel on the rank's share of the sequence, ``sequence_parallel``), after checking
     on a small real input that the sharded blocks compute what the whole ones do (``tp_guard``), and the
     vocabulary where the plan splits it; returns whether it did (the step then computes the loss under
     ``loss_parallel``, ``vocab_parallel.loss_context``)."""
     tp = tp_mesh.size()
-    sp = sequence_parallel_copies(model, plan)
-    blocks = {}
-    for block, branches in sharded_branches(plan).items():
+    sp = sequence_parallel_copies(model, run_plan.plan)
+    blocks: dict[str, tuple[list[str], Branches]] = {}
+    for block, branches in sharded_branches(run_plan).items():
         check_degree(block, branches, tp)
-        copies = block_modules(model, {"blocks": [{"block": block}]})
+        copies = copies_of(model, block)
         if not copies:
             raise TensorOptError(f"the plan shards block {block!r} over {tp} devices, but no module of this model "
                                  "matches that name: the plan was made for another model")
         for name in copies:
             check_linears(model.get_submodule(name), name, branches, tp)
         blocks[block] = (copies, branches)
-    for block in plan["blocks"]:      # sequence-parallel copies of a block none of whose branches is sharded
-        copies = block_modules(model, {"blocks": [block]})
-        if block["block"] not in blocks and any(c in sp for c in copies):
-            blocks[block["block"]] = (copies, [])
+    for bp in run_plan.plan.blocks:      # sequence-parallel copies of a block none of whose branches is sharded
+        copies = copies_of(model, bp.block)
+        if bp.block not in blocks and any(c in sp for c in copies):
+            blocks[bp.block] = (copies, ())
     if example_inputs is not None:
         check_sharded_blocks(model, example_inputs, {b: (c[0], br) for b, (c, br) in blocks.items()}, tp_mesh,
-                             device, {b: layout_of(plan, b) for b, (c, _) in blocks.items() if c[0] in sp})
+                             device, {b: run_plan.layout_of(b) for b, (c, _) in blocks.items() if c[0] in sp})
     for block, (copies, branches) in blocks.items():
         relay: dict = {}
         for name in copies:
-            shard_copy(model.get_submodule(name), branches, tp_mesh, layout_of(plan, block) if name in sp else None,
+            shard_copy(model.get_submodule(name), branches, tp_mesh, run_plan.layout_of(block) if name in sp else None,
                        name, sp.get(name, (False, False, False)), relay)
-    return apply_vocab_parallel(model, plan, tp_mesh)
+    return apply_vocab_parallel(model, run_plan, tp_mesh)
 
 
-def sharded_branches(plan: dict) -> dict[str, list[dict]]:
+def sharded_branches(run_plan: RunPlan) -> dict[str, Branches]:
     """{block pattern: its branches that the plan shards}, from plan.json's ``tp_layout``."""
-    layout = plan.get(TP_LAYOUT_KEY)
-    if layout is None:
-        raise TensorOptError(f"plan {plan['summary']} asks for tensor parallelism but its plan.json has no "
+    plan = run_plan.plan
+    if run_plan.tp_layout is None:
+        raise TensorOptError(f"plan {plan.summary()} asks for tensor parallelism but its plan.json has no "
                              f"'{TP_LAYOUT_KEY}' (which linears to shard): start the workers with `tensoropt launch`, "
                              "which writes it")
-    chosen = set(plan["tp_branches"])
+    chosen = set(plan.tp_branches)
     out = {}
-    for block in plan["blocks"]:
-        branches = [b for b in layout.get(block["block"], []) if b["branch"] in chosen]
+    for bp in plan.blocks:
+        branches = tuple(b for b in run_plan.layout_of(bp.block) if b.branch in chosen)
         if branches:
-            out[block["block"]] = branches
+            out[bp.block] = branches
     if chosen and not out:
-        raise TensorOptError(f"plan {plan['summary']} shards branches {sorted(chosen)}, but its '{TP_LAYOUT_KEY}' has "
+        raise TensorOptError(f"plan {plan.summary()} shards branches {sorted(chosen)}, but its '{TP_LAYOUT_KEY}' has "
                              "none of them: the plan was made for another model")
     return out
 
 
-def check_degree(block: str, branches: list[dict], tp: int) -> None:
+def check_degree(block: str, branches: Branches, tp: int) -> None:
     """Refuse a degree that would split a head or a feature group (a hand-edited plan; the planner
     never proposes one): the ranks' shares would not be whole heads and results would be wrong."""
     for branch in branches:
-        if branch["max_tp"] % tp:
+        if branch.max_tp % tp:
             raise TensorOptError(f"tensor parallelism over {tp} devices splits the heads or features of branch "
-                                 f"{branch['branch']!r} in block {block!r}: tp must divide {branch['max_tp']}")
+                                 f"{branch.branch!r} in block {block!r}: tp must divide {branch.max_tp}")
 
 
-def check_linears(copy: nn.Module, copy_name: str, branches: list[dict], tp: int) -> None:
+def check_linears(copy: nn.Module, copy_name: str, branches: Branches, tp: int) -> None:
     """Every module to shard must be an ``nn.Linear`` or a ``Conv1D`` whose sharded features (each segment's, for a
     fused projection) ``tp`` divides: ``parallelize_module`` would otherwise fail deep inside DTensor, or shard
     unevenly."""
     from ..space.tp_check import linear_kind
     for branch in branches:
-        segments = branch.get("segments", {})
-        for name, role in [(n, "column") for n in branch["column"]] + [(n, "row") for n in branch["row"]]:
+        for name, role in [(n, "column") for n in branch.column] + [(n, "row") for n in branch.row]:
             try:
                 module = copy.get_submodule(name)
             except AttributeError:
@@ -111,7 +111,8 @@ def check_linears(copy: nn.Module, copy_name: str, branches: list[dict], tp: int
                                      f"is a {type(module).__name__}: plan this model with --tp 1")
             out_dim, in_dim = (1, 0) if kind == "conv1d" else (0, 1)
             features = module.weight.shape[out_dim if role == "column" else in_dim]
-            parts = segments.get(name, [features]) if role == "column" else [features]
+            fused = branch.segments_of(name) if role == "column" else None
+            parts = fused if fused is not None else (features,)
             if sum(parts) != features or any(p % tp for p in parts):
                 raise TensorOptError(f"{copy_name}.{name} has {features} features ({'+'.join(map(str, parts))}), "
                                      f"which do not split over {tp} tensor-parallel devices")

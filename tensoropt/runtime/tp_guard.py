@@ -27,14 +27,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import TensorOptError
+from ..space.run_plan import Branches
 from .tp_styles import shard_copy
 
 RELATIVE_TOLERANCE = 1e-4        # float32 rounding of a reordered sum is ~1e-7; a wrong layout is ~1
 SEED = 0
 
 
-def check_sharded_blocks(model: nn.Module, example_inputs, first_copies: dict[str, tuple[str, list[dict]]],
-                         tp_mesh, device: torch.device, sp_layouts: dict[str, list[dict]] | None = None) -> None:
+def check_sharded_blocks(model: nn.Module, example_inputs, first_copies: dict[str, tuple[str, Branches]],
+                         tp_mesh, device: torch.device, sp_layouts: dict[str, Branches] | None = None) -> None:
     """Raise a one-line error naming the block and branches whose sharded output differs from the whole one.
     ``first_copies``: {block: (module name of its first copy, the branches the plan shards in it)};
     ``sp_layouts``: {block: all its branches} of the blocks the plan runs sequence-parallel, checked that way too."""
@@ -53,15 +54,15 @@ def check_sharded_blocks(model: nn.Module, example_inputs, first_copies: dict[st
             _check_sequence_parallel(whole, name, branches, sp_layouts[block], tp_mesh, args, kwargs)
         if not branches or _sharded_difference(whole, branches, tp_mesh, args, kwargs) <= RELATIVE_TOLERANCE:
             continue
-        wrong = [b for b in branches if _sharded_difference(whole, [b], tp_mesh, args, kwargs) > RELATIVE_TOLERANCE]
-        names = ", ".join(f"{b['branch']} ({'+'.join(b['column'])} -> {'+'.join(b['row'])})" for b in wrong or branches)
+        wrong = [b for b in branches if _sharded_difference(whole, (b,), tp_mesh, args, kwargs) > RELATIVE_TOLERANCE]
+        names = ", ".join(f"{b.branch} ({'+'.join(b.column)} -> {'+'.join(b.row)})" for b in wrong or branches)
         raise TensorOptError(
             f"tensor parallelism over {tp_mesh.size()} devices changes what {name} computes: the sharded layout of "
             f"{names} does not match how the model's code reads its projections (checked on a test input before "
             "training); plan this model with --tp 1")
 
 
-def _check_sequence_parallel(whole: nn.Module, name: str, branches: list[dict], layout: list[dict], tp_mesh,
+def _check_sequence_parallel(whole: nn.Module, name: str, branches: Branches, layout: Branches, tp_mesh,
                              args: tuple, kwargs: dict) -> None:
     """The copy run sequence-parallel (its stream split along dim 1, ``sequence_parallel``) must compute what the
     whole one does: a block whose code outside the branches mixes positions, or reads the stream with anything
@@ -80,8 +81,8 @@ def _check_sequence_parallel(whole: nn.Module, name: str, branches: list[dict], 
             "training); plan this model without sequence parallelism")
 
 
-def _sharded_difference(whole: nn.Module, branches: list[dict], tp_mesh, args: tuple, kwargs: dict,
-                        sp_layout: list[dict] | None = None) -> float:
+def _sharded_difference(whole: nn.Module, branches: Branches, tp_mesh, args: tuple, kwargs: dict,
+                        sp_layout: Branches | None = None) -> float:
     """The relative difference between ``whole``'s output and that of a copy with ``branches`` sharded (and run
     sequence-parallel, entered and left with the whole sequence, with ``sp_layout``)."""
     sharded = copying.deepcopy(whole)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..space.fused import segment_order
+from ..space.run_plan import Branches
 from ..space.tp_check import linear_kind
 from .feature_order import FEATURE_ORDER
 from .sequence_parallel import apply_sequence_parallel
@@ -72,7 +73,7 @@ class ConvRows(RowwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-def column_style(module: nn.Module, segments: list[int] | None, tp: int) -> ColwiseParallel:
+def column_style(module: nn.Module, segments: tuple[int, ...] | None, tp: int) -> ColwiseParallel:
     """The style that shards ``module``'s output features over ``tp`` ranks (``segments``: its fused layout)."""
     transposed = linear_kind(module) == "conv1d"
     if not transposed and not segments:
@@ -87,7 +88,7 @@ def row_style(module: nn.Module, sequence_parallel: bool = False) -> RowwisePara
     return ConvRows(**kwargs) if linear_kind(module) == "conv1d" else RowwiseParallel(**kwargs)
 
 
-def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh, sp_layout: list[dict] | None = None, name: str = "",
+def shard_copy(copy: nn.Module, branches: Branches, tp_mesh, sp_layout: Branches | None = None, name: str = "",
                handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None,
                stream_argument: int | None = None) -> None:
     """Shard one copy of a block: its branches' column and row linears, as the layout describes them; with
@@ -98,14 +99,13 @@ def shard_copy(copy: nn.Module, branches: list[dict], tp_mesh, sp_layout: list[d
         apply_sequence_parallel(copy, name, sp_layout, branches, tp_mesh, handoff, relay, stream_argument)
 
 
-def styles(copy: nn.Module, branches: list[dict], tp: int, sequence_parallel: bool = False) -> dict:
+def styles(copy: nn.Module, branches: Branches, tp: int, sequence_parallel: bool = False) -> dict:
     """``parallelize_module``'s plan for one block copy: module name -> its column or row style (under sequence
     parallelism the row linears reduce-scatter along the sequence)."""
     out = {}
     for branch in branches:
-        segments = branch.get("segments", {})
-        out |= {name: column_style(copy.get_submodule(name), segments.get(name), tp) for name in branch["column"]}
-        out |= {name: row_style(copy.get_submodule(name), sequence_parallel) for name in branch["row"]}
+        out |= {name: column_style(copy.get_submodule(name), branch.segments_of(name), tp) for name in branch.column}
+        out |= {name: row_style(copy.get_submodule(name), sequence_parallel) for name in branch.row}
     return out
 
 

@@ -33,15 +33,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from ..errors import TensorOptError
-from ..space.vocab import VOCAB_PARALLEL_KEY
+from ..space.run_plan import RunPlan, VocabSplit
 
 LossContext = Callable[[], AbstractContextManager]
 
 
-def vocab_entry(plan: dict) -> dict:
+def vocab_entry(run_plan: RunPlan) -> VocabSplit:
     """plan.json's ``vocab_parallel`` entry; a plan written without one keeps the vocabulary replicated."""
-    return plan.get(VOCAB_PARALLEL_KEY) or {"enabled": False, "reason": "plan.json does not say (written by an "
-                                                                        "older launcher)"}
+    return run_plan.vocab_parallel or VocabSplit(False, reason="plan.json does not say (written by an older launcher)")
 
 
 def vocab_styles(sequence_parallel: bool = False) -> tuple[RowwiseParallel, ColwiseParallel]:
@@ -52,18 +51,17 @@ def vocab_styles(sequence_parallel: bool = False) -> tuple[RowwiseParallel, Colw
             ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False))
 
 
-def apply_vocab_parallel(model: nn.Module, plan: dict, tp_mesh) -> bool:
+def apply_vocab_parallel(model: nn.Module, run_plan: RunPlan, tp_mesh) -> bool:
     """Shard the embedding and the head over ``tp_mesh`` by vocabulary as plan.json says; whether it did."""
-    entry = vocab_entry(plan)
-    if not entry.get("enabled"):
+    entry = vocab_entry(run_plan)
+    if not entry.enabled:
         return False
-    embedding, head = (_module(model, entry[key], kind) for key, kind in (("embedding", nn.Embedding),
-                                                                         ("head", nn.Linear)))
+    embedding, head = _module(model, entry.embedding, nn.Embedding), _module(model, entry.head, nn.Linear)
     check_vocab(entry, embedding, head, tp_mesh.size())
     embed_style, head_style = vocab_styles()
     parallelize_module(embedding, tp_mesh, embed_style)
     parallelize_module(head, tp_mesh, head_style)
-    if entry["tied"]:
+    if entry.tied:
         head.weight = embedding.weight      # one DTensor for both uses (both Shard(0) on the same mesh)
     return True
 
@@ -80,19 +78,19 @@ def _module(model: nn.Module, name: str, kind: type) -> nn.Module:
     return module
 
 
-def check_vocab(entry: dict, embedding: nn.Embedding, head: nn.Linear, tp: int) -> None:
+def check_vocab(entry: VocabSplit, embedding: nn.Embedding, head: nn.Linear, tp: int) -> None:
     """The modules hold the vocabulary the plan was made for, ``tp`` divides it, and a tie is as captured."""
-    vocab = entry["vocab"]
+    vocab = entry.vocab
     if embedding.num_embeddings != vocab or head.out_features != vocab:
-        raise TensorOptError(f"the plan shards a vocabulary of {vocab}, but {entry['embedding']} has "
-                             f"{embedding.num_embeddings} rows and {entry['head']} {head.out_features} outputs: "
+        raise TensorOptError(f"the plan shards a vocabulary of {vocab}, but {entry.embedding} has "
+                             f"{embedding.num_embeddings} rows and {entry.head} {head.out_features} outputs: "
                              "the plan was made for another model")
     if vocab % tp:
         raise TensorOptError(f"tensor parallelism over {tp} devices does not divide the vocabulary of {vocab}: "
                              "re-plan with `tensoropt launch`")
-    if entry["tied"] != (head.weight is embedding.weight):
-        raise TensorOptError(f"the plan says {entry['head']}'s weight is {'' if entry['tied'] else 'not '}tied to "
-                             f"{entry['embedding']}'s, and in this model it is the other way: re-plan")
+    if entry.tied != (head.weight is embedding.weight):
+        raise TensorOptError(f"the plan says {entry.head}'s weight is {'' if entry.tied else 'not '}tied to "
+                             f"{entry.embedding}'s, and in this model it is the other way: re-plan")
 
 
 def loss_context(enabled: bool) -> LossContext:

@@ -4,14 +4,15 @@
 launcher searches only there. Some plans inside that space still cannot run, because a combination is not
 applied (tensor with data parallelism under ZeRO 0 in the torch engine, for instance). ``unsupported``
 names what a plan needs that an engine lacks. The launcher drops those plans after the search, and a worker
-refuses them before it runs anything else. Plain data on plan JSON: no torch, no GPU.
+refuses them before it runs anything else. ``ENGINES`` is defined with the plan file (``space.run_plan``),
+which names the engine that runs it. Plain data on a ``Plan``: no GPU.
 """
 
 from __future__ import annotations
 
 from ..errors import TensorOptError
-
-ENGINES = ("torch", "deepspeed")          # in order of preference when both run a plan
+from ..space.plan import Plan
+from ..space.run_plan import ENGINES
 
 ENGINE_SPACES = {
     "torch": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=True,
@@ -21,33 +22,39 @@ ENGINE_SPACES = {
 }
 
 
-def unsupported(plan: dict, engine: str) -> list[str]:
-    """What a plan (its JSON) needs that ``engine`` does not apply; empty when it can run it."""
-    strategies = [s for b in plan["blocks"] for s in b["strategies"]]
+def unsupported(plan: Plan, engine: str) -> list[str]:
+    """What ``plan`` needs that ``engine`` does not apply; empty when it can run it."""
     if engine == "deepspeed":
         return [what for what, needed in [
-            ("interleaved virtual pipeline stages", plan.get("virtual_stages", 1) > 1),
-            ("sequence parallelism", any(s["sequence_parallel"] for s in strategies)),
-            ("tensor parallelism", plan["tp"] != 1), ("pipeline stages", plan["pp"] != 1),
-            ("optimizer offload without ZeRO", plan["offload"] and plan["zero"] == 0),
+            ("interleaved virtual pipeline stages", plan.virtual_stages > 1),
+            ("sequence parallelism", any(s.sequence_parallel for b in plan.blocks for s, _ in b.strategies)),
+            ("tensor parallelism", plan.tp != 1), ("pipeline stages", plan.pp != 1),
+            ("optimizer offload without ZeRO", plan.offload and plan.zero == 0),
             # DeepSpeed keeps a float32 master copy under ZeRO 0 (BF16_Optimizer): bf16 master weights need 1-3
-            ("bf16-true without ZeRO", plan.get("precision") == "bf16-true" and plan["zero"] == 0),
+            ("bf16-true without ZeRO", plan.precision == "bf16-true" and plan.zero == 0),
         ] if needed]
     return [what for what, needed in [
-        ("optimizer offload", plan["offload"]),
+        ("optimizer offload", plan.offload),
         # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh
-        ("tensor and data parallelism without ZeRO 1, 2 or 3", plan["tp"] > 1 and plan["dp"] > 1 and plan["zero"] == 0),
+        ("tensor and data parallelism without ZeRO 1, 2 or 3", plan.tp > 1 and plan.dp > 1 and plan.zero == 0),
     ] if needed]
 
 
-def choose_engine(plan: dict, requested: str | None = None) -> str:
+def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
+    """Whether an engine keeps a float32 master copy beside bf16 weights: DeepSpeed's bf16 mode does under
+    bf16-mixed (``BF16_Optimizer``, ZeRO's float32 partitions: 2 + 2 + 12 bytes per parameter); the torch engine
+    keeps the weights themselves in float32 (``cost.model.torch_mixed``), and bf16-true / 32-true keep none."""
+    return engine == "deepspeed" and precision == "bf16-mixed"
+
+
+def choose_engine(plan: Plan, requested: str | None = None) -> str:
     """The engine that runs a plan: ``requested`` if it can, else torch, else DeepSpeed."""
     for engine in [requested] if requested else ENGINES:
         if not unsupported(plan, engine):
             return engine
     engine = requested or "torch"
-    raise TensorOptError(f"plan {plan['summary']} needs {', '.join(unsupported(plan, engine))}, which the {engine} "
+    raise TensorOptError(f"plan {plan.summary()} needs {', '.join(unsupported(plan, engine))}, which the {engine} "
                          "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
-__all__ = ["ENGINES", "ENGINE_SPACES", "choose_engine", "unsupported"]
+__all__ = ["ENGINES", "ENGINE_SPACES", "choose_engine", "master_weights", "unsupported"]

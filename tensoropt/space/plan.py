@@ -135,6 +135,7 @@ class Plan:
         )
 
 
+
 DTYPES = ("bfloat16", "float16", "float32")
 _POSITIVE = ("devices", "dp", "tp", "pp", "micro_batch", "global_batch")
 

@@ -1,0 +1,144 @@
+"""``tensoropt.plan``: the one entry point for planning, used by ``tensoropt frontier`` and ``tensoropt launch``.
+
+A model and its devices in, a ``Frontier`` out: the (time, memory per device, devices) Pareto set of plans whose
+memory fits the budget (the devices' own memory unless given). With ``engines`` the space is what those engines
+run (``search.engines.ENGINE_SPACES`` and ``unsupported``) and each point carries the engine that runs it, as
+the launcher needs; without, it is the planner's whole space, as ``tensoropt frontier`` shows it. The graph is
+folded once however many device counts and engines are searched (``folded``), so the command line and the Python
+API give the same answer from the same work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from torch import nn
+
+from .api import Captured, capture
+from .cost.model import ModelCost
+from .cost.profile import Cluster
+from .errors import TensorOptError
+from .frontier import Frontier
+from .graph.fold import FoldedGraph, fold
+from .graph.ir import OpGraph
+from .search.engines import ENGINE_SPACES, ENGINES, master_weights, unsupported
+from .search.ft import FrontierPoint, SearchSpace, search
+from .search.limits import NO_LIMITS, Limits
+from .search.pareto import nondominated
+from .space.plan import compute_dtype
+from .units import parse_bytes
+
+_LAST_FOLDED: tuple[OpGraph, FoldedGraph] | None = None
+
+
+class NoPlanError(TensorOptError):
+    """No plan of the space searched splits the global batch over the devices (or the limits leave none)."""
+
+
+class NoPlanFitsError(TensorOptError):
+    """Plans exist, but none fits the memory budget; ``least_memory_bytes`` is what the leanest one needs."""
+
+    def __init__(self, budget_bytes: float, least_memory_bytes: float):
+        self.budget_bytes, self.least_memory_bytes = budget_bytes, least_memory_bytes
+        super().__init__(f"no plan fits in {budget_bytes / 2**30:.1f} GiB per device; the least memory any plan needs "
+                         f"is {least_memory_bytes / 2**30:.2f} GiB")
+
+
+def folded(graph: OpGraph) -> FoldedGraph:
+    """``fold(graph)``, computed once for the graph planned last (a launch prices and searches the same graph)."""
+    global _LAST_FOLDED
+    if _LAST_FOLDED is None or _LAST_FOLDED[0] is not graph:
+        _LAST_FOLDED = (graph, fold(graph))
+    return _LAST_FOLDED[1]
+
+
+def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequence[Cluster], *,
+         budget: float | str | None = None, engines: Sequence[str] | None = None, global_batch: int | None = None,
+         example_inputs: tuple | Mapping | None = None, seq_len: int | None = None, limits: Limits = NO_LIMITS,
+         precision: str | None = None, pipeline: bool = True, fits: bool = True, fold_blocks: bool = True) -> Frontier:
+    """The frontier of plans for ``model`` on ``devices``, fastest first.
+
+    ``model``: a ``--model`` string, a module with ``example_inputs``, or a captured graph. ``devices``: a
+    ``Cluster`` (count, per node, profile), or several of one profile to span device counts. ``budget``: memory
+    per device (bytes or ``"40GiB"``; default the profile's); with ``fits=False`` plans over it are kept too.
+    ``engines`` (e.g. ``("torch", "deepspeed")``): only what they run, each point's engine in
+    ``Frontier.engine_of``; ``precision`` (``bf16-mixed``...) prices the model states as each engine holds them.
+    ``global_batch`` defaults to the one the graph records (a launch's script). ``pipeline=False`` leaves
+    pipeline stages out; ``fold_blocks=False`` searches copy by copy. One-line ``TensorOptError`` when no plan
+    exists (``NoPlanError``) or none fits (``NoPlanFitsError``)."""
+    graph, capture_seconds = _graph(model, example_inputs, seq_len)
+    clusters = [devices] if isinstance(devices, Cluster) else list(devices)
+    if not clusters:
+        raise TensorOptError("plan needs at least one Cluster of devices")
+    profile = clusters[0].profile
+    global_batch = global_batch or int(graph.meta("global_batch") or 0)
+    if global_batch < 1:
+        raise TensorOptError("give global_batch: the samples per iteration (the graph records none)")
+    budget_bytes = _bytes(budget) if budget is not None else profile.memory_bytes
+    folding = folded(graph)
+    start = time.perf_counter()                             # search_seconds: the search alone, as before
+    candidates: list[tuple[FrontierPoint, str]] = []        # in ENGINES order: of two equal points the first is kept
+    for cluster in clusters:
+        cost = ModelCost(graph, folding, cluster)
+        for engine, space in _spaces(graph, global_batch, engines, precision, pipeline, limits):
+            points = search(cost, cluster.num_devices, space, doubling=fold_blocks).points
+            candidates += [(p, engine) for p in points if not engine or not unsupported(p.plan.to_json(), engine)]
+    if not candidates:
+        raise NoPlanError(f"no plan splits global batch {global_batch} over {[c.num_devices for c in clusters]} "
+                          "devices" + (f" within {limits.flags()}" if limits else ""))
+    if fits:
+        within = [c for c in candidates if c[0].peak_memory_bytes <= budget_bytes]
+        if not within:
+            raise NoPlanFitsError(budget_bytes, min(p.peak_memory_bytes for p, _ in candidates))
+        candidates = within
+    values = np.array([[p.iteration_time_s, p.peak_memory_bytes, p.plan.devices] for p, _ in candidates])
+    keep = sorted(nondominated(values), key=lambda i: (values[i, 0], values[i, 1]))
+    batch = int(graph.meta("batch_size") or 1)
+    return Frontier(graph.name, tuple(c.num_devices for c in clusters), clusters[0].devices_per_node, profile.name,
+                    global_batch, int(graph.meta("seq_len") or 0) or None, graph.flops_per_iteration / batch,
+                    profile.peak("bfloat16"), tuple(candidates[i][0] for i in keep), time.perf_counter() - start,
+                    capture_seconds, folding.summary(),
+                    engines=tuple(candidates[i][1] for i in keep) if engines is not None else ())
+
+
+def _graph(model, example_inputs, seq_len) -> tuple[OpGraph, float]:
+    if isinstance(model, OpGraph):
+        return model, 0.0
+    captured = model if isinstance(model, Captured) else capture(model, example_inputs, seq_len=seq_len)
+    return captured.graph, captured.capture_seconds
+
+
+def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, precision: str | None,
+            pipeline: bool, limits: Limits) -> list[tuple[str, SearchSpace]]:
+    """(engine, space) pairs to search; engine "" is the planner's whole space. A model whose forward returns more
+    than the loss (a Hugging Face output) has no pipeline plans under an engine: the pipeline engine cannot split
+    it. An engine whose part the ``limits`` empty is not searched."""
+    priced = {"dtype": compute_dtype(precision), "precision": precision} if precision else {}
+    if engines is None:
+        parts = [("", {} if pipeline else {"pipeline_stages": (1,)})]
+    else:
+        unknown = [e for e in engines if e not in ENGINE_SPACES]
+        if unknown:
+            raise TensorOptError(f"unknown engine {unknown[0]!r}: use {' or '.join(ENGINES)}")
+        split = pipeline and graph.meta("output", "tensor") == "tensor"
+        parts = [(e, ENGINE_SPACES[e] | ({} if split else {"pipeline_stages": (1,)})) for e in engines]
+    spaces = []
+    for engine, part in parts:
+        own = {"master_weights": master_weights(engine, precision)} if engine and precision else {}
+        space = limits.restrict(SearchSpace(global_batch=global_batch, **priced, **own, **part))
+        if space is not None:
+            spaces.append((engine, space))
+    return spaces
+
+
+def _bytes(budget: float | str) -> float:
+    if isinstance(budget, str):
+        return parse_bytes(budget, "budget")
+    if budget <= 0:
+        raise TensorOptError(f"budget {budget}: give a positive memory per device, e.g. 40 * 2**30 or '40GiB'")
+    return float(budget)
+
+
+__all__ = ["NoPlanError", "NoPlanFitsError", "folded", "plan"]
