@@ -42,6 +42,7 @@ from ..errors import TensorOptError
 from ..search.engines import ENGINES, choose_engine, unsupported
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
+from .memory_check import SIMULATE_ENV, measuring, simulate_mode
 from .param_groups import build_optimizer
 from .precision import PRECISION_ENV, autocast_forward, cast_model, cuda_attention_policy, of_plan
 from .run import Run, exit_on_out_of_memory, plain_stepper
@@ -74,6 +75,8 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     if missing := unsupported(plan, engine):     # never run a plan as something else than what was planned
         raise TensorOptError(f"plan {plan['summary']} needs {', '.join(missing)}, which the {engine} engine does not "
                              "apply")
+    if os.environ.get(SIMULATE_ENV):                 # launch --dry-run --check-memory: rank 0's step, fake
+        simulate_mode(model, optimizer_fn, example_inputs)
     device = worker_device(plan)
     with exit_on_out_of_memory(0, int(os.environ.get("RANK", "0"))):     # as in a step: the launcher re-plans
         if engine == "deepspeed":
@@ -83,6 +86,7 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
             from .torch_engine import apply
             model, optimizer, run = apply(model, optimizer_fn, plan, device, materializer, example_inputs)
     run.model, run.optimizer, run.device = model, optimizer, device
+    measuring(run, run.rank)                        # TENSOROPT_MEMORY_OUT: peak tensor memory of a step
     return model, optimizer, _resume(run, engine)
 
 
