@@ -66,6 +66,8 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     """
     if os.environ.get(CAPTURE_ENV):
         return _capture_mode(model, optimizer_fn, example_inputs, global_batch)
+    if os.environ.get(SIMULATE_ENV):                 # launch --dry-run --check-memory: rank 0's step, fake
+        simulate_mode(model, optimizer_fn, example_inputs)
     materializer = Materializer(model, init_fn) if has_meta_tensors(model) else None
     plan_path = os.environ.get(PLAN_ENV)
     if not plan_path:
@@ -75,8 +77,6 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     if missing := unsupported(plan, engine):     # never run a plan as something else than what was planned
         raise TensorOptError(f"plan {plan['summary']} needs {', '.join(missing)}, which the {engine} engine does not "
                              "apply")
-    if os.environ.get(SIMULATE_ENV):                 # launch --dry-run --check-memory: rank 0's step, fake
-        simulate_mode(model, optimizer_fn, example_inputs)
     device = worker_device(plan)
     with exit_on_out_of_memory(0, int(os.environ.get("RANK", "0"))):     # as in a step: the launcher re-plans
         if engine == "deepspeed":

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import TensorOptError
 from .memory_tracker import StepMemory
+from .tp_guard import unchecked
 
 MEMORY_OUT_ENV, SIMULATE_ENV = "TENSOROPT_MEMORY_OUT", "TENSOROPT_SIMULATE_MEMORY"
 TRACKED_STEPS = 2                # the peak of the second: the steady state
@@ -123,23 +124,43 @@ def measuring(run, rank: int) -> None:
                                   lambda b: write_report(target, {"rank": rank, "simulated": False} | b))
 
 
-class _FakeStorage:
-    """The materializer of a simulation: a meta-built model gets fake storage on ``device`` for its part, left
-    uninitialised (values do not change the bytes a step takes); tied parameters stay tied."""
+def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised fake tensor like ``t`` on ``device`` (a DTensor: its local shard fake, its layout kept)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        local = torch.empty_like(t.to_local(), device=device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return torch.empty_like(t, device=device)
 
-    block_bytes: int | None = None
+
+class _FakeStorage:
+    """The materializer of a simulation: this rank's part of the sharded meta-built model gets fake storage on
+    ``device``, left uninitialised (values do not change the bytes a step takes). Each parameter and buffer is
+    replaced (``Module._apply`` would swap tensors, which fake tensors refuse), tied parameters are tied again,
+    and FSDP2 is told of its new shards as its own ``_apply`` does (``reset_sharded_param``)."""
+
+    block_bytes: int | None = None           # read by the engines for the materializer's own messages
 
     def materialize(self, module: nn.Module, device: torch.device) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
         from .materialize import tie, tied_parameters
         tied = tied_parameters(module)
-        overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-        torch.__future__.set_overwrite_module_params_on_conversion(True)    # new (fake) parameters, not .data
-        try:
-            module._apply(lambda t: torch.empty_like(t, device=device))
-        finally:
-            torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        for m in module.modules():
+            for key, p in m._parameters.items():
+                if p is not None:
+                    m._parameters[key] = nn.Parameter(_fake_like(p, device), requires_grad=p.requires_grad)
+            for key, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[key] = _fake_like(b, device)
         for names in tied:
             tie(module, names)
+        with torch.no_grad():            # FSDP2 takes its new shards as after Module._apply
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    for group in m._get_fsdp_state()._fsdp_param_groups:
+                        for fsdp_param in group.fsdp_params:
+                            fsdp_param.reset_sharded_param()
 
 
 def _micro_batch(example, samples: int, device: torch.device):
@@ -151,6 +172,52 @@ def _micro_batch(example, samples: int, device: torch.device):
     if isinstance(example, (tuple, list)):
         return type(example)(_micro_batch(v, samples, device) for v in example)
     return example
+
+
+class _BucketedGradients(nn.Module):
+    """DDP's memory where DDP cannot run: its C++ reducer reads the parameters' data, which fake tensors do not
+    have. What it holds is reproduced: one flat gradient bucket per dtype, allocated with the wrapper, which each
+    parameter's ``.grad`` becomes a view of after its first accumulation (``gradient_as_bucket_view=True``, the
+    engine's setting: autograd's fresh gradient is copied in and dropped); its all-reduce is in place. The
+    tests hold this against real DDP runs measured by the same tracker."""
+
+    def __init__(self, module: nn.Module, device_ids=None, gradient_as_bucket_view: bool = True) -> None:
+        super().__init__()
+        self.module, self.require_backward_grad_sync = module, True
+        groups: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in module.parameters():
+            if p.requires_grad:
+                groups.setdefault(p.dtype, []).append(p)
+        self.buckets = []
+        for dtype, params in groups.items():
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+            offset = 0
+            for p in params:
+                p.register_post_accumulate_grad_hook(_into_bucket(flat[offset:offset + p.numel()].view_as(p)))
+                offset += p.numel()
+            self.buckets.append(flat)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _into_bucket(view: torch.Tensor) -> Callable[[nn.Parameter], None]:
+    def hook(p: nn.Parameter) -> None:
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+    return hook
+
+
+@contextlib.contextmanager
+def _bucketed_ddp() -> Iterator[None]:
+    """The torch engine's DDP is ``_BucketedGradients`` within."""
+    original = nn.parallel.DistributedDataParallel
+    nn.parallel.DistributedDataParallel = _BucketedGradients
+    try:
+        yield
+    finally:
+        nn.parallel.DistributedDataParallel = original
 
 
 @contextlib.contextmanager
@@ -165,20 +232,22 @@ def _outside_capture() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _real_meshes() -> Iterator[None]:
-    """Device meshes made with real rank tables: ``DeviceMesh`` reads its ranks back (``tolist``), which a fake
-    tensor cannot give."""
+    """Device meshes made with real rank tables: ``DeviceMesh`` reads its ranks back (``tolist``, ``nonzero``),
+    which a fake tensor cannot give. Its tables are small; nothing else is made real."""
     import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    original = device_mesh.init_device_mesh
+    originals = device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__
 
-    def init_device_mesh(*args, **kwargs):
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
-    device_mesh.init_device_mesh = init_device_mesh
+    def real(function):
+        def outside_fake_mode(*args, **kwargs):
+            with unset_fake_temporarily():
+                return function(*args, **kwargs)
+        return outside_fake_mode
+    device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = map(real, originals)
     try:
         yield
     finally:
-        device_mesh.init_device_mesh = original
+        device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = originals
 
 
 def simulate(model: nn.Module, optimizer_fn, plan: dict, example_inputs) -> dict:
@@ -194,7 +263,7 @@ def simulate(model: nn.Module, optimizer_fn, plan: dict, example_inputs) -> dict
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan["devices"])
     device = torch.device("cpu")
-    with _outside_capture(), _real_meshes(), FakeTensorMode(allow_non_fake_inputs=True):
+    with _outside_capture(), _real_meshes(), _bucketed_ddp(), unchecked(), FakeTensorMode(allow_non_fake_inputs=True):
         model, optimizer, run = apply(model, optimizer_fn, dict(plan, device="cpu"), device, _FakeStorage(),
                                       example_inputs)
         if optimizer is None:
