@@ -274,10 +274,9 @@ def simulate(model: nn.Module, optimizer_fn, plan: dict, example_inputs) -> dict
         result: dict = {}
         stepper = tracked_stepper(run.stepper, model, optimizer, result.update)
         for _ in range(TRACKED_STEPS):
-            try:
+            # the step's loss read back to the host (``float``) is the one thing fake tensors cannot give
+            with contextlib.suppress(DataDependentOutputException):
                 stepper(micro)
-            except DataDependentOutputException:
-                pass          # the step's loss read back to the host (``float``): fake tensors have no value
     if not result:
         raise TensorOptError("the simulated step did not reach the optimizer step")
     return {"rank": 0, "simulated": True} | result

@@ -1,0 +1,97 @@
+"""``launch --dry-run --check-memory``: rank 0's step simulated on fake tensors holds what the real run holds.
+
+Each slow case writes one plan, simulates it through the launcher (``--check-memory``, one process, nothing
+allocated), then trains it for real on two CPU workers with ``TENSOROPT_MEMORY_OUT``, which tracks the same
+steps with the same tracker, and compares rank 0's peak tensor bytes."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from workers import ENV, GPT_SCRIPT, dry_run_plan, tensoropt_cli
+
+from tensoropt.runtime.memory_check import unsimulated
+from tensoropt.runtime.memory_tracker import StepMemory
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+RELATIVE = 0.02          # "within a few percent"; the cases below agree to ~0.3% or exactly
+
+
+def test_tracker_counts_live_storages_once_and_names_their_roles():
+    """A view adds nothing, a freed tensor leaves the count, the peak is kept with what was live at it, and a
+    storage registered as a parameter is counted under parameters."""
+    weight = torch.zeros(1000)                               # 4000 bytes, made before tracking
+    tracker = StepMemory()
+    tracker.register("parameters", [weight])
+    with tracker:
+        a = torch.ones(500)                                  # 2000 bytes, forward: an activation
+        view = a[:10]
+        b = a * 2                                            # 2000 more: peak 8000
+        del a, view, b
+        c = torch.ones(250)                                  # 1000 after the peak
+    assert tracker.peak_bytes == 8000
+    assert tracker.live_bytes == 5000 and c.numel() == 250
+    assert tracker.breakdown() == {"parameters": 4000, "gradients": 0, "optimizer": 0, "activations": 4000,
+                                   "temporaries": 0, "peak_bytes": 8000}
+
+
+def test_pipelines_and_deepspeed_are_said_to_be_unsimulated():
+    plan = {"pp": 2}
+    assert "pipeline" in unsimulated(plan, "torch")
+    assert "deepspeed" in unsimulated({"pp": 1}, "deepspeed")
+    assert unsimulated({"pp": 1}, "torch") is None
+
+
+def test_check_memory_needs_dry_run(tmp_path):
+    result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--check-memory", cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --check-memory simulates the plan instead of running it: add --dry-run")
+
+
+def _plan(base: Plan, *, dp=2, tp=1, zero=0, recompute="none", sp=False, precision="32-true") -> Plan:
+    (block,) = base.blocks
+    copies = sum(n for _, n in block.strategies)
+    return dataclasses.replace(
+        base, dp=dp, tp=tp, pp=1, virtual_stages=1, zero=zero, offload=False, micro_batch=8 // dp // 2,
+        global_batch=8, tp_branches=("attn", "mlp") if tp > 1 else (), precision=precision,
+        dtype="bfloat16" if precision == "bf16-mixed" else "float32", master_weights=False,
+        blocks=(BlockPlan(block.block, ((LayerStrategy(recompute, sp), copies),)),))
+
+
+CASES = {
+    "ddp": dict(zero=0),
+    "fsdp-zero1-bf16-mixed": dict(zero=1, precision="bf16-mixed"),
+    "fsdp-zero3-full-recompute": dict(zero=3, recompute="full"),
+    "tp2": dict(dp=1, tp=2),
+    "tp2-sp-selective": dict(dp=1, tp=2, sp=True, recompute="selective"),
+    "fsdp-zero3-selective-bf16-mixed": dict(zero=3, recompute="selective", precision="bf16-mixed"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.parametrize("case", CASES)
+def test_simulated_peak_equals_the_real_runs(tmp_path, case):
+    """The simulated peak of rank 0's second step is within 2% of the real run's (same tracker), and the
+    optimizer states at the peak are the same bytes; the launcher prints both beside the prediction."""
+    plan = _plan(dry_run_plan(GPT_SCRIPT, tmp_path), **CASES[case])
+    precision = plan.precision
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    common = ["--device", "cpu", "--gpus", 2, "--plan", path, "--precision", precision]
+    result = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", tmp_path / "sim", "--dry-run",
+                           "--check-memory", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "simulated / predicted" in result.stdout
+    check = json.loads((tmp_path / "sim" / "memory_check.json").read_text())
+    assert check["plan"] == plan.summary() and check["simulated"]["simulated"] is True
+    real = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", tmp_path / "run", "--", "--steps", 3, cwd=tmp_path,
+                         env=ENV | {"TENSOROPT_MEMORY_OUT": str(tmp_path / "real-{rank}.json")})
+    assert real.returncode == 0, real.stderr[-3000:]
+    measured = json.loads((tmp_path / "real-0.json").read_text())
+    simulated = check["simulated"]
+    assert measured["simulated"] is False and measured["peak_bytes"] > 0
+    assert simulated["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=RELATIVE)
+    assert simulated["optimizer"] == measured["optimizer"]
