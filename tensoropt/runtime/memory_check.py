@@ -193,20 +193,22 @@ class _BucketedGradients(nn.Module):
             flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             offset = 0
             for p in params:
-                p.register_post_accumulate_grad_hook(_into_bucket(flat[offset:offset + p.numel()].view_as(p)))
+                p.register_post_accumulate_grad_hook(self._into_bucket(flat[offset:offset + p.numel()].view_as(p)))
                 offset += p.numel()
             self.buckets.append(flat)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-
-def _into_bucket(view: torch.Tensor) -> Callable[[nn.Parameter], None]:
-    def hook(p: nn.Parameter) -> None:
-        if p.grad is not view:
-            view.copy_(p.grad)
-            p.grad = view
-    return hook
+    def _into_bucket(self, view: torch.Tensor) -> Callable[[nn.Parameter], None]:
+        """As DDP's reducer: in a synchronising backward a gradient not yet in the bucket is copied there and
+        ``.grad`` becomes the bucket's view; under ``no_sync`` (``require_backward_grad_sync`` False, every
+        micro-batch but the last) gradients accumulate in ``.grad`` of their own, beside the bucket."""
+        def hook(p: nn.Parameter) -> None:
+            if self.require_backward_grad_sync and p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
+        return hook
 
 
 @contextlib.contextmanager
