@@ -64,14 +64,18 @@ CASES = {
     "fsdp-zero3-full-recompute": dict(zero=3, recompute="full"),
     "tp2": dict(dp=1, tp=2),
     "tp2-sp-selective": dict(dp=1, tp=2, sp=True, recompute="selective"),
+    # a known gap, the same bytes every run: the simulation holds 133,376 bytes (4.8%) less than the real run
+    # (2,639,708 vs 2,773,084; with selective recomputation 2,590,556 vs 2,723,932). ZeRO 3 in 32-true and ZeRO 1 in
+    # bf16-mixed agree to 1 KiB. Cause not found (gloo's bf16 all-gather, FSDP2's casts: open).
+    "fsdp-zero3-bf16-mixed": dict(zero=3, precision="bf16-mixed"),
 }
-# Not a case: FSDP2 ZeRO 3 with selective recomputation. Its REAL peak varies between identical runs (2.77 to
-# 3.43 MB for this model, 32-true), so no simulation can match it to 2%; see the README's memory check section.
+GAPS = {"fsdp-zero3-bf16-mixed": "simulated 4.8% below the real run (open)"}
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=GAPS[c])) if c in GAPS
+                                  else c for c in CASES])
 def test_simulated_peak_equals_the_real_runs(tmp_path, case):
     """The simulated peak of rank 0's second step is within 2% of the real run's (same tracker), and the
     optimizer states at the peak are the same bytes; the launcher prints both beside the prediction."""
