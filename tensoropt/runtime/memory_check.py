@@ -73,8 +73,10 @@ def register_model(tracker: StepMemory, model: nn.Module, optimizer) -> None:
     fsdp_params, fsdp_grads = _fsdp_tensors(model)
     tracker.register("parameters", [*model.parameters(), *model.buffers(), *fsdp_params])
     tracker.register("gradients", [*(p.grad for p in model.parameters()), *fsdp_grads])
-    if optimizer is not None:
-        tracker.register("optimizer", [v for state in optimizer.state.values() for v in state.values()])
+    states = getattr(optimizer, "state", None)         # a torch optimizer's; DeepSpeed's keeps its own
+    if isinstance(states, Mapping):
+        tracker.register("optimizer", [v for state in states.values() if isinstance(state, Mapping)
+                                       for v in state.values()])
 
 
 def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callable[[dict], None]) -> Callable:
@@ -90,8 +92,9 @@ def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callab
     def post_hook(*_):
         tracker.optimizer_phase = False
         register_model(tracker, model, optimizer)
-    optimizer.register_step_pre_hook(pre_hook)
-    optimizer.register_step_post_hook(post_hook)
+    if isinstance(optimizer, torch.optim.Optimizer):     # else (DeepSpeed) the step's phases are not told apart
+        optimizer.register_step_pre_hook(pre_hook)
+        optimizer.register_step_post_hook(post_hook)
 
     def step(micro_batches):
         if steps[0] >= TRACKED_STEPS:
