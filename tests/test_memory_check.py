@@ -36,10 +36,12 @@ def test_tracker_counts_live_storages_once_and_names_their_roles():
 
 
 def test_pipelines_and_deepspeed_are_said_to_be_unsimulated():
-    plan = {"pp": 2}
-    assert "pipeline" in unsimulated(plan, "torch")
-    assert "deepspeed" in unsimulated({"pp": 1}, "deepspeed")
-    assert unsimulated({"pp": 1}, "torch") is None
+    blocks = (BlockPlan("layers.*", ((LayerStrategy(), 2),)),)
+    pipeline = Plan(devices=2, dp=1, tp=1, pp=2, micro_batch=1, global_batch=2, blocks=blocks)
+    flat = Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=1, global_batch=2, blocks=blocks)
+    assert "pipeline" in unsimulated(pipeline, "torch")
+    assert "deepspeed" in unsimulated(flat, "deepspeed")
+    assert unsimulated(flat, "torch") is None
 
 
 def test_check_memory_needs_dry_run(tmp_path):

@@ -186,7 +186,8 @@ class _BucketedGradients(nn.Module):
     engine's setting: autograd's fresh gradient is copied in and dropped); its all-reduce is in place. The
     tests hold this against real DDP runs measured by the same tracker."""
 
-    def __init__(self, module: nn.Module, device_ids=None, gradient_as_bucket_view: bool = True) -> None:
+    def __init__(self, module: nn.Module, device_ids=None, process_group=None,
+                 gradient_as_bucket_view: bool = True) -> None:
         super().__init__()
         self.module, self.require_backward_grad_sync = module, True
         groups: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -272,8 +273,8 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     device = torch.device("cpu")
     with _outside_capture(), _real_meshes(), _bucketed_ddp(), unchecked(), FakeTensorMode(allow_non_fake_inputs=True):
-        model, optimizer, run = apply(model, optimizer_fn, dataclasses.replace(run_plan, device="cpu"), device, _FakeStorage(),
-                                      example_inputs)
+        on_cpu = dataclasses.replace(run_plan, device="cpu")
+        model, optimizer, run = apply(model, optimizer_fn, on_cpu, device, _FakeStorage(), example_inputs)
         if optimizer is None:
             raise TensorOptError("tensoropt.parallelize was called without an optimizer_fn: there is no step to "
                                  "simulate")
