@@ -16,7 +16,9 @@ from tensoropt.space.plan import PRECISIONS
 from tensoropt.space.run_plan import RunPlan
 
 from . import launch as L
-from .inputs import check_counts, check_memory, check_paths, read_plan
+from .inputs import check_counts, check_paths, read_plan
+from .inputs import check_memory as check_mem_per_gpu
+from .memory import check_memory as simulate_and_compare
 from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, publish
 
 
@@ -48,6 +50,9 @@ from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, 
               help="seconds a node's torchrun waits for the other nodes before it stops (--nnodes > 1)")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="for planning (default: --gpus)")
 @click.option("--dry-run", is_flag=True, help="print the chosen plan and configuration, start nothing")
+@click.option("--check-memory", is_flag=True,
+              help="with --dry-run: simulate rank 0's step of the plan on fake tensors, print its peak memory by "
+                   "category beside the prediction")
 @click.option("--run-dir", default="tensoropt-run", show_default=True, help="where plan.json is written")
 @click.option("--no-cache", is_flag=True, help="capture the script's model again even if its sources are unchanged")
 @click.option("--elastic", is_flag=True, help="re-plan and resume when workers fail, memory runs out or devices change")
@@ -60,19 +65,21 @@ from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, 
 @limit_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, precision, nnodes, node_rank,
-           master_addr, master_port, rendezvous_timeout_s, gpus_per_node, dry_run, run_dir, no_cache, elastic,
-           checkpoint_dir, checkpoint_every, min_gpus, resources_file, script_args, limits):
+           master_addr, master_port, rendezvous_timeout_s, gpus_per_node, dry_run, check_memory, run_dir, no_cache,
+           elastic, checkpoint_dir, checkpoint_every, min_gpus, resources_file, script_args, limits):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
     if plan_path and limits:
         raise TensorOptError(f"--plan runs the plan given; {limits.flags()} limit the search for one: drop one or "
                              "the other")
+    if check_memory and not dry_run:
+        raise TensorOptError("--check-memory simulates the plan instead of running it: add --dry-run")
     if elastic:
         _check_elastic(checkpoint_dir, plan_path, engine, nnodes)
     check_nodes(nnodes, node_rank, master_addr, dry_run)
     check_counts(device, gpus, nnodes, master_port, min_gpus, elastic)
-    memory = check_memory(device, gpus, mem_per_gpu)
+    memory = check_mem_per_gpu(device, gpus, mem_per_gpu)
     check_paths(run_dir, checkpoint_dir, resources_file, elastic, min_gpus)
     given = read_plan(plan_path) if plan_path else None
     devices = L.detect(device, gpus, memory, profile, dry_run)
@@ -130,6 +137,9 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo(L.describe(RunPlan.read(plan_file), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
+    if check_memory:
+        simulate_and_compare(script, list(script_args), plan_file, engine, L.cost_model(graph, devices, per_node),
+                             point, devices, click.echo)
     if dry_run:
         return
     store = publish(master_addr, master_port, json.loads(plan_file.read_text())) if shared and node_rank == 0 else None

@@ -84,7 +84,7 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
         cost = ModelCost(graph, folding, cluster)
         for engine, space in _spaces(graph, global_batch, engines, precision, pipeline, limits):
             points = search(cost, cluster.num_devices, space, doubling=fold_blocks).points
-            candidates += [(p, engine) for p in points if not engine or not unsupported(p.plan.to_json(), engine)]
+            candidates += [(p, engine) for p in points if not engine or not unsupported(p.plan, engine)]
     if not candidates:
         raise NoPlanError(f"no plan splits global batch {global_batch} over {[c.num_devices for c in clusters]} "
                           "devices" + (f" within {limits.flags()}" if limits else ""))

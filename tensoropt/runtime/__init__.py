@@ -44,6 +44,7 @@ from ..search.engines import ENGINES, choose_engine, unsupported
 from ..space.run_plan import RunPlan
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
+from .memory_check import SIMULATE_ENV, measuring, simulate_mode
 from .param_groups import build_optimizer
 from .precision import PRECISION_ENV, autocast_forward, cast_model, cuda_attention_policy, of_plan
 from .run import Run, exit_on_out_of_memory, plain_stepper
@@ -71,6 +72,8 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
                              "a positive integer")
     if os.environ.get(CAPTURE_ENV):
         return _capture_mode(model, optimizer_fn, example_inputs, global_batch)
+    if os.environ.get(SIMULATE_ENV):                 # launch --dry-run --check-memory: rank 0's step, fake
+        simulate_mode(model, optimizer_fn, example_inputs)
     materializer = Materializer(model, init_fn) if has_meta_tensors(model) else None
     plan_path = os.environ.get(PLAN_ENV)
     if not plan_path:
@@ -89,6 +92,7 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
             from .torch_engine import apply
             model, optimizer, run = apply(model, optimizer_fn, run_plan, device, materializer, example_inputs)
     run.model, run.optimizer, run.device = model, optimizer, device
+    measuring(run, run.rank)                        # TENSOROPT_MEMORY_OUT: peak tensor memory of a step
     return model, optimizer, _resume(run, engine)
 
 
