@@ -171,11 +171,13 @@ def test_gpt_tp2_sequence_parallel_with_fsdp2_over_dp2_matches_one_process(tmp_p
     tensor-parallel axis too; foreach AdamW over DTensors of both meshes. The first copy runs tensor-parallel
     without SP, and the vocabulary-split embedding and head are sharded by FSDP2 too: this one run is also
     tensor parallelism with FSDP2 over dp2 (it replaced such runs in tests/test_tensor_parallel.py and
-    tests/test_vocab_parallel.py)."""
+    tests/test_vocab_parallel.py). The last two copies are SP and fully recomputed after an SP copy (in chain order,
+    as the planner lists them; LLaMA-2 70B's [65xnone+sp,15xfull+sp]): under FSDP2 their recomputation re-enters
+    with an input the stream check once refused."""
     alone = losses_alone(GPT, tmp_path / "alone.json", "--foreach")
     (tmp_path / "dry").mkdir()
     base = tp2(dry_run_plan(GPT, tmp_path / "dry", devices=4), ("attn", "mlp"), micro_batch=2)
-    plan = _with(base, ("full", False, 1), ("full", True, 1), ("none", True, 2), dp=2, zero=3)
+    plan = _with(base, ("full", False, 1), ("none", True, 1), ("full", True, 2), dp=2, zero=3)
     launched = _launch(GPT, plan, tmp_path, "--foreach")
     assert "tensor parallel 2" in launched["stdout"] and launched["written"]["vocab_parallel"]["enabled"]
     np.testing.assert_allclose(launched["losses"], alone, rtol=2e-5)

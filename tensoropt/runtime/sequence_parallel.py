@@ -187,6 +187,9 @@ def _stream_position(args: tuple, kwargs: dict, index: int | None = None) -> tup
 def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict, keeps: bool,
            stream_argument: int | None):
     tp = mesh.size()
+    # the model's routing of the stream is fixed: checked on the copy's first forward only (a full recomputation
+    # re-enters in the backward with its saved input, which the relay may no longer hold)
+    checked: list[bool] = []
 
     def enter(_module, args, kwargs):
         gathers.clear()
@@ -195,10 +198,11 @@ def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: 
         if isinstance(x, DTensor):      # a recomputation re-entering: already converted
             return None
         if arrives_sharded:
-            if not any(_same_values(ref(), x) for ref in relay.values()):
+            if not checked and not any(_same_values(ref(), x) for ref in relay.values()):
                 raise TensorOptError(f"{name} runs sequence-parallel after another such copy, but its input is not "
                                      "that copy's output (the model changes the stream between its blocks): plan "
                                      "this model without sequence parallelism")
+            checked.append(True)
             stream = DTensor.from_local(x, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
         else:
             if x.dim() < 2 or x.shape[SEQUENCE_DIM] % tp:
