@@ -16,9 +16,8 @@ from tensoropt.space.plan import PRECISIONS
 from tensoropt.space.run_plan import RunPlan
 
 from . import launch as L
-from .inputs import check_counts, check_paths, read_plan
-from .inputs import check_memory as check_mem_per_gpu
-from .memory import check_memory as simulate_and_compare
+from .inputs import check_counts, check_mem_per_gpu, check_paths, read_plan
+from .memory import simulate_and_compare
 from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, publish
 
 

@@ -49,7 +49,7 @@ def check_counts(device: str | None, gpus: int | None, nnodes: int, master_port:
         raise TensorOptError("; ".join(problems))
 
 
-def check_memory(device: str | None, gpus: int | None, mem_per_gpu: str | None) -> float | None:
+def check_mem_per_gpu(device: str | None, gpus: int | None, mem_per_gpu: str | None) -> float | None:
     """``--mem-per-gpu`` in bytes (None: not given); CPU workers share the host, so all of theirs must fit it."""
     if mem_per_gpu is None:
         return None
@@ -76,4 +76,4 @@ def check_paths(run_dir: str, checkpoint_dir: str | None, resources_file: str | 
                              f"{min_gpus}: giving up")
 
 
-__all__ = ["MAX_CPU_WORKERS", "check_counts", "check_memory", "check_paths", "read_plan"]
+__all__ = ["MAX_CPU_WORKERS", "check_counts", "check_mem_per_gpu", "check_paths", "read_plan"]

@@ -76,7 +76,7 @@ def report_lines(simulated: dict, predicted: dict) -> list[str]:
     return lines
 
 
-def check_memory(script: str, script_args: list[str], plan_file: Path, engine: str, model, point: FrontierPoint,
+def simulate_and_compare(script: str, script_args: list[str], plan_file: Path, engine: str, model, point: FrontierPoint,
                  devices: Devices, echo: Callable[[str], object]) -> dict | None:
     """Simulate the plan written to ``plan_file`` and print it beside the prediction (module doc); the plan's
     engine or layout that cannot be simulated is said in one line and skipped (None)."""
@@ -95,4 +95,4 @@ def check_memory(script: str, script_args: list[str], plan_file: Path, engine: s
     return result
 
 
-__all__ = ["check_memory", "predicted_breakdown", "report_lines", "simulate_script"]
+__all__ = ["predicted_breakdown", "report_lines", "simulate_and_compare", "simulate_script"]
