@@ -79,10 +79,8 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     if not plan_path:
         return _alone(model, optimizer_fn, global_batch, materializer)
     run_plan = RunPlan.read(plan_path)
-    engine = run_plan.engine or choose_engine(run_plan.plan)
-    if missing := unsupported(run_plan.plan, engine):     # never run a plan as something else than what was planned
-        raise TensorOptError(f"plan {run_plan.summary()} needs {', '.join(missing)}, which the {engine} engine does "
-                             "not apply")
+    # never run a plan as something else than what was planned: the engine it names must apply all of it
+    engine = choose_engine(run_plan.plan, run_plan.engine or None)
     device = worker_device(run_plan)
     with exit_on_out_of_memory(0, int(os.environ.get("RANK", "0"))):     # as in a step: the launcher re-plans
         if engine == "deepspeed":
