@@ -94,7 +94,7 @@ def planned_precision(plan: Plan, engine: str, precision: str) -> Plan:
     """``plan`` in ``precision`` on ``engine``: its compute dtype, and whether the engine keeps a separate float32
     master copy of bf16 weights (DeepSpeed's bf16 mode; the torch engine's bf16-mixed weights are float32)."""
     return dataclasses.replace(plan, dtype=compute_dtype(precision), precision=precision,
-                               master_weights=master_weights(engine, precision))
+                               master_weights=master_weights(engine, precision), engine=engine)
 
 
 def cost_model(graph: OpGraph, devices: Devices, per_node: int) -> ModelCost:
@@ -199,7 +199,7 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
     plan, config = point.plan, None
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
-        write_json_atomic(config_path, deepspeed_config(plan))
+        write_json_atomic(config_path, deepspeed_config(plan, graph.num_parameters))
         config = str(config_path.resolve())
     tensor_parallel = plan.tp > 1
     run_plan = RunPlan(
@@ -230,7 +230,9 @@ def describe(run_plan: RunPlan, engine: str) -> str:
                        for kind in ("full", "selective"))
     sequence = sum(n for bp in plan.blocks for s, n in bp.strategies if s.sequence_parallel)
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
-        return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
+        written = json.loads(Path(run_plan.deepspeed_config).read_text()) if run_plan.deepspeed_config else \
+            deepspeed_config(plan)
+        return "deepspeed config: " + json.dumps(written, sort_keys=True) + (
             f"; precision {precision_words(of_plan(plan), engine, plan.zero)}") + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
     vocab = run_plan.vocab_parallel

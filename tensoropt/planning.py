@@ -127,6 +127,7 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
     spaces = []
     for engine, part in parts:
         own = {"master_weights": master_weights(engine, precision)} if engine and precision else {}
+        own |= {"engine": engine} if engine else {}
         space = limits.restrict(SearchSpace(global_batch=global_batch, **priced, **own, **part))
         if space is not None:
             spaces.append((engine, space))

@@ -67,6 +67,7 @@ from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
+from .deepspeed_memory import extra_bytes, master_and_moment_bytes
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .profile import Cluster
 
@@ -272,6 +273,7 @@ class Context:
     master_weights: bool = True      # a float32 master copy of 16-bit weights (mixed precision)
     precision: str = ""              # one of space.plan.PRECISIONS; "": as dtype and master_weights say
     compile: bool = False            # compiled blocks (fused kernels) rather than eager PyTorch: ModelCost.compiled
+    engine: str = ""                 # the engine priced: "deepspeed" adds its own buffers (cost.deepspeed_memory)
 
     @property
     def micro_batches(self) -> int:
@@ -281,13 +283,13 @@ class Context:
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
                        plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
-                       plan.compile)
+                       plan.compile, plan.engine)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision, self.compile)
+                    self.precision, self.compile, self.engine)
 
 
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
@@ -317,11 +319,12 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
         cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
                      state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
-                     cast))
+                     cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy)))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes))
     per_plan = np.array(ints, dtype=np.int64)[which].T
-    dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy = per_plan
+    dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy, deepspeed, \
+        master, moment = per_plan
     loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
@@ -349,7 +352,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
-    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params
+    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params + np.where(
+        deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment, grads, activations), 0.0)
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}

@@ -32,6 +32,7 @@ from torch import nn
 from ..errors import TensorOptError
 from ..space.plan import Plan
 from ..space.run_plan import RunPlan
+from .deepspeed_tensors import deepspeed_tensors
 from .memory_tracker import StepMemory
 from .tp_guard import unchecked
 
@@ -71,7 +72,10 @@ def _fsdp_tensors(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tens
 
 
 def register_model(tracker: StepMemory, model: nn.Module, optimizer) -> None:
-    """Give the tracker the roles of what the model and optimizer hold now (memory_tracker's categories)."""
+    """Give the tracker the roles of what the model and optimizer hold now (memory_tracker's categories); a
+    DeepSpeed optimizer's own buffers first (``deepspeed_tensors``), so the model's roles win where they share."""
+    for role, tensors in deepspeed_tensors(model, optimizer).items():
+        tracker.register(role, tensors)
     fsdp_params, fsdp_grads = _fsdp_tensors(model)
     tracker.register("parameters", [*model.parameters(), *model.buffers(), *fsdp_params])
     tracker.register("gradients", [*(p.grad for p in model.parameters()), *fsdp_grads])
@@ -94,9 +98,11 @@ def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callab
     def post_hook(*_):
         tracker.optimizer_phase = False
         register_model(tracker, model, optimizer)
-    if isinstance(optimizer, torch.optim.Optimizer):     # else (DeepSpeed) the step's phases are not told apart
+    if isinstance(optimizer, torch.optim.Optimizer):
         optimizer.register_step_pre_hook(pre_hook)
         optimizer.register_step_post_hook(post_hook)
+    elif callable(getattr(optimizer, "step", None)):     # DeepSpeed's: its whole step (copies, gathers) is told apart
+        optimizer.step = _phased(optimizer.step, pre_hook, post_hook)
 
     def step(micro_batches):
         if steps[0] >= TRACKED_STEPS:
@@ -112,6 +118,17 @@ def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callab
             if steps[0] == TRACKED_STEPS:
                 done(tracker.breakdown())
     return step
+
+
+def _phased(step: Callable, before: Callable, after: Callable) -> Callable:
+    """``step`` run between ``before()`` and ``after()``: the optimizer phase of an optimizer without step hooks."""
+    def phased(*args, **kwargs):
+        before()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            after()
+    return phased
 
 
 def write_report(path: str, report: dict) -> None:
