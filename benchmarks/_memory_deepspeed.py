@@ -8,6 +8,13 @@ named by ``runtime.deepspeed_tensors``) and writes the second step's peak by cat
 larger of the two ranks' peaks. The prediction is the library's: ``cost.model.estimate`` of the same plan on the
 captured graph (as ``tensoropt launch`` prices it), less the profile's ``runtime_overhead_bytes``.
 
+Offload rows: on a CPU run the host and the "device" are one memory, so the tracker counts what DeepSpeed keeps on
+the host too; it names it (``offloaded``: the float32 partitions, their gradients, the AdamW states, the host
+staging buffers), and ``actual_bytes`` is the peak less those bytes: what a GPU would hold at that moment.
+
+``python benchmarks/_memory_deepspeed.py`` measures every row and writes ``results/memory_deepspeed.json``;
+``--reprice`` re-prices the rows stored there with the current cost model (the measurements do not depend on it).
+
 The model: a 12-layer GPT, hidden 512, vocabulary 8192, sequence 64 (42.1M parameters), global batch 8 in micro-
 batches of 2 (two accumulation steps per rank), AdamW with its foreach kernels (``--foreach``, what CUDA runs by
 default; the CPU's default is one tensor at a time), built on meta (``--meta``) so each rank materialises its own.
@@ -26,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import RESULTS  # noqa: E402
 from launcher.capture import capture_script  # noqa: E402
 from launcher.devices import detect  # noqa: E402
 from launcher.launch import cost_model, planned_precision  # noqa: E402
@@ -86,11 +94,19 @@ def row(zero: int, precision: str, recompute: str, offload: bool) -> dict:
     plan = plan_of(zero, precision, recompute, offload)
     with tempfile.TemporaryDirectory() as tmp:
         actual = measured(plan, precision, Path(tmp))
-    tensor_bytes, breakdown = predicted(plan, precision)
-    return {"family": family(zero, offload), "model": MODEL, "plan": plan.summary(), "precision": precision,
-            "recompute": recompute, "how": "measured", "ranks": "max over both ranks",
-            "predicted_tensor_bytes": tensor_bytes, "actual_bytes": int(actual["peak_bytes"]),
-            "predicted": breakdown, "actual": {k: v for k, v in actual.items() if k not in ("rank", "simulated")}}
+    return priced({"family": family(zero, offload), "model": MODEL, "plan": plan.summary(), "precision": precision,
+                   "recompute": recompute, "offload": offload, "zero": zero, "how": "measured",
+                   "ranks": "max over both ranks (device bytes: the peak less what is offloaded to the host)",
+                   "actual_bytes": int(actual["peak_bytes"] - actual.get("offloaded", 0)),
+                   "actual": {k: v for k, v in actual.items() if k not in ("rank", "simulated")}})
+
+
+def priced(r: dict) -> dict:
+    """``r`` with the cost model's prediction of its plan (``predicted_tensor_bytes``, ``predicted``)."""
+    plan = plan_of(r["zero"], r["precision"], r["recompute"], r["offload"])
+    tensor_bytes, breakdown = predicted(plan, r["precision"])
+    return r | {"predicted_tensor_bytes": tensor_bytes, "predicted": breakdown,
+                "ratio": round(tensor_bytes / r["actual_bytes"] - 1, 4)}
 
 
 def rows(quick: bool = False) -> list[dict]:
@@ -98,9 +114,20 @@ def rows(quick: bool = False) -> list[dict]:
     return [row(*case) for case in (QUICK if quick else CASES)]
 
 
+def main() -> None:
+    out = RESULTS / "memory_deepspeed.json"
+    if "--reprice" in sys.argv:
+        found = [priced(r) for r in json.loads(out.read_text())["rows"]]
+    else:
+        found = []
+        for case in QUICK if "--quick" in sys.argv else CASES:
+            found.append(row(*case))
+            print(json.dumps(found[-1]), flush=True)
+    out.write_text(json.dumps({"model": MODEL, "script_args": SCRIPT_ARGS, "rows": found}, indent=1) + "\n")
+    for r in found:
+        print(f"{r['family']:26s} {r['precision']:10s} {r['recompute']:5s} predicted "
+              f"{r['predicted_tensor_bytes']:>11,d} actual {r['actual_bytes']:>11,d} ({r['ratio']:+.1%})")
+
+
 if __name__ == "__main__":
-    for r in rows(quick="--quick" in sys.argv):
-        ratio = r["predicted_tensor_bytes"] / r["actual_bytes"] - 1
-        print(f"{r['family']:26s} {r['precision']:10s} {r['recompute']:5s} "
-              f"predicted {r['predicted_tensor_bytes']:>11,d} actual {r['actual_bytes']:>11,d} "
-              f"({ratio:+.1%})", flush=True)
+    main()

@@ -86,14 +86,25 @@ def step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads):
     return (copy + moment_bytes) * shard - freed
 
 
-def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_bytes, moment_bytes, grads,
-                activations):
+def zero3_copy_bytes(zero, offload, params, dp, partition_copy):
+    """ZeRO 3 without a master copy in K (training in the weights' dtype) still updates a separate partition:
+    ``stage3.py`` builds ``fp32_partitioned_groups_flat`` as a copy of the weights' partitions whatever their
+    dtype, where ``cost.model`` assumes ZeRO 3 updates the shards in place. On the host when offloading."""
+    return np.where((zero == 3) & ~offload, partition_copy * params / dp, 0.0)
+
+
+def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_bytes, moment_bytes, partition_copy,
+                grads, activations):
     """DeepSpeed's peak beyond cost.model's weights, gradients, optimizer states and activations: the largest
-    of what the backward adds and what the reduction after it or the step adds once activations are freed."""
-    later = np.maximum(after_backward_bytes(zero, params, grad_bytes),
-                       step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads))
-    return np.maximum(0.0, np.maximum(in_backward_bytes(zero, params, grad_bytes, weight_bytes), later - activations))
+    of what the backward adds and what the reduction after it or the step adds once activations are freed. An
+    offloaded optimizer steps on the host: its working set is not on the device."""
+    step = np.where(offload, 0.0, step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads))
+    later = np.maximum(after_backward_bytes(zero, params, grad_bytes), step)
+    during = in_backward_bytes(zero, params, grad_bytes, weight_bytes)
+    return zero3_copy_bytes(zero, offload, params, dp, partition_copy) + np.maximum(0.0, np.maximum(
+        during, later - activations))
 
 
 __all__ = ["ALLGATHER_BUCKET_DEFAULT", "PREFETCH_BUCKET_DEFAULT", "REDUCE_BUCKET_DEFAULT", "after_backward_bytes",
-           "bucket_sizes", "extra_bytes", "in_backward_bytes", "reduce_bucket", "step_bytes"]
+           "bucket_sizes", "extra_bytes", "in_backward_bytes", "master_and_moment_bytes", "reduce_bucket", "step_bytes",
+           "zero3_copy_bytes"]

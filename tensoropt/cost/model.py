@@ -319,12 +319,13 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
         cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
                      state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
-                     cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy)))
+                     cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
+                     state.partition_copy))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes))
     per_plan = np.array(ints, dtype=np.int64)[which].T
     dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy, deepspeed, \
-        master, moment = per_plan
+        master, moment, partition_copy = per_plan
     loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
@@ -353,7 +354,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
     other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params + np.where(
-        deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment, grads, activations), 0.0)
+        deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment, partition_copy, grads,
+                                    activations), 0.0)
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}

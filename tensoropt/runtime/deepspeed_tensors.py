@@ -22,14 +22,19 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+_HOST_WORDS = ("fp32", "cpu", "offload_gradient", "grad_partition")
 _MAX_DEPTH = 3            # lists of lists of tensors (groups of partitions), dicts of bucket objects
 _ROLES = (("gradients", ("grad",)), ("optimizer", ("fp32", "master", "single_partition")),
           ("parameters", ("bit16", "fp16", "bf16", "param")))
 
 
-def role_of(attribute: str) -> str:
-    """The tracker category of what a DeepSpeed optimizer attribute holds (module doc)."""
+def role_of(attribute: str, offloading: bool = False) -> str:
+    """The tracker category of what a DeepSpeed optimizer attribute holds (module doc); ``offloaded`` for what an
+    offloading optimizer keeps in host memory (``offload_optimizer``: its float32 partitions and their gradients,
+    the host staging buffers; ZeRO 3's gradient partitions, ``stage3.py`` allocating them on the offload device)."""
     name = attribute.lower()
+    if offloading and any(w in name for w in _HOST_WORDS):
+        return "offloaded"
     for role, words in _ROLES:
         if any(w in name for w in words):
             return role
@@ -56,13 +61,17 @@ def _tensors(value: object, depth: int) -> Iterator[torch.Tensor]:
 
 def deepspeed_tensors(model: nn.Module, optimizer: object) -> dict[str, list[torch.Tensor]]:
     """{role: tensors} held by a DeepSpeed ``optimizer`` (not the torch optimizer it wraps, whose states
-    ``memory_check.register_model`` names) and ZeRO 3's parameter partitions of ``model``; empty for anything
-    that is not DeepSpeed's."""
+    ``memory_check.register_model`` names, unless it steps on the host: ``offloaded``) and ZeRO 3's parameter
+    partitions of ``model``; empty for anything that is not DeepSpeed's."""
     found: dict[str, list[torch.Tensor]] = {}
     if not type(optimizer).__module__.startswith("deepspeed"):
         return found
+    offloading = bool(getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False))
     for attribute, value in vars(optimizer).items():
-        found.setdefault(role_of(attribute), []).extend(_tensors(value, 0))
+        found.setdefault(role_of(attribute, offloading), []).extend(_tensors(value, 0))
+    inner = getattr(optimizer, "optimizer", None)
+    if offloading and isinstance(getattr(inner, "state", None), dict):     # the torch optimizer steps on the host
+        found.setdefault("offloaded", []).extend(t for s in inner.state.values() for t in _tensors(s, 1))
     partitions = [p.ds_tensor for p in model.parameters() if isinstance(getattr(p, "ds_tensor", None), torch.Tensor)]
     found.setdefault("parameters", []).extend(partitions)
     return found

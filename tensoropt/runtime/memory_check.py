@@ -74,7 +74,9 @@ def _fsdp_tensors(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tens
 def register_model(tracker: StepMemory, model: nn.Module, optimizer) -> None:
     """Give the tracker the roles of what the model and optimizer hold now (memory_tracker's categories); a
     DeepSpeed optimizer's own buffers first (``deepspeed_tensors``), so the model's roles win where they share."""
-    for role, tensors in deepspeed_tensors(model, optimizer).items():
+    deepspeed = deepspeed_tensors(model, optimizer)
+    offloaded = deepspeed.pop("offloaded", [])
+    for role, tensors in deepspeed.items():
         tracker.register(role, tensors)
     fsdp_params, fsdp_grads = _fsdp_tensors(model)
     tracker.register("parameters", [*model.parameters(), *model.buffers(), *fsdp_params])
@@ -83,6 +85,7 @@ def register_model(tracker: StepMemory, model: nn.Module, optimizer) -> None:
     if isinstance(states, Mapping):
         tracker.register("optimizer", [v for state in states.values() if isinstance(state, Mapping)
                                        for v in state.values()])
+    tracker.register("offloaded", offloaded)      # host memory of an offloading DeepSpeed optimizer, told apart
 
 
 def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callable[[dict], None]) -> Callable:
