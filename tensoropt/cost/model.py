@@ -179,6 +179,8 @@ class ModelCost:
         copy = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
         widths = [DTYPE_BYTES.get(meta.dtype, 4) for _, meta in graph.params]
         self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
+        # the module's buffers (a causal mask, rotary tables): every rank holds them whole, no engine shards them
+        self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers)
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
@@ -353,9 +355,10 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
-    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params + np.where(
-        deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment, partition_copy, grads,
-                                    activations), 0.0)
+    deepspeed_bytes = np.where(deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment,
+                                                           partition_copy, grads, activations), 0.0)
+    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params + model.buffer_bytes + \
+        deepspeed_bytes
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}
