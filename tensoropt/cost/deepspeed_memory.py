@@ -48,7 +48,7 @@ def reduce_bucket(parameters):
     return np.minimum(REDUCE_BUCKET_DEFAULT, np.maximum(1, parameters))
 
 
-def in_backward_bytes(zero, params, grad_bytes, weight_bytes):
+def in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter=0):
     """What DeepSpeed holds during a backward beyond the model states, gradients and activations priced:
     ZeRO 1-2 the reduction bucket ``setup_buckets`` allocates whole (``reduce_bucket_size`` elements in the
     gradients' dtype; one, ``overlap_comm`` being off); ZeRO 3 the same bucket (``stage3.py``: allocated once at
@@ -57,10 +57,14 @@ def in_backward_bytes(zero, params, grad_bytes, weight_bytes):
     further than ``stage3_max_reuse_distance`` (1e9) elements away, so up to min(1e9, parameters) stay
     gathered; and it holds the gradients of a bucket whole, as autograd makes them, until the bucket is full and
     reduce-scattered into the partitions (``__reduce_and_partition_ipg_grads``): a second bucket's worth. ZeRO 0
-    reduces after the backward (``after_backward_bytes``)."""
+    reduces after the backward (``after_backward_bytes``). ZeRO 1-2 also hold a parameter's fresh gradient
+    beside the one accumulated before (autograd's ``AccumulateGrad`` adds the new gradient of a tied weight's second
+    use, or of a later micro-batch, into ``.grad`` and then frees it; DeepSpeed copies it into the bucket only after
+    the hook): at most the largest parameter's; ZeRO 3's second bucket holds every gradient whole already."""
     bucket = reduce_bucket(params) * grad_bytes
     gathered = np.minimum(1e9, params) * weight_bytes
-    return np.where(zero == 0, 0.0, bucket + np.where(zero == 3, gathered + bucket, 0.0))
+    fresh = np.minimum(largest_parameter, params) * grad_bytes
+    return np.where(zero == 0, 0.0, bucket + np.where(zero == 3, gathered + bucket, fresh))
 
 
 def after_backward_bytes(zero, params, grad_bytes):
@@ -94,13 +98,13 @@ def zero3_copy_bytes(zero, offload, params, dp, partition_copy):
 
 
 def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_bytes, moment_bytes, partition_copy,
-                grads, activations):
+                grads, activations, largest_parameter=0):
     """DeepSpeed's peak beyond cost.model's weights, gradients, optimizer states and activations: the largest
     of what the backward adds and what the reduction after it or the step adds once activations are freed. An
     offloaded optimizer steps on the host: its working set is not on the device."""
     step = np.where(offload, 0.0, step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads))
     later = np.maximum(after_backward_bytes(zero, params, grad_bytes), step)
-    during = in_backward_bytes(zero, params, grad_bytes, weight_bytes)
+    during = in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter)
     return zero3_copy_bytes(zero, offload, params, dp, partition_copy) + np.maximum(0.0, np.maximum(
         during, later - activations))
 

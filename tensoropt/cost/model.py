@@ -181,6 +181,7 @@ class ModelCost:
         self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
         # the module's buffers (a causal mask, rotary tables): every rank holds them whole, no engine shards them
         self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers)
+        self.largest_parameter = max((meta.numel for _, meta in graph.params), default=0)   # elements
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
@@ -356,7 +357,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
     deepspeed_bytes = np.where(deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment,
-                                                           partition_copy, grads, activations), 0.0)
+                                                           partition_copy, grads, activations,
+                                                           model.largest_parameter), 0.0)
     other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params + model.buffer_bytes + \
         deepspeed_bytes
     memory = weights + grads + optimizer + activations + other
