@@ -179,8 +179,10 @@ class ModelCost:
         copy = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
         widths = [DTYPE_BYTES.get(meta.dtype, 4) for _, meta in graph.params]
         self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
-        # the module's buffers (a causal mask, rotary tables): every rank holds them whole, no engine shards them
-        self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers)
+        # the module's buffers (a causal mask, rotary tables): every rank holds them whole, no engine shards them;
+        # and AdamW's step count, a float32 scalar per parameter tensor (``torch/optim/adam.py``; a device tensor on
+        # CPU and on the fused and capturable paths, a host scalar on CUDA's default foreach path: bytes either way)
+        self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers) + 4 * len(graph.params)
         self.largest_parameter = max((meta.numel for _, meta in graph.params), default=0)   # elements
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
