@@ -67,13 +67,16 @@ def in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter=
     return np.where(zero == 0, 0.0, bucket + np.where(zero == 3, gathered + bucket, fresh))
 
 
-def after_backward_bytes(zero, params, grad_bytes):
+def after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter=0):
     """What the gradient reduction after the last backward adds (activations are freed by then): ZeRO 0
     (``engine.buffered_allreduce_fallback``) flattens up to 5e8 elements of gradients into one tensor and all-
     reduces it; ZeRO 2 (``allreduce_bucket`` in the backward's epilogue) flattens the bucket beside the bucket
-    itself: two buckets."""
+    itself: two buckets. ZeRO 2's gradient partition (``copy_grads_in_partition``) is sized by the whole numel of
+    every parameter with an element in the rank's partition: a parameter cut by each of its (one or two)
+    boundaries counts whole, at most the largest parameter per boundary beyond the priced P / dp."""
     bucket = reduce_bucket(params) * grad_bytes
-    return np.where(zero == 0, bucket, np.where(zero == 2, 2 * bucket, 0.0))
+    straddling = np.minimum(dp - 1, 2) * np.minimum(largest_parameter, params) * grad_bytes
+    return np.where(zero == 0, bucket, np.where(zero == 2, 2 * bucket + straddling, 0.0))
 
 
 def step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads):
@@ -103,7 +106,7 @@ def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_byte
     of what the backward adds and what the reduction after it or the step adds once activations are freed. An
     offloaded optimizer steps on the host: its working set is not on the device."""
     step = np.where(offload, 0.0, step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads))
-    later = np.maximum(after_backward_bytes(zero, params, grad_bytes), step)
+    later = np.maximum(after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter), step)
     during = in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter)
     return zero3_copy_bytes(zero, offload, params, dp, partition_copy) + np.maximum(0.0, np.maximum(
         during, later - activations))
