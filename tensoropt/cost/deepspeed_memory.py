@@ -100,6 +100,13 @@ def zero3_copy_bytes(zero, offload, params, dp, partition_copy):
     return np.where((zero == 3) & ~offload, partition_copy * params / dp, 0.0)
 
 
+def offload_staging_bytes(zero, offload, params, weight_bytes, largest_parameter):
+    """ZeRO 1-2 with the optimizer offloaded stage each gradient on its way to the host in a device buffer of the
+    largest parameter's size in the weights' dtype (``stage_1_and_2.py``: ``temp_grad_buffer_for_gpu_offload``),
+    held for the whole run (its host twin ``temp_grad_buffer_for_cpu_offload`` is not on the device)."""
+    return np.where(offload & (zero >= 1) & (zero <= 2), np.minimum(largest_parameter, params) * weight_bytes, 0.0)
+
+
 def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_bytes, moment_bytes, partition_copy,
                 grads, activations, largest_parameter=0):
     """DeepSpeed's peak beyond cost.model's weights, gradients, optimizer states and activations: the largest
@@ -109,9 +116,10 @@ def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_byte
     later = np.maximum(after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter), step)
     during = in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter)
     return zero3_copy_bytes(zero, offload, params, dp, partition_copy) + np.maximum(0.0, np.maximum(
-        during, later - activations))
+        during, later - activations)) + offload_staging_bytes(zero, offload, params, weight_bytes, largest_parameter)
 
 
 __all__ = ["ALLGATHER_BUCKET_DEFAULT", "PREFETCH_BUCKET_DEFAULT", "REDUCE_BUCKET_DEFAULT", "after_backward_bytes",
-           "bucket_sizes", "extra_bytes", "in_backward_bytes", "master_and_moment_bytes", "reduce_bucket", "step_bytes",
+           "bucket_sizes", "extra_bytes", "in_backward_bytes", "master_and_moment_bytes", "offload_staging_bytes",
+           "reduce_bucket", "step_bytes",
            "zero3_copy_bytes"]
