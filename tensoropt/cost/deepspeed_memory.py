@@ -67,15 +67,16 @@ def in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter=
     return np.where(zero == 0, 0.0, bucket + np.where(zero == 3, gathered + bucket, fresh))
 
 
-def after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter=0):
+def after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter=0, offload=False):
     """What the gradient reduction after the last backward adds (activations are freed by then): ZeRO 0
     (``engine.buffered_allreduce_fallback``) flattens up to 5e8 elements of gradients into one tensor and all-
     reduces it; ZeRO 2 (``allreduce_bucket`` in the backward's epilogue) flattens the bucket beside the bucket
     itself: two buckets. ZeRO 2's gradient partition (``copy_grads_in_partition``) is sized by the whole numel of
     every parameter with an element in the rank's partition: a parameter cut by each of its (one or two)
-    boundaries counts whole, at most the largest parameter per boundary beyond the priced P / dp."""
+    boundaries counts whole, at most the largest parameter per boundary beyond the priced P / dp (on the host when
+    offloading: ``offloaded_gradient_bytes``)."""
     bucket = reduce_bucket(params) * grad_bytes
-    straddling = np.minimum(dp - 1, 2) * np.minimum(largest_parameter, params) * grad_bytes
+    straddling = np.where(offload, 0.0, np.minimum(dp - 1, 2) * np.minimum(largest_parameter, params) * grad_bytes)
     return np.where(zero == 0, bucket, np.where(zero == 2, 2 * bucket + straddling, 0.0))
 
 
@@ -107,19 +108,29 @@ def offload_staging_bytes(zero, offload, params, weight_bytes, largest_parameter
     return np.where(offload & (zero >= 1) & (zero <= 2), np.minimum(largest_parameter, params) * weight_bytes, 0.0)
 
 
+def offloaded_gradient_bytes(zero, offload, grads):
+    """ZeRO 2 with the optimizer offloaded keeps no gradient partition on the device: each reduced bucket is copied
+    into the host's float32 gradient partition (``stage_1_and_2.py``: ``offload_gradient_dict``,
+    ``async_accumulate_grad_in_cpu_via_gpu``), so the gradients ``cost.model`` prices on the device are taken
+    back (ZeRO 1 accumulates whole gradients on the device until the last micro-batch, as priced)."""
+    return np.where(offload & (zero == 2), -np.asarray(grads, dtype=float), 0.0)
+
+
 def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_bytes, moment_bytes, partition_copy,
                 grads, activations, largest_parameter=0):
     """DeepSpeed's peak beyond cost.model's weights, gradients, optimizer states and activations: the largest
     of what the backward adds and what the reduction after it or the step adds once activations are freed. An
     offloaded optimizer steps on the host: its working set is not on the device."""
     step = np.where(offload, 0.0, step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads))
-    later = np.maximum(after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter), step)
+    later = np.maximum(after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter, offload), step)
     during = in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter)
     return zero3_copy_bytes(zero, offload, params, dp, partition_copy) + np.maximum(0.0, np.maximum(
-        during, later - activations)) + offload_staging_bytes(zero, offload, params, weight_bytes, largest_parameter)
+        during, later - activations)) + offload_staging_bytes(zero, offload, params, weight_bytes, largest_parameter) + \
+        offloaded_gradient_bytes(zero, offload, grads)
 
 
 __all__ = ["ALLGATHER_BUCKET_DEFAULT", "PREFETCH_BUCKET_DEFAULT", "REDUCE_BUCKET_DEFAULT", "after_backward_bytes",
            "bucket_sizes", "extra_bytes", "in_backward_bytes", "master_and_moment_bytes", "offload_staging_bytes",
+           "offloaded_gradient_bytes",
            "reduce_bucket", "step_bytes",
            "zero3_copy_bytes"]
