@@ -124,8 +124,9 @@ def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_byte
     step = np.where(offload, 0.0, step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads))
     later = np.maximum(after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter, offload), step)
     during = in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter)
-    return zero3_copy_bytes(zero, offload, params, dp, partition_copy) + np.maximum(0.0, np.maximum(
-        during, later - activations)) + offload_staging_bytes(zero, offload, params, weight_bytes, largest_parameter) + \
+    peak = np.maximum(0.0, np.maximum(during, later - activations))
+    return peak + zero3_copy_bytes(zero, offload, params, dp, partition_copy) + \
+        offload_staging_bytes(zero, offload, params, weight_bytes, largest_parameter) + \
         offloaded_gradient_bytes(zero, offload, grads)
 
 
