@@ -124,9 +124,13 @@ def main() -> None:
             found.append(row(*case))
             print(json.dumps(found[-1]), flush=True)
     out.write_text(json.dumps({"model": MODEL, "script_args": SCRIPT_ARGS, "rows": found}, indent=1) + "\n")
-    for r in found:
-        print(f"{r['family']:26s} {r['precision']:10s} {r['recompute']:5s} predicted "
-              f"{r['predicted_tensor_bytes']:>11,d} actual {r['actual_bytes']:>11,d} ({r['ratio']:+.1%})")
+    lines = [f"# DeepSpeed memory, measured on two CPU workers ({MODEL})", "",
+             "| family | precision | recompute | predicted tensor bytes | measured peak (max over ranks) | "
+             "predicted / measured - 1 |", "|---|---|---|---:|---:|---:|"]
+    lines += [f"| {r['family']} | {r['precision']} | {r['recompute']} | {r['predicted_tensor_bytes']:,} | "
+              f"{r['actual_bytes']:,} | {r['ratio']:+.2%} |" for r in found]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
