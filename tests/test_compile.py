@@ -24,6 +24,7 @@ import tensoropt
 from tensoropt.cli import cli
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.runtime.memory_check import unsimulated
 from tensoropt.search.engines import COMPILE_SPACES, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
@@ -58,6 +59,9 @@ def test_the_compiled_space_is_what_the_torch_engine_runs_compiled():
                                                   "--compile)"]
     assert unsupported(_plan(3, compile=False), "deepspeed") == []
     assert set(COMPILE_SPACES) == {"torch"}
+    # launch --dry-run --check-memory says it does not simulate compiled blocks (fake tensors through inductor)
+    assert "compiled blocks are not simulated" in unsimulated(_plan(3), "torch")
+    assert unsimulated(_plan(3, compile=False), "torch") is None
 
 
 def test_compiled_plans_are_searched_in_that_space_and_priced_as_estimate_prices_them(graph):
@@ -114,6 +118,25 @@ def test_compile_where_it_does_not_run_is_one_line(argv, expected, tmp_path, mon
     assert expected in lines[0] and list(tmp_path.iterdir()) == []
 
 
+# FSDP2 ZeRO 3 of the 2-layer GPT, its first copy fully recomputed, in the suite's 32-true
+ZERO3 = Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=2, global_batch=8, zero=3, dtype="float32", master_weights=False,
+             precision="32-true", compile=True,
+             blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 1))),))
+
+
+def test_a_plan_file_runs_compiled_when_it_says_so_or_when_launch_says_compile(tmp_path):
+    for name, plan, flags in (("compiled", ZERO3, []), ("eager", dataclasses.replace(ZERO3, compile=False),
+                                                         ["--compile"])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(plan.to_json()))
+        result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / name,
+                               "--plan", path, *flags, "--dry-run", "--", *LAYERS, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        written = json.loads((tmp_path / name / "plan.json").read_text())
+        assert written["compile"] is True and written["summary"] == ZERO3.summary(), name
+        assert "torch.compile on 2 block copies per stage" in result.stdout
+
+
 def _launch(tmp_path, *args) -> tuple[dict, dict]:
     """(what rank 0 wrote, the plan.json the workers ran) of a 2-step launch of the 2-layer GPT on 2 CPU workers."""
     result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / "run", *args,
@@ -130,10 +153,11 @@ def alone(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_launch_compile_plans_compiled_blocks_and_trains_to_the_eager_losses(alone, tmp_path):
-    ran, written = _launch(tmp_path, "--compile")
+    ran, written = _launch(tmp_path, "--compile", "--zero", 0)      # DDP around the compiled copies
     assert written["compile"] is True and "compiled" in written["summary"]
-    assert written["engine"] == "torch"
+    assert (written["engine"], written["dp"], written["zero"]) == ("torch", 2, 0)
     assert ran["losses"] == pytest.approx(alone, rel=RTOL)
     # both copies wrapped, and one dynamo graph serves both: identical copies do not recompile
     assert ran["compiled_block_copies"] == 2
@@ -141,14 +165,12 @@ def test_launch_compile_plans_compiled_blocks_and_trains_to_the_eager_losses(alo
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_a_compiled_fsdp2_zero3_plan_with_a_recomputed_copy_trains_to_the_eager_losses(alone, tmp_path):
-    plan = Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=2, global_batch=8, zero=3, dtype="float32",
-                master_weights=False, precision="32-true", compile=True,
-                blocks=(BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 1))),))
     path = tmp_path / "given.json"
-    path.write_text(json.dumps(plan.to_json()))
+    path.write_text(json.dumps(ZERO3.to_json()))
     ran, written = _launch(tmp_path, "--plan", path)
-    assert written["compile"] is True and ran["plan"] == plan.summary()
+    assert written["compile"] is True and ran["plan"] == ZERO3.summary()
     assert ran["losses"] == pytest.approx(alone, rel=RTOL)
     # the recomputed copy (checkpoint_wrapper inside the compiled region) and the plain one: two graphs, one each
     assert ran["compiled_block_copies"] == 2
