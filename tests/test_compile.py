@@ -18,12 +18,14 @@ import json
 import pytest
 from click.testing import CliRunner
 from conftest import SMALL_GPT
+from torch.distributed.checkpoint import FileSystemReader
 from workers import GPT_SCRIPT, losses_alone, tensoropt_cli
 
 import tensoropt
 from tensoropt.cli import cli
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.memory_check import unsimulated
 from tensoropt.search.engines import COMPILE_SPACES, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -169,9 +171,14 @@ def test_launch_compile_plans_compiled_blocks_and_trains_to_the_eager_losses(alo
 def test_a_compiled_fsdp2_zero3_plan_with_a_recomputed_copy_trains_to_the_eager_losses(alone, tmp_path):
     path = tmp_path / "given.json"
     path.write_text(json.dumps(ZERO3.to_json()))
-    ran, written = _launch(tmp_path, "--plan", path)
+    ran, written = _launch(tmp_path, "--plan", path, "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 2)
     assert written["compile"] is True and ran["plan"] == ZERO3.summary()
     assert ran["losses"] == pytest.approx(alone, rel=RTOL)
+    # its checkpoint holds the script's own names (DCP drops the compiled wrapper's _orig_mod.): any plan loads it
+    saved = FileSystemReader(str(tmp_path / "ck" / "step-00000002")).read_metadata().state_dict_metadata
+    model = DecoderLM(TransformerConfig(hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=256,
+                                        seq_length=32, vocab_size=128))
+    assert {k for k in saved if k.startswith("model.")} == {f"model.{k}" for k in model.state_dict()}
     # the recomputed copy (checkpoint_wrapper inside the compiled region) and the plain one: two graphs, one each
     assert ran["compiled_block_copies"] == 2
     assert ran["dynamo_graphs"] == 2
