@@ -1,8 +1,9 @@
 """``tensoropt launch --compile`` (issue 19 part 1): every block copy under ``torch.compile`` (runtime.compile),
 planned and priced as compiled, and refused where the engines do not run it compiled (search.engines).
 
-The two launches compile for real with inductor on the CPU (g++; ~1 minute of compiling on this machine's two
-cores, which is why there are only two). Their inductor cache is the test session's own
+The two launches compile for real with inductor on the CPU (g++: each distinct block's forward and backward, about
+a minute per worker on an idle 2-core machine, 3-4 minutes a launch while other work loads it, which is why there
+are only two). Their inductor cache is the test session's own
 (``TORCHINDUCTOR_CACHE_DIR``, conftest.ISOLATED), never the user's. Losses are compared with the eager script run
 alone at rtol 1e-4, not the suite's 2e-5: inductor fuses each block's layer norms, softmax and GELU into loops
 that sum float32 in another order than eager's kernels (measured here: 2e-7 relative after three AdamW steps on
@@ -110,7 +111,9 @@ def test_frontier_compile_prices_the_plans_compiled(tmp_path):
 @pytest.mark.parametrize("argv, expected", [
     (["--engine", "deepspeed"], "--compile compiles the torch engine's blocks; the deepspeed engine runs eager"),
     (["--elastic", "--checkpoint-dir", "ck"], "--elastic runs eager blocks"),
-], ids=["deepspeed", "elastic"])
+    (["--tp", "2"], "no plan that the runtime runs with compiled blocks (data parallelism, ZeRO 0 or 3) splits global "
+                    "batch 8 over 2 devices within --tp 2: drop --compile or relax the limits"),
+], ids=["deepspeed", "elastic", "tensor parallel"])
 def test_compile_where_it_does_not_run_is_one_line(argv, expected, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(cli, ["launch", GPT_SCRIPT, "--device", "cpu", "--gpus", "2", "--dry-run",
