@@ -23,11 +23,19 @@ def tensoropt_cli(*args, cwd, env=None) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env or ENV, timeout=600)
 
 
+_ALONE: dict[tuple, list[float]] = {}
+
+
 def losses_alone(script, out, *args, steps: int = 3, precision: str = "32-true") -> list[float]:
-    """The script run by hand in ``precision``: one process, no plan; its per-step losses."""
-    subprocess.run([sys.executable, script, "--steps", str(steps), "--out", out, *map(str, args)], check=True,
-                   env={**ENV, "TENSOROPT_PRECISION": precision}, capture_output=True, timeout=300)
-    return json.loads(out.read_text())["losses"]
+    """The script run by hand in ``precision``: one process, no plan; its per-step losses. Run once per test process
+    for one (script, arguments, steps, precision): the reference of several modules (``out`` is the first caller's;
+    a path among ``args`` keeps a run its caller's own)."""
+    key = (str(script), tuple(map(str, args)), steps, precision)
+    if key not in _ALONE:
+        subprocess.run([sys.executable, script, "--steps", str(steps), "--out", out, *map(str, args)], check=True,
+                       env={**ENV, "TENSOROPT_PRECISION": precision}, capture_output=True, timeout=300)
+        _ALONE[key] = json.loads(out.read_text())["losses"]
+    return list(_ALONE[key])
 
 
 _DRY_RUNS: dict[tuple, Plan] = {}
