@@ -240,15 +240,16 @@ class ModelCost:
                                  f"of block {bp.block!r} unevenly: use a tp that divides the sequence length")
 
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
-        """(first stage, last stage) costs of the ops outside blocks."""
+        """(first stage, last stage) costs of the ops outside blocks, eager whatever ``compiled`` says: the runtime
+        compiles the block copies only (``runtime.compile``, as torchtitan does)."""
         split = pp > 1                   # which stages hold them matters, not how many stages there are
         key = (tp, micro_batch, split)
         if key not in self._loose:
             if split not in self._loose_ops:
                 self._loose_ops[split] = (
                     LooseOps(self.head_ops + self.middle_ops + (() if split else self.tail_ops), self.cluster,
-                             self.vocab, self.compiled),
-                    LooseOps(self.tail_ops if split else (), self.cluster, self.vocab, self.compiled))
+                             self.vocab),
+                    LooseOps(self.tail_ops if split else (), self.cluster, self.vocab))
             head, tail = self._loose_ops[split]
             first = head.cost(tp, micro_batch)
             self._loose[key] = (first, tail.cost(tp, micro_batch) if split else first)

@@ -48,6 +48,9 @@ def unsimulated(plan: Plan, engine: str) -> str | None:
     if engine != "torch":
         return (f"the {engine} engine is not simulated: it partitions and reduces with its own buffers and needs a "
                 "real process group; measure a real run with TENSOROPT_MEMORY_OUT")
+    if plan.compile:    # priced with the eager plan's memory (cost.model: compiling is a time fact)
+        return ("compiled blocks are not simulated: dynamo and inductor would trace and compile the fake step; "
+                "check the same plan without --compile, whose memory the compiled plan is priced with")
     if plan.pp > 1:
         return ("pipeline stages are not simulated: torch.distributed.pipelining's schedules exchange shapes with "
                 "the other stages; measure a real run with TENSOROPT_MEMORY_OUT")
