@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from tensoropt.cli.common import limit_options
 from tensoropt.errors import TensorOptError
+from tensoropt.options import limit_options
 from tensoropt.runtime import choose_engine
 from tensoropt.search.engines import COMPILE_SPACES
 from tensoropt.search.ft import FrontierPoint

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import psutil
 
-from tensoropt.cli.common import MAX_DEVICES, parse_bytes
 from tensoropt.errors import TensorOptError, first_line
 from tensoropt.graph.ir import OpGraph
+from tensoropt.options import MAX_DEVICES
 from tensoropt.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
 from tensoropt.runtime.checkpoint import latest_step
 from tensoropt.runtime.run import RUN_DIR_ENV
 from tensoropt.search.limits import NO_LIMITS, Limits
+from tensoropt.units import parse_bytes
 
 from . import launch as L
 from .gpus import gpu_count

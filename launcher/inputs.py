@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tensoropt.cli.common import MAX_DEVICES, parse_bytes
 from tensoropt.errors import TensorOptError, first_line
+from tensoropt.options import MAX_DEVICES
 from tensoropt.paths import check_output_dir
 from tensoropt.profiler.run import memory_bytes
 from tensoropt.space.plan import plan_problems
+from tensoropt.units import parse_bytes
 
 from .elastic import read_resources
 

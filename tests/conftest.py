@@ -41,9 +41,10 @@ SMALL_GPT = {"family": "gpt", "hidden_size": 64, "num_layers": 4, "num_attention
              "ffn_hidden_size": 256, "seq_length": 32, "vocab_size": 128}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The loss trajectory of examples/train_gpt.py run alone (one process, no plan): what every
-    launched plan of it must reproduce. test_elastic overrides it with final parameters."""
+    launched plan of it must reproduce; run once per test process (the modules that use it sit in the
+    "multiprocess" xdist group, so one process runs them). test_elastic overrides it with final parameters."""
     from workers import GPT_SCRIPT, losses_alone
     return losses_alone(GPT_SCRIPT, tmp_path_factory.mktemp("ref") / "losses.json")

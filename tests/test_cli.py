@@ -22,6 +22,15 @@ def test_help_lists_commands():
     assert code == 0 and "inspect" in out
 
 
+def test_the_launcher_imports_on_its_own_and_without_the_tensoropt_command_line():
+    """``import launcher.cli`` in a fresh interpreter works and loads no part of ``tensoropt.cli`` (the options both
+    use are in ``tensoropt.options``), so the click group can import the launcher at its top with no cycle."""
+    probe = "import sys, launcher.cli; print(sorted(m for m in sys.modules if m.startswith('tensoropt.cli')))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
 def test_inspect_json_contract(write_json):
     code, out = run("inspect", "--model", write_json("gpt.json", SMALL_GPT), "--json")
     assert code == 0

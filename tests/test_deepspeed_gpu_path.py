@@ -26,11 +26,18 @@ SCRIPT = str(Path(__file__).parent / "train_measured.py")
 BLOCKS = (BlockPlan("layers.*", ((LayerStrategy("none"), 4),)),)
 
 
-def _alone(tmp_path: Path, *args, env=None) -> dict:
-    out = tmp_path / "alone"
-    subprocess.run([sys.executable, SCRIPT, "--out", out, *args], check=True, env=env or ENV, capture_output=True,
-                   timeout=300)
-    return json.loads(Path(f"{out}.0.json").read_text())
+_ALONE: dict[tuple, Path] = {}
+
+
+def _alone(tmp_path: Path, *args, env=None) -> tuple[dict, Path]:
+    """The script run alone: what rank 0 wrote, and the folder of its files (``alone.init.0.npz``). Run once per
+    test process for the same arguments and environment (both ZeRO 3 cases compare with the same run)."""
+    key = (args, tuple(sorted((env or ENV).items())))
+    if key not in _ALONE:
+        subprocess.run([sys.executable, SCRIPT, "--out", tmp_path / "alone", *args], check=True, env=env or ENV,
+                       capture_output=True, timeout=300)
+        _ALONE[key] = tmp_path
+    return json.loads((_ALONE[key] / "alone.0.json").read_text()), _ALONE[key]
 
 
 def _launch(tmp_path: Path, engine: str, zero: int, *args, env=None, offload: bool = False,
@@ -57,7 +64,7 @@ def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_pa
     few tensors); the initial values (gathered) and the losses are the script's run alone, which materialises
     the model whole (and whose peak shows that the measure sees the model). With the optimizer offloaded too:
     the plan issue 17 found chosen for 70B on 64 GPUs."""
-    alone = _alone(tmp_path)
+    alone, folder = _alone(tmp_path)
     assert alone["peak_bytes"] >= alone["model_bytes"] == alone["resident_parameter_bytes"]
     result = _launch(tmp_path, "deepspeed", 3, offload=offload)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -68,7 +75,7 @@ def test_deepspeed_zero3_never_holds_the_whole_meta_built_model_on_a_rank(tmp_pa
         assert got["resident_parameter_bytes"] <= alone["model_bytes"] / 2 + 1024, got
         assert got["peak_bytes"] < alone["model_bytes"], got
         np.testing.assert_allclose(got["losses"], alone["losses"], rtol=1e-6)
-    expected, initial = np.load(tmp_path / "alone.init.0.npz"), np.load(tmp_path / "got.init.0.npz")
+    expected, initial = np.load(folder / "alone.init.0.npz"), np.load(tmp_path / "got.init.0.npz")
     assert sorted(initial.keys()) == sorted(expected.keys())
     for name in expected:                         # gathered from the partitions: the script's values alone, exactly
         np.testing.assert_array_equal(initial[name], expected[name], err_msg=name)
@@ -80,7 +87,7 @@ def test_deepspeed_trains_a_bf16_model_in_bf16_mode(tmp_path):
     DeepSpeed's bf16 residual stream (its weights are bf16, so are the embedding's outputs and the sums on them,
     which autocast alone keeps in float32; 4.6e-5 measured); later ones differ as DeepSpeed's bf16 gradients and
     their reduction make them."""
-    alone = _alone(tmp_path, "--dtype", "bfloat16", env={**ENV, "TENSOROPT_PRECISION": "bf16-mixed"})
+    alone, _ = _alone(tmp_path, "--dtype", "bfloat16", env={**ENV, "TENSOROPT_PRECISION": "bf16-mixed"})
     result = _launch(tmp_path, "deepspeed", 3, "--dtype", "bfloat16", precision="bf16-mixed")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "deepspeed.json").read_text())["bf16"]["enabled"] is True

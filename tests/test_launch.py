@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import EXAMPLES
-from workers import ENV, GPT_SCRIPT, losses_alone, tensoropt_cli
+from workers import ENV, GPT_SCRIPT, launched_once, losses_alone, tensoropt_cli
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
@@ -35,6 +35,8 @@ def chosen(tmp_path_factory):
 
 
 def _run_plan(plan: Plan, tmp_path, engine: str):
+    if engine == "torch":       # shared: tests/test_memory_check.py reads the memory of the DDP run
+        return launched_once(plan, tmp_path, SCRIPT)["losses"]
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
@@ -53,7 +55,9 @@ def _with(plan: Plan, zero: int, micro_batch: int, full_recompute: int, offload:
 
 
 @pytest.mark.parametrize("engine, zero, micro_batch, full_recompute, offload", [
-    ("torch", 0, 4, 0, False),      # DDP
+    # DDP, 2 accumulation steps: also tests/test_memory_check.py's DDP case (one launch); DDP in one micro-batch is
+    # tests/test_precision.py's DDP runs (32-true: test_32_true_trains_a_bf16_built_model_in_float32)
+    ("torch", 0, 2, 0, False),
     ("torch", 2, 2, 2, False),      # FSDP2 without resharding (ZeRO 2), 2 accumulation steps, 2 of 4 layers recomputed
     # FSDP2 (ZeRO 3), 4 accumulation steps, every layer recomputed (dp2 mb1x4 zero3 [4xfull]): the plan node 0
     # chooses and both nodes run in test_two_nodes_on_localhost_run_node_0s_plan, against the same reference

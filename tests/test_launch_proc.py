@@ -10,7 +10,7 @@ import psutil
 import pytest
 from workers import ENV, GPT_SCRIPT
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 
 # examples/train_gpt.py with rank 1 raising right after parallelize (the capture run, with no RANK, does not)
 CRASH = """import os, runpy, sys
@@ -41,6 +41,7 @@ def _interrupt(proc: subprocess.Popen) -> tuple[str, list, list[str]]:
     return err, under, commands
 
 
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
 def test_ctrl_c_during_a_training_launch_stops_every_worker(tmp_path, elastic):
     supervised = ["--elastic", "--checkpoint-dir", tmp_path / "ckpt"] if elastic else []
@@ -71,6 +72,7 @@ def test_ctrl_c_while_the_launcher_captures_the_model(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_a_crash_in_one_worker_shows_its_traceback_once(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH.format(script=GPT_SCRIPT))

@@ -15,7 +15,7 @@ from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.pipeline_split import Relay, split_spec, stage_wiring
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+# the tests that start workers are slow and share the "multiprocess" xdist group; the two in-process ones are neither
 SCRIPT = GPT_SCRIPT
 STAGES = str(REPO / "tests" / "train_stages.py")
 
@@ -33,6 +33,8 @@ def _two_stages(plan: Plan, micro_batch: int, full_recompute: int) -> Plan:
                                blocks=(BlockPlan("layers.*", strategies),))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("micro_batch, full_recompute", [
     (2, 0),     # 4 micro-batches: 1F1B, no recomputation
     (8, 2),     # 1 micro-batch (fewer than stages): GPipe, every layer recomputed
@@ -47,6 +49,8 @@ def _launch(plan: Plan, tmp_path, devices: int, script: str = SCRIPT) -> dict:
     return launched_with_plan(plan, tmp_path, devices, script)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("zero", [0, 3])
 def test_two_stages_of_two_replicas_match_one_process(reference, chosen, tmp_path, zero):
     """pp2 x dp2 on a ("pp", "dp") mesh: each pipeline trains its half of the batch (2 micro-batches of 2,
@@ -94,6 +98,8 @@ def test_a_plan_the_model_cannot_be_cut_into_is_refused():
         split_spec(model, _plan(2, 1))              # 2 copies per stage in the model, 1 in the plan
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_interleaved_virtual_stages_match_one_process(reference, chosen, tmp_path, tp):
     """pp2 x 2 virtual stages (interleaved 1F1B over 4 micro-batches): pipeline rank 0 holds layers 0 and 2 with
@@ -112,6 +118,8 @@ def stages_alone(tmp_path_factory):
     return losses_alone(STAGES, tmp_path_factory.mktemp("stages") / "alone.json")
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("strategies, sp_layers", [
     ((("none", True, 2),), {"0", "1", "2", "3"}),       # both copies of a stage SP: the share handed on between them
     ((("selective", True, 1), ("none", False, 1)), {"0", "2"}),   # one SP copy, recomputed, then a whole one
@@ -133,6 +141,7 @@ def test_sequence_parallel_copies_inside_two_tensor_parallel_stages_match_one_pr
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_sequence_parallel_copies_inside_interleaved_virtual_stages_match_one_process(chosen, stages_alone, tmp_path):
     """pp2 x tp2 x 2 virtual stages (4 workers, float32, 4 micro-batches of 2): rank 0 holds stages 0 and 2
     (layers 0 and 2), rank 1 stages 1 and 3 (layers 1 and 3). The plan lists a device's copies: the first whole,
@@ -151,6 +160,8 @@ def test_sequence_parallel_copies_inside_interleaved_virtual_stages_match_one_pr
     assert norms == {"2"}
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_meta_built_stages_in_bf16_mixed_match_one_process_in_bf16_mixed(chosen, tmp_path):
     """pp2 of a tiny GPT built on meta, in bf16-mixed, one micro-batch of the whole batch: the stages are traced on
     fake CPU tensors under the CPU's autocast (autocast acts on no meta tensor), so their graphs cast where the
@@ -166,6 +177,8 @@ def test_meta_built_stages_in_bf16_mixed_match_one_process_in_bf16_mixed(chosen,
     assert abs(data["losses"][0] / true32[0] - 1) > 1e-6
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
 def test_three_dimensional_interleaved_meta_built_matches_one_process(chosen, tmp_path):
     """pp2 x tp2 x dp2 with 2 virtual stages per rank (8 workers), ZeRO 3, sequence parallelism and selective
     recomputation on each device's second copy, a tiny GPT built on meta: the losses are the script's alone, the

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import EXAMPLES, SMALL_GPT
-from workers import ENV, tensoropt_cli
+from workers import ENV, launched_once, launched_with_plan, tensoropt_cli
 
 import tensoropt
 from launcher.launch import Devices, check_precision, price
@@ -170,19 +170,17 @@ def alone(tmp_path_factory):
 
 
 def _launched(tmp_path, plan: Plan, engine: str, *args) -> tuple[list[float], np.ndarray]:
-    """The launched run of ``plan`` (3 steps): its losses and final parameters (gathered, as float32)."""
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan.to_json()))
-    out, params = tmp_path / "got.json", tmp_path / "params.npy"
-    result = tensoropt_cli("launch", GPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
-                           "--run-dir", tmp_path / "run", "--", "--steps", 3, "--layers", LAYERS, "--out", out,
-                           "--save-params", params, *args, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"model states: {plan.precision}" in result.stdout
-    assert json.loads((tmp_path / "run" / "plan.json").read_text())["precision"] == plan.precision
-    data = json.loads(out.read_text())
-    assert (data["plan"], data["engine"]) == (plan.summary(), engine)
-    return data["losses"], np.load(params)
+    """The launched run of ``plan`` (3 steps): its losses and final parameters (gathered, as float32). Torch-engine
+    plans without a pipeline go through ``launched_once``: tests/test_memory_check.py reads the memory of the
+    bf16-mixed ZeRO 3 run."""
+    if engine == "torch" and plan.pp == 1:
+        data = launched_once(plan, tmp_path, GPT, "--layers", str(LAYERS), *args)
+    else:
+        data = launched_with_plan(plan, tmp_path, plan.devices, GPT, "--layers", LAYERS, *args, engine=engine,
+                                  params=True)
+    assert f"model states: {plan.precision}" in data["stdout"]
+    assert data["written"]["precision"] == plan.precision
+    return data["losses"], data["params"]
 
 
 def _in_bf16(params: np.ndarray) -> float:

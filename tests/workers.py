@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 from conftest import EXAMPLES
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -22,20 +23,36 @@ def tensoropt_cli(*args, cwd, env=None) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env or ENV, timeout=600)
 
 
+_ALONE: dict[tuple, list[float]] = {}
+
+
 def losses_alone(script, out, *args, steps: int = 3, precision: str = "32-true") -> list[float]:
-    """The script run by hand in ``precision``: one process, no plan; its per-step losses."""
-    subprocess.run([sys.executable, script, "--steps", str(steps), "--out", out, *map(str, args)], check=True,
-                   env={**ENV, "TENSOROPT_PRECISION": precision}, capture_output=True, timeout=300)
-    return json.loads(out.read_text())["losses"]
+    """The script run by hand in ``precision``: one process, no plan; its per-step losses. Run once per test process
+    for one (script, arguments, steps, precision): the reference of several modules (``out`` is the first caller's;
+    a path among ``args`` keeps a run its caller's own)."""
+    key = (str(script), tuple(map(str, args)), steps, precision)
+    if key not in _ALONE:
+        subprocess.run([sys.executable, script, "--steps", str(steps), "--out", out, *map(str, args)], check=True,
+                       env={**ENV, "TENSOROPT_PRECISION": precision}, capture_output=True, timeout=300)
+        _ALONE[key] = json.loads(out.read_text())["losses"]
+    return list(_ALONE[key])
+
+
+_DRY_RUNS: dict[tuple, Plan] = {}
 
 
 def dry_run_plan(script, run_dir, devices: int = 2, *script_args) -> Plan:
     """The plan the launcher chooses for ``devices`` CPU workers (nothing started): a starting point
-    that tests edit into the plans they run with ``--plan``."""
-    result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--run-dir", run_dir, "--dry-run",
-                           "--", *script_args, cwd=run_dir)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
+    that tests edit into the plans they run with ``--plan``. One dry run per test process for one (script, devices,
+    arguments): five modules start from GPT's 2-device plan, and the launcher's choice depends on nothing else
+    (``run_dir`` holds the first caller's run)."""
+    key = (str(script), devices, tuple(map(str, script_args)))
+    if key not in _DRY_RUNS:
+        result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--run-dir", run_dir,
+                               "--dry-run", "--", *script_args, cwd=run_dir)
+        assert result.returncode == 0, result.stderr[-2000:]
+        _DRY_RUNS[key] = Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
+    return _DRY_RUNS[key]
 
 
 def tp2(plan: Plan, branches: tuple[str, ...], micro_batch: int, full_recompute: int = 0) -> Plan:
@@ -50,16 +67,53 @@ def tp2(plan: Plan, branches: tuple[str, ...], micro_batch: int, full_recompute:
 
 
 def launched_with_plan(plan: Plan, tmp_path, devices: int, script: str = GPT_SCRIPT, *script_args,
-                       engine: str = "torch") -> dict:
+                       engine: str = "torch", memory: bool = False, params: bool = False) -> dict:
     """What rank 0 of ``script --steps 3 *script_args`` wrote when launched on ``devices`` CPU workers with
     ``plan`` given by ``--plan`` on ``engine``, checked to have run that plan there; with the launcher's output
-    (``"stdout"``) and the plan.json it handed the workers (``"written"``)."""
+    (``"stdout"``) and the plan.json it handed the workers (``"written"``). With ``memory``, every rank tracks its
+    steps' tensor memory (``TENSOROPT_MEMORY_OUT``) and rank 0's record is ``"memory"``; with ``params``, the final
+    parameters the script saves (``--save-params``, gathered, flattened) are ``"params"``."""
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
+    env = ENV | {"TENSOROPT_MEMORY_OUT": str(tmp_path / "memory-{rank}.json")} if memory else ENV
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--plan", path, "--engine", engine,
                            "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json",
-                           *script_args, cwd=tmp_path)
+                           *(("--save-params", tmp_path / "params.npy") if params else ()), *script_args, cwd=tmp_path,
+                           env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (plan.summary(), engine)
-    return data | {"stdout": result.stdout, "written": json.loads((tmp_path / "run" / "plan.json").read_text())}
+    written = json.loads((tmp_path / "run" / "plan.json").read_text())
+    # an engine whose step the tracker does not wrap (runtime.memory_check.measuring) writes no record: None
+    record = tmp_path / "memory-0.json"
+    extra = {"memory": json.loads(record.read_text()) if record.exists() else None} if memory else {}
+    if params:
+        extra["params"] = np.load(tmp_path / "params.npy")
+    return data | {"stdout": result.stdout, "written": written} | extra
+
+
+_LAUNCHED: dict[str, dict] = {}
+
+
+def launched_once(plan: Plan, tmp_path, script: str = GPT_SCRIPT, *script_args: str, engine: str = "torch") -> dict:
+    """``launched_with_plan`` on ``plan.devices`` workers with memory tracked and parameters saved, run once per test
+    process for one (plan, script, arguments, engine): tests that assert different things of the same launch share
+    it instead of launching it again (tests/test_memory_check.py reads the memory of runs whose losses
+    tests/test_launch.py and tests/test_precision.py check). Each caller still launches it when run alone. Callers
+    sit in the "multiprocess" xdist group, so under ``pytest -n 2`` one process runs them all and the sharing holds
+    there too. A path in ``script_args`` would make every launch unique: pass only values."""
+    key = json.dumps([plan.to_json(), str(script), [str(a) for a in script_args], engine], sort_keys=True)
+    if key not in _LAUNCHED:
+        _LAUNCHED[key] = launched_with_plan(plan, tmp_path, plan.devices, script, *script_args, engine=engine,
+                                            memory=True, params=True)
+    return _LAUNCHED[key]
+
+
+def gpt_plan(*, dp: int = 2, tp: int = 1, zero: int = 0, micro_batch: int, recompute: str = "none", sp: bool = False,
+             precision: str = "32-true", layers: int = 4) -> Plan:
+    """A 2-device plan of examples/train_gpt.py's model (one block of ``layers`` copies, one strategy) at its global
+    batch of 8: the plans that tests in several modules launch and share through ``launched_once``."""
+    return Plan(devices=2, dp=dp, tp=tp, pp=1, micro_batch=micro_batch, global_batch=8, zero=zero,
+                tp_branches=("attn", "mlp") if tp > 1 else (), precision=precision,
+                dtype="bfloat16" if precision == "bf16-mixed" else "float32", master_weights=False,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy(recompute, sp), layers),)),))

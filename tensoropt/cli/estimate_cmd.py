@@ -11,8 +11,9 @@ from rich.table import Table
 from ..cost.model import estimate as estimate_plan
 from ..cost.model import state_bytes
 from ..errors import TensorOptError
+from ..options import check_counts
 from ..space.plan import PRECISIONS, RECOMPUTE, BlockPlan, LayerStrategy, Plan, compute_dtype
-from .common import check_counts, load, model_options
+from .common import load, model_options
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 

@@ -15,10 +15,11 @@ from ..cost.profile import Cluster, load_profile
 from ..errors import TensorOptError
 from ..frontier import Frontier, load_frontier, plot_frontier
 from ..graph.cache import write_json_atomic
+from ..options import check_counts, limit_options
 from ..paths import PLOT_SUFFIXES, check_output_file
 from ..planning import NoPlanError, NoPlanFitsError, plan
 from ..search.limits import NO_LIMITS, Limits
-from .common import check_counts, limit_options, model_options, parse_bytes, parse_gpus
+from .common import model_options, parse_bytes, parse_gpus
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 

@@ -11,8 +11,15 @@ import sys
 
 import click
 
+from launcher.cli import launch
+
 from ..errors import TensorOptError, error_line
 from . import INTERRUPTED_STATUS
+from .estimate_cmd import estimate
+from .frontier_cmd import frontier
+from .inspect_cmd import inspect
+from .profile_cmd import profile
+from .show_cmd import show
 
 
 class _Group(click.Group):
@@ -53,17 +60,7 @@ def cli() -> None:
     and launch the one that fits your devices."""
 
 
-def _register() -> None:
-    from .estimate_cmd import estimate
-    from .frontier_cmd import frontier
-    from .inspect_cmd import inspect
-    from .profile_cmd import profile
-    from .show_cmd import show
-    for command in (inspect, frontier, estimate, show, profile):
-        cli.add_command(command)
-    # the launcher sits on top of the library; the CLI is the one place that joins them
-    from launcher.cli import launch
-    cli.add_command(launch)
-
-
-_register()
+# the launcher sits on top of the library; the CLI is the one place that joins them (launcher.cli imports no part
+# of tensoropt.cli: the options both use are in tensoropt.options)
+for _command in (inspect, frontier, estimate, show, profile, launch):
+    cli.add_command(_command)

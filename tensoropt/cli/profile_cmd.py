@@ -13,8 +13,8 @@ from rich.table import Table
 from ..cost.profile import DeviceProfile, load_profile
 from ..errors import TensorOptError
 from ..graph.cache import write_json_atomic
+from ..options import MAX_DEVICES_PER_NODE
 from ..paths import check_output_dir, check_output_file
-from .common import MAX_DEVICES_PER_NODE
 from .format import binary_bytes, si
 
 
