@@ -1,8 +1,9 @@
 """How close `tensoropt estimate`'s prices come to published H100 trainings (issue 19's calibration set).
 
 Data: ``benchmarks/data/public_h100.json`` (54 rows transcribed from pytorch/torchtitan, NVIDIA/Megatron-LM and
-foundation-model-stack/fms-fsdp, each with repository, path and commit). Each row that the cost model can price
-is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation, bf16 mixed precision, compiled or
+foundation-model-stack/fms-fsdp, each with repository, path and commit; and two rows of our own, issue 12's runs on one
+H100 at f8f685f, family "one H100 (eager torch / DeepSpeed)", step time as measured). Each row that the cost model can
+price is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation, bf16 mixed precision, compiled or
 eager kernels), priced with ``cost.model.estimate`` (what ``tensoropt estimate`` calls) on the profile of the hardware
 it ran on (``profile_name``: torchtitan's 96 GB HBM2e parts capped at 500 W on ``profiles/h100-96gb-500w.json``,
 fms-fsdp's and Megatron-LM's SXM parts on ``profiles/h100-80gb.json``), and compared with the measured step time:
