@@ -19,7 +19,8 @@ gradients, fp32 master weights and Adam moments; ZeRO's K = 12; the plan's ``mas
 b + b + 2b when a model trains in its own dtype of b bytes (the plan's ``dtype``: the weights are the
 master copy, K = 2b for the two Adam moments; float32 4 + 4 + 8, a bf16 model without master weights
 2 + 2 + 4), divided over dp by stage: 1 optimizer states, 2 also gradients, 3 also weights; offload
-moves the optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021). Without master
+moves the optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021; the step priced as DeepSpeed runs
+it, ``offload_step_s``). Without master
 weights, under ZeRO 1 and 2 the rank's optimizer updates its own partition of the weights, a copy
 next to the full replicated weights (DeepSpeed's flat partition, FSDP2's sharded parameters under
 ``reshard_after_forward=False``): b more bytes per parameter over dp; mixed precision counts that copy
