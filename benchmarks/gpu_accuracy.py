@@ -56,6 +56,15 @@ MODELS = {
 }
 
 
+# On CPU workers the plans train in float32. The launcher's default, bf16-mixed, is autocast on the CPU: eager bf16
+# kernels that this project's CPUs do not run at the rate profiles/cpu-2core.json records for bf16 (its 1.2 TFLOP/s
+# bf16 peak, 7.4x its float32 rate, was measured on an Intel Xeon with AMX tiles; the 2-core AMD EPYC this
+# benchmark runs on has AVX-512 BF16 but no AMX: bf16 products measured 2.4-3.2x float32 at 1024-2048, and autocast
+# also runs the memory-bound ops in bf16, not faster on a CPU). float32 is what cost_model_accuracy checks the CPU
+# profile on; the GPU rows keep the launcher's default.
+CPU_PRECISION = "32-true"
+
+
 @dataclass(frozen=True)
 class Case:
     model: str
@@ -87,7 +96,8 @@ def measure(case: Case, args, tmp: Path, env: dict) -> dict:
     from tensoropt.space.plan import Plan
     script, gpu_args, cpu_args = MODELS[case.model]
     model_args = [*(gpu_args if args.gpu else cpu_args), "--global-batch", str(args.global_batch)]
-    devices = ["--gpus", str(args.gpus), *([] if args.gpu else ["--device", "cpu"]), "--profile", args.datasheet]
+    devices = ["--gpus", str(args.gpus), *([] if args.gpu else ["--device", "cpu", "--precision", CPU_PRECISION]),
+               "--profile", args.datasheet]
     dry = tmp / f"dry-{case.model}"
     run([sys.executable, "-m", "tensoropt", "launch", script, *devices, "--dry-run", "--run-dir", str(dry), "--",
          *model_args], str(tmp), env)
@@ -174,7 +184,7 @@ def main() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"} | ({} if args.gpu else {"OMP_NUM_THREADS": "1"})
     if args.gpu:
         env.pop("OMP_NUM_THREADS", None)
-    rows = []
+    rows, load_before = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp_name:
         for case in CASES:
             data = measure(case, args, Path(tmp_name), env)
@@ -182,6 +192,9 @@ def main() -> None:
                             overhead_bytes))
             print(json.dumps(rows[-1]), flush=True)
     table, notes = report(rows, args, measured)
+    # the machine may be shared: how busy it was says how far the measured steps are from the machine's own
+    notes += (f"Load average (1 min) {load_before:.1f} before the runs and {os.getloadavg()[0]:.1f} after, on "
+              f"{os.cpu_count()} cores.\n")
     print(table + notes)
     device = torch.cuda.get_device_name(0) if args.gpu else device_name("cpu")
     write_results("gpu_accuracy" if args.gpu else "gpu_accuracy_cpu", rows, table, notes,
@@ -225,7 +238,8 @@ def report(rows: list[dict], args, measured: str | None) -> tuple[str, str]:
              f" {args.gpus} {'GPU' if args.gpu else 'CPU worker'}(s), global batch {args.global_batch}, {args.steps} "
              "steps, the first two not timed; memory peaks after the first step." +
              ("" if args.gpu else " Tiny models on a shared 2-core CPU: this checks the script; the targets are "
-              "for GPUs.") + "\n")
+              f"for GPUs. CPU plans train in {CPU_PRECISION} (the launcher's default bf16-mixed would be priced at "
+              "cpu-2core's bf16 peak, measured on a Xeon with AMX: see CPU_PRECISION).") + "\n")
     return table, notes
 
 if __name__ == "__main__":

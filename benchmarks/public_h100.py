@@ -1,8 +1,9 @@
 """How close `tensoropt estimate`'s prices come to published H100 trainings (issue 19's calibration set).
 
 Data: ``benchmarks/data/public_h100.json`` (54 rows transcribed from pytorch/torchtitan, NVIDIA/Megatron-LM and
-foundation-model-stack/fms-fsdp, each with repository, path and commit). Each row that the cost model can price
-is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation, bf16 mixed precision, compiled or
+foundation-model-stack/fms-fsdp, each with repository, path and commit; and two rows of our own, issue 12's runs on one
+H100 at f8f685f, family "one H100 (eager torch / DeepSpeed)", step time as measured). Each row that the cost model can
+price is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation, bf16 mixed precision, compiled or
 eager kernels), priced with ``cost.model.estimate`` (what ``tensoropt estimate`` calls) on the profile of the hardware
 it ran on (``profile_name``: torchtitan's 96 GB HBM2e parts capped at 500 W on ``profiles/h100-96gb-500w.json``,
 fms-fsdp's and Megatron-LM's SXM parts on ``profiles/h100-80gb.json``), and compared with the measured step time:
@@ -39,7 +40,9 @@ DATA = Path(__file__).resolve().parent / "data" / "public_h100.json"
 # DGX H100 that Megatron-LM's and fms-fsdp's rows ran on; each row is priced on its own hardware's profile
 PROFILES = {"torchtitan": "h100-96gb-500w", "other": "h100-80gb"}
 GPUS_PER_NODE = 8
-FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled")
+ONE_H100 = "one H100 (eager torch / DeepSpeed)"
+FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled", ONE_H100)
+OWN = "tensoropt_issue12_h100"           # this project's own two single-H100 runs (issue 12), not a public source
 
 
 NOTES = """
@@ -58,6 +61,18 @@ efficiencies and kernel_overhead_s are unchanged. Not fitted: which rows compile
 (stated, or fms-fsdp's fraction from its HFU/MFU), FSDP2's overlap (cost.data_parallel.fsdp_exposed_s), AdamW's
 foreach traffic (80 B/param, torch/optim/adam.py), Megatron's TP overlap (cost.layer.tp_comm_hidden_s: each copy's
 TP collectives beside its own compute, less overlap_slowdown).
+
+One H100 (eager torch / DeepSpeed): this project's own two runs of issue 12 (main at f8f685f; not a public source),
+priced as they ran: tensoropt's gpt family at f8f685f (explicit-softmax attention at seq 2048, eager kernels), the torch
+engine with the bf16 model's own AdamW on the GPU (bf16-true) and DeepSpeed ZeRO 1 with optimizer offload (bf16 weights
+on the GPU, float32 master and AdamW states on the host). Nothing was fitted on them. The offloaded step is priced as
+DeepSpeed 0.19.8 runs it (cost.model.offload_step_s: float32 gradients to the host, torch.optim.AdamW there, a host
+cast into a pinned 16-bit buffer and the copy back), at h100-80gb's host rate, which is derived (profiles/h100-80gb.json
+sources: 16 cores' share of a DGX H100 host's DRAM bandwidth at the AdamW/copy ratio measured on cpu-2core), not
+measured; the DeepSpeed row implies about half of that rate. The memory table compares tensors only (the profile's
+runtime_overhead_bytes taken off the prediction) with max_memory_allocated. At f8f685f DeepSpeed ran without a bf16
+section (its float32 mode: a float32 gradient buffer the size of the model on the GPU), which today's engine no
+longer does; that buffer is not in the prediction (the engine's bf16 mode is priced).
 
 Megatron-LM's micro-batch, interleaving and recomputation are not stated, and Megatron-LM has no default micro-batch
 (--micro-batch-size defaults to None: it must be given); priced: micro-batch 1, no interleaving and no recomputation
@@ -84,6 +99,8 @@ def why_not(row: dict) -> str:
 
 
 def family(row: dict) -> str:
+    if row["source"] == OWN:
+        return ONE_H100
     if row["source"] == "megatron_lm_readme_h100":
         return "megatron-3d-fused"
     return "fsdp-zero3-compiled" if compiled(row) else "fsdp-zero3-eager"
@@ -104,6 +121,13 @@ def model_config(row: dict) -> dict:
                 "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
                 "ffn_hidden_size": m["ffn"], "seq_length": seq, "vocab_size": m["vocab"],
                 "rope_theta": 500000.0 if m["vocab"] == 128256 else 10000.0}
+    if row["source"] == OWN:
+        # tensoropt's gpt family as it ran at f8f685f (TransformerConfig defaults): LayerNorm, GELU, biases, learned
+        # positions, tied embeddings, explicit-softmax ("eager") attention; dropout 0 (the data file's note)
+        return {"family": "gpt", "hidden_size": m["hidden"], "num_layers": m["layers"],
+                "num_attention_heads": m["heads"], "ffn_hidden_size": m["ffn"], "seq_length": seq,
+                "vocab_size": m["vocab"], "dropout": m["dropout"], "tie_embeddings": m["tied_embeddings"],
+                "attention": m["attention"]}
     # Megatron GPT: LayerNorm, GeLU, biases, untied embeddings (the README's sizes match 12 L h^2 + 2 V h), fused
     # (flash) attention; dropout and position embedding not stated: none, learned
     return {"family": "gpt", "hidden_size": m["hidden"], "num_layers": m["layers"], "num_attention_heads": m["heads"],
@@ -148,6 +172,8 @@ def build_plan(row: dict, model: ModelCost) -> Plan:
     dp = row["gpus"] // (tp * pp)
     layers = row["model"]["layers"]
     block = model.blocks[0][0].name
+    if row["source"] == OWN:
+        return own_plan(row, block)
     if row["source"] == "megatron_lm_readme_h100":
         # distributed optimizer (ZeRO 1), sequence parallelism with tp (--tp-comm-overlap needs it), micro-batch 1
         # (not stated), bf16 with float32 master weights
@@ -163,6 +189,19 @@ def build_plan(row: dict, model: ModelCost) -> Plan:
     if "compile" not in {f.name for f in dataclasses.fields(Plan)}:
         return plan                  # the cost model before issue 19 (the "before" figures): no kernel modes
     return dataclasses.replace(plan, compile=compiled(row))
+
+
+def own_plan(row: dict, block: str) -> Plan:
+    """The plan of one of our single-H100 runs as it ran: one process, eager kernels. The torch engine trained the
+    bf16 model itself (``bf16-true``: 2 + 2 + 4 bytes, AdamW on the GPU); DeepSpeed ZeRO 1 with optimizer offload
+    kept the float32 master partition and AdamW states on the host (priced as ``bf16-mixed`` with master weights:
+    16-bit weights and gradients on the GPU, the optimizer state offloaded)."""
+    layers, mb = row["model"]["layers"], row["micro_batch"]
+    strategies = ((LayerStrategy(row["recompute"]), layers),)
+    deepspeed = row["engine"] == "deepspeed"
+    return Plan(1, 1, 1, 1, mb, row["global_batch"], 1, row["zero"], row["offload_optimizer"], (), "bfloat16",
+                (BlockPlan(block, strategies),), master_weights=deepspeed,
+                precision="bf16-mixed" if deepspeed else "bf16-true")
 
 
 def kernels(plan: Plan) -> str:
@@ -193,13 +232,23 @@ def price(row: dict, profile) -> dict:
     megatron = row["source"] == "megatron_lm_readme_h100"
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
     measured = measured_step_s(row)
+    memory = {}
+    if row["measured"].get("max_memory_allocated_gib"):
+        # tensors: the prediction less the allocator's and libraries' share (runtime_overhead_bytes), against
+        # torch.cuda.max_memory_allocated
+        tensors = (est.peak_memory_bytes - profile.runtime_overhead_bytes) / 2**30
+        allocated = row["measured"]["max_memory_allocated_gib"]
+        memory = {"predicted_tensor_gib": tensors, "measured_allocated_gib": allocated,
+                  "memory_error": tensors / allocated - 1,
+                  "memory_breakdown_gib": {k: round((v - (profile.runtime_overhead_bytes if k == "other_bytes" else 0))
+                                                    / 2**30, 3) for k, v in est.memory_breakdown.items()}}
     return {"source": row["source"], "group": row["group"], "model": row["model"]["id"], "gpus": row["gpus"],
             "family": family(row), "profile": profile.name, "plan": plan.summary() + kernels(plan),
             "measured_step_s": measured, "predicted_step_s": est.iteration_time_s,
             "error": est.iteration_time_s / measured - 1,
             # Megatron's rows hide tensor-parallel communication behind GEMMs (--tp-comm-overlap): how much of it
             "tp_comm_hidden_s": est.time_breakdown.get("tensor_parallel_hidden_s", 0.0),
-            "breakdown": {k: round(v, 4) for k, v in est.time_breakdown.items()}}
+            "breakdown": {k: round(v, 4) for k, v in est.time_breakdown.items()}, **memory}
 
 
 def summary(rows: list[dict]) -> dict[str, dict]:
@@ -244,6 +293,14 @@ def main() -> None:
     lines += [f"| {r['source']} | {r['group']} | {r['model']} | {r['gpus']} | {r['profile']} | {r['plan']} | "
               f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {r['error']:+.1%} | "
               f"{r['tp_comm_hidden_s']:.3f} |" for r in rows]
+    mem = [r for r in rows if "memory_error" in r]
+    if mem:
+        lines += ["", "Memory (tensors): the predicted peak less the profile's runtime_overhead_bytes, against "
+                  "torch.cuda.max_memory_allocated:", "", "| group | predicted GiB | measured GiB | error | "
+                  "predicted parts (GiB) |", "|---|---:|---:|---:|---|"]
+        lines += [f"| {r['group']} | {r['predicted_tensor_gib']:.2f} | {r['measured_allocated_gib']:.2f} | "
+                  f"{r['memory_error']:+.1%} | " + ", ".join(f"{k.removesuffix('_bytes')} {v:.2f}" for k, v in
+                                                           r["memory_breakdown_gib"].items()) + " |" for r in mem]
     lines += ["", f"Not priced ({len(skipped)} rows):", ""]
     lines += [f"- {s['source']} {s['group']} {s['model']}: {s['why']}" for s in skipped]
     write_results("public_h100" + (f"_{args.tag}" if args.tag else ""), rows, "\n".join(lines) + "\n",
