@@ -48,9 +48,6 @@ def unsimulated(plan: Plan, engine: str) -> str | None:
     if engine != "torch":
         return (f"the {engine} engine is not simulated: it partitions and reduces with its own buffers and needs a "
                 "real process group; measure a real run with TENSOROPT_MEMORY_OUT")
-    if plan.pp > 1:
-        return ("pipeline stages are not simulated: torch.distributed.pipelining's schedules exchange shapes with "
-                "the other stages; measure a real run with TENSOROPT_MEMORY_OUT")
     return None
 
 
@@ -228,6 +225,50 @@ def _bucketed_ddp() -> Iterator[None]:
         nn.parallel.DistributedDataParallel = original
 
 
+class _HeldWork:
+    """A fake process group's send or receive, holding its tensor as long as the schedule holds the work: a real
+    group's work keeps its tensors referenced until it is dropped (gloo's send and receive works own their
+    tensors; NCCL's stash them for the caching allocator until the work is waited), and the interleaved
+    schedule keeps every send's work until the end of its step (``schedules._PipelineScheduleRuntime.
+    _step_microbatches``: ``send_ops``), so a sent activation or gradient stays allocated that long."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
+        self.work, self.tensors = work, tensors     # a batch's works are waited and dropped together
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _pipeline_on_fake_group() -> Iterator[None]:
+    """Run ``torch.distributed.pipelining``'s schedules on a fake process group, as on a real one for memory.
+
+    A schedule's first step starts with a vote over the pipeline ranks (``schedules._PipelineSchedule.
+    _warmup_p2p``: each stage sends whether it was built with its shapes, the result comes back by ``recv`` and
+    is read with ``.item()``), which a fake group cannot carry and a fake tensor cannot read. The torch engine
+    builds every stage of every rank with its shapes (``pipeline``), so the vote is "static" on every rank:
+    within, each stage is given that result directly, after the same check of its own metadata the vote starts
+    with (``InferenceMode.needs_dynamic``). Each send and receive's work holds its tensor (``_HeldWork``)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(schedule, stages, has_backward, p2p_done):
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise TensorOptError(f"pipeline stage {stage.stage_index} was built without its shapes: it cannot "
+                                     "be simulated")
+            stage._inference_mode = InferenceMode.STATIC
+
+    def batch_p2p(p2p_ops, desc=None):
+        return [_HeldWork(work, [op.tensor for op in p2p_ops]) for work in batch(p2p_ops, desc)]
+    warmup, batch = schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p
+    schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p = vote, batch_p2p
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p = warmup, batch
+
+
 @contextlib.contextmanager
 def _outside_capture() -> Iterator[None]:
     """Leave the capture's torch-function modes (``capture_run``: every device is meta) while simulating: the
@@ -244,18 +285,20 @@ def _real_meshes() -> Iterator[None]:
     which a fake tensor cannot give. Its tables are small; nothing else is made real."""
     import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    originals = device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__
+    originals = device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__, device_mesh.DeviceMesh.mesh
 
     def real(function):
         def outside_fake_mode(*args, **kwargs):
             with unset_fake_temporarily():
                 return function(*args, **kwargs)
         return outside_fake_mode
-    device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = map(real, originals)
+    # ``DeviceMesh.mesh`` is computed from the rank map at each read (the pipeline engine reads its table)
+    device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = map(real, originals[:2])
+    device_mesh.DeviceMesh.mesh = property(real(originals[2].fget))
     try:
         yield
     finally:
-        device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = originals
+        device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__, device_mesh.DeviceMesh.mesh = originals
 
 
 def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) -> dict:
@@ -272,7 +315,8 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     device = torch.device("cpu")
-    with _outside_capture(), _real_meshes(), _bucketed_ddp(), unchecked(), FakeTensorMode(allow_non_fake_inputs=True):
+    with _outside_capture(), _real_meshes(), _bucketed_ddp(), _pipeline_on_fake_group(), unchecked(), \
+            FakeTensorMode(allow_non_fake_inputs=True):
         on_cpu = dataclasses.replace(run_plan, device="cpu")
         model, optimizer, run = apply(model, optimizer_fn, on_cpu, device, _FakeStorage(), example_inputs)
         if optimizer is None:
