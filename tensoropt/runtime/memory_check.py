@@ -14,8 +14,15 @@
 
 The simulation runs on the CPU whatever the plan's device: the bytes a tensor takes do not depend on the
 device, but a CUDA autocast casts a few ops differently from the CPU's (``torch.amp``'s per-device op lists),
-and the engines' CUDA-only paths (NCCL, CUDA streams) are not exercised. The pipeline and DeepSpeed engines are
-not simulated (``unsimulated``): their schedules and their own allocators need a real process group.
+and the engines' CUDA-only paths (NCCL, CUDA streams) are not exercised. DeepSpeed is not simulated
+(``unsimulated``): it partitions and reduces with its own buffers and needs a real process group.
+
+Pipeline plans run rank 0's stages (pipeline stage 0, the one with the most micro-batches in flight in 1F1B, and
+with virtual stages ``pp``, ``2 pp``, ...) through the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``: the
+engine builds every stage with its messages' shapes (``pipeline_split.stage_messages``), so no shapes are
+exchanged; the fake group's sends and receives return at once and leave the receive buffers as they are, which
+changes no byte. Within ``_pipeline_on_fake_group`` the schedule's start-of-run vote is given its result and each
+send's work holds its tensor as a real group's does. The tests hold rank 0's peak equal to a real run's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Rows of ``memory_accuracy.py`` for pipeline plans: rank 0's stage simulated on fake tensors beside the cost
+model's prediction of the same plan (issue 19 part 5).
+
+Each row is one ``tensoropt launch examples/train_llama_large.py --plan PLAN --dry-run --check-memory``: the
+launcher captures the script, prices the plan with ``tensoropt.cost.model.estimate`` and simulates rank 0's second
+step through the torch engine's own pipeline (``runtime.pipeline``: stages built with their messages' shapes, the
+real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run on a fake process group, ``runtime.memory_check``). Rank 0
+holds pipeline stage 0, the one with the most micro-batches in flight in 1F1B, and the embedding. The model is
+Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices; ``--quick`` keeps its dimensions with 8 layers.
+
+``actual_bytes`` is rank 0's simulated peak of tensor bytes (``memory_tracker.StepMemory``); the tests hold this
+simulation equal to a real 2-worker run's tracked peak (``tests/test_memory_check.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = "examples/train_llama_large.py"
+# Llama 3 8B (Meta 2024: 32 layers, hidden 4096, 32 heads in 8 key/value groups, SwiGLU 14336, vocabulary
+# 128256), 4096 tokens
+LLAMA3_8B = {"--layers": 32, "--hidden": 4096, "--heads": 32, "--kv-heads": 8, "--ffn": 14336, "--vocab": 128256,
+             "--seq-len": 4096}
+ON_8 = ["--device", "cuda", "--gpus", "8"]
+GLOBAL_BATCH = 16
+
+# (family, pp, virtual stages, dp, tp, zero, micro-batch, recompute, precision)
+CASES = [
+    ("pipeline-1f1b", 2, 1, 4, 1, 1, 1, "none", "bf16-true"),
+    ("pipeline-1f1b", 4, 1, 2, 1, 1, 1, "none", "bf16-true"),
+    ("pipeline-1f1b-full", 2, 1, 4, 1, 1, 1, "full", "bf16-true"),
+    ("pipeline-1f1b-selective", 2, 1, 4, 1, 1, 1, "selective", "bf16-true"),
+    ("pipeline-1f1b-ddp", 2, 1, 4, 1, 0, 1, "none", "bf16-true"),
+    ("pipeline-1f1b-zero3", 2, 1, 4, 1, 3, 1, "full", "bf16-true"),
+    ("pipeline-1f1b-tp2", 2, 1, 2, 2, 1, 1, "none", "bf16-true"),
+    ("pipeline-interleaved", 2, 2, 4, 1, 1, 1, "none", "bf16-true"),
+    ("pipeline-interleaved", 4, 2, 2, 1, 1, 1, "full", "bf16-true"),
+    ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 1, 1, "full", "bf16-mixed"),
+    ("pipeline-1f1b-32-true", 2, 1, 4, 1, 1, 1, "full", "32-true"),
+]
+QUICK = {0, 2, 7}          # the cases ``--quick`` runs
+
+
+def plan_of(pp: int, virtual: int, dp: int, tp: int, zero: int, micro_batch: int, recompute: str, precision: str,
+            layers: int) -> Plan:
+    """A torch-engine pipeline plan of the example's one block (``layers.*``) on ``pp * dp * tp`` devices."""
+    return Plan(devices=pp * dp * tp, dp=dp, tp=tp, pp=pp, virtual_stages=virtual, micro_batch=micro_batch,
+                global_batch=GLOBAL_BATCH, zero=zero, tp_branches=("attn", "mlp") if tp > 1 else (),
+                precision=precision, dtype="float32" if precision == "32-true" else "bfloat16", master_weights=False,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy(recompute), layers // pp),)),))
+
+
+def check_memory(script_args: list[str], plan: Plan, cache_dir: str) -> dict:
+    """What ``launch --dry-run --check-memory`` wrote (``memory_check.json``: simulated and predicted)."""
+    env = {**os.environ, "TENSOROPT_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file = Path(tmp) / "given.json"
+        plan_file.write_text(json.dumps(plan.to_json()))
+        result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, *ON_8, "--plan", str(plan_file),
+                                 "--precision", plan.precision, "--dry-run", "--check-memory", "--run-dir",
+                                 str(Path(tmp) / "run"), "--", *script_args],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        out = Path(tmp) / "run" / "memory_check.json"
+        if result.returncode or not out.exists():
+            tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SystemExit(f"_memory_pipeline: {plan.summary()} failed: {tail}")
+        return json.loads(out.read_text())
+
+
+def _row(family: str, model: str, plan: Plan, check: dict) -> dict:
+    simulated, predicted = check["simulated"], check["predicted"]
+    return {"family": family, "model": model, "plan": plan.summary(), "precision": plan.precision,
+            "how": "simulated", "actual_of": "rank 0",
+            "predicted_tensor_bytes": int(predicted["tensor_bytes"]), "actual_bytes": int(simulated["peak_bytes"]),
+            "predicted": predicted, "actual": simulated}
+
+
+def rows(quick: bool = False, family: str | None = None) -> list[dict]:
+    """One row per case (module doc); ``family``: only that family's cases."""
+    layers = 8 if quick else LLAMA3_8B["--layers"]
+    model = "llama3-8b-like" + (f" ({layers} layers)" if quick else "")
+    dims = [str(a) for k, v in (LLAMA3_8B | {"--layers": layers}).items() for a in (k, v)]
+    out = []
+    with tempfile.TemporaryDirectory() as cache_dir:       # captures shared by the rows of one precision
+        for index, (name, pp, virtual, dp, tp, zero, mb, recompute, precision) in enumerate(CASES):
+            if (family and name != family) or (quick and index not in QUICK):
+                continue
+            plan = plan_of(pp, virtual, dp, tp, zero, mb, recompute, precision, layers)
+            dtype = "bfloat16" if precision == "bf16-true" else "float32"
+            check = check_memory([*dims, "--dtype", dtype, "--global-batch", str(GLOBAL_BATCH)], plan, cache_dir)
+            out.append(_row(name, model, plan, check))
+            print(f"  {name:26s} {model:26s} {plan.summary():46s} {_ratio(out[-1]):+7.1%}", file=sys.stderr,
+                  flush=True)
+    return out
+
+
+def _ratio(row: dict) -> float:
+    return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
+
+
+__all__ = ["CASES", "plan_of", "rows"]

@@ -1,0 +1,33 @@
+"""Memory a pipeline stage holds for its messages, beside the activations its micro-batches save.
+
+``torch.distributed.pipelining`` (torch 2.13, ``stage.py``) allocates its receive buffers once, when a stage is
+set up for a step count of ``m`` micro-batches, and keeps them for the run:
+
+- a stage that is not the first gets one buffer per input per micro-batch (``PipelineStage.
+  _setup_forward_recv_info``: ``_make_tensor_from_meta`` for every ``chunk_id in range(num_microbatches)``);
+- a stage that is not the last gets one gradient buffer per output that requires a gradient per micro-batch
+  (``_PipelineStageBase._setup_backward_recv_info`` -> ``PipelineStage._create_grad_recv_info``).
+
+The stream between stages is the block's carried state (``space.block.BlockSpace.carried_bytes`` per sample),
+sent whole even under tensor parallelism (``runtime.pipeline_tp``: sequence parallelism gathers the stream before
+a stage hands it on), so each buffer holds ``micro_batch * carried_bytes``. With ``v`` interleaved stages a device
+holds stages ``r, r + p, ...``: stage 0 (device 0) is first and not last, every other stage of device 0 is neither,
+and device ``p - 1`` holds the last stage and ``v - 1`` others that are not first; either way ``2 v - 1`` buffer
+sets of ``m`` micro-batches. Values a stage only relays (an attention mask made once, integer and without
+gradient) are not counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
+    """Bytes of the receive buffers of pipeline device 0 (and of device ``p - 1``: the same count), numbers or
+    per-plan arrays; 0 without a pipeline (module doc)."""
+    pp, v = np.asarray(pp), np.asarray(virtual_stages)
+    buffer_sets = 2 * v - 1
+    return np.where(pp > 1, buffer_sets * np.asarray(micro_batches) * np.asarray(micro_batch) * carried_bytes, 0.0)
+
+
+__all__ = ["p2p_buffer_bytes"]
