@@ -73,40 +73,53 @@ CASES = {
 GAPS = {"fsdp-zero3-bf16-mixed": "simulated 4.8% below the real run (open)"}
 
 
-def _check_against_real_run(tmp_path, plan: Plan) -> tuple[dict, dict]:
-    """(simulated, measured) rank 0's second step of ``plan`` on examples/train_gpt.py: simulated by
-    ``launch --dry-run --check-memory``, measured in a real 2-worker run tracked by ``TENSOROPT_MEMORY_OUT``."""
+def _simulated(tmp_path, common: list, rank: int) -> dict:
+    """``launch --dry-run --check-memory`` of examples/train_gpt.py for ``rank`` (``TENSOROPT_SIMULATE_RANK``)."""
+    run_dir = tmp_path / f"sim-{rank}"
+    result = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", run_dir, "--dry-run", "--check-memory",
+                           cwd=tmp_path, env=ENV | {"TENSOROPT_SIMULATE_RANK": str(rank)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"rank {rank}'s second step simulated" in result.stdout and "simulated / predicted" in result.stdout
+    check = json.loads((run_dir / "memory_check.json").read_text())
+    assert check["simulated"]["simulated"] is True and check["simulated"]["rank"] == rank
+    return check
+
+
+def _check_against_real_run(tmp_path, plan: Plan, ranks: tuple[int, ...] = (0,)) -> list[tuple[dict, dict]]:
+    """[(simulated, measured)] of each of ``ranks``' second step of ``plan`` on examples/train_gpt.py: simulated by
+    ``launch --dry-run --check-memory``, measured in one real 2-worker run tracked by ``TENSOROPT_MEMORY_OUT``."""
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     common = ["--device", "cpu", "--gpus", plan.devices, "--plan", path, "--precision", plan.precision]
-    result = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", tmp_path / "sim", "--dry-run",
-                           "--check-memory", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "simulated / predicted" in result.stdout
-    check = json.loads((tmp_path / "sim" / "memory_check.json").read_text())
-    assert check["plan"] == plan.summary() and check["simulated"]["simulated"] is True
+    checks = [_simulated(tmp_path, common, rank) for rank in ranks]
+    assert all(check["plan"] == plan.summary() for check in checks)
     real = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", tmp_path / "run", "--", "--steps", 3, cwd=tmp_path,
                          env=ENV | {"TENSOROPT_MEMORY_OUT": str(tmp_path / "real-{rank}.json")})
     assert real.returncode == 0, real.stderr[-3000:]
-    measured = json.loads((tmp_path / "real-0.json").read_text())
-    assert measured["simulated"] is False and measured["peak_bytes"] > 0
-    return check["simulated"], measured
+    out = []
+    for rank, check in zip(ranks, checks):
+        measured = json.loads((tmp_path / f"real-{rank}.json").read_text())
+        assert measured["simulated"] is False and measured["peak_bytes"] > 0
+        out.append((check["simulated"], measured))
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
-def test_simulated_pipeline_stage_equals_the_real_run(tmp_path):
-    """Rank 0 of two pipeline ranks in interleaved 1F1B (two virtual stages each, 4 micro-batches of 2; its first
-    stage fully recomputed): the stages built with their shapes, the schedule run on a fake process group whose
-    sends hold their tensors as gloo's do, hold what the real run holds (the same bytes in every category here;
-    asserted within 2%, and the activations and temporaries, where the schedule's messages are, within 2% each)."""
+def test_simulated_pipeline_stages_equal_the_real_run(tmp_path):
+    """Both ranks of two pipeline ranks in interleaved 1F1B (two virtual stages each, 4 micro-batches of 2; the
+    first stage of each fully recomputed): rank 0 holds stages 0 and 2 (the embedding, the most micro-batches in
+    flight), rank 1 stages 1 and 3 (the head and the loss). Built with their shapes and run on a fake process group
+    whose sends hold their tensors as gloo's do, each rank's stages hold what the real run's hold (the same bytes
+    in every category here; asserted within 2%, and the activations and temporaries, where the schedule's messages
+    are, within 2% each)."""
     blocks = (BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 1))),)
     plan = Plan(devices=2, dp=1, tp=1, pp=2, virtual_stages=2, micro_batch=2, global_batch=8, precision="32-true",
                 blocks=blocks)
-    simulated, measured = _check_against_real_run(tmp_path, plan)
-    for key in ("peak_bytes", "activations", "temporaries"):
-        assert simulated[key] == pytest.approx(measured[key], rel=RELATIVE), key
-    assert simulated["optimizer"] == measured["optimizer"]
+    for simulated, measured in _check_against_real_run(tmp_path, plan, ranks=(0, 1)):
+        for key in ("peak_bytes", "activations", "temporaries"):
+            assert simulated[key] == pytest.approx(measured[key], rel=RELATIVE), (measured["rank"], key)
+        assert simulated["optimizer"] == measured["optimizer"]
 
 
 @pytest.mark.slow
@@ -116,6 +129,6 @@ def test_simulated_pipeline_stage_equals_the_real_run(tmp_path):
 def test_simulated_peak_equals_the_real_runs(tmp_path, case):
     """The simulated peak of rank 0's second step is within 2% of the real run's (same tracker), and the
     optimizer states at the peak are the same bytes; the launcher prints both beside the prediction."""
-    simulated, measured = _check_against_real_run(tmp_path, _plan(**CASES[case]))
+    ((simulated, measured),) = _check_against_real_run(tmp_path, _plan(**CASES[case]))
     assert simulated["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=RELATIVE)
     assert simulated["optimizer"] == measured["optimizer"]

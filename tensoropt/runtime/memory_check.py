@@ -10,7 +10,8 @@
   ``torch._subclasses.FakeTensorMode``: FSDP2, DDP, tensor and sequence parallelism, the recomputation
   wrappers, the optimizer, each as it runs, on tensors that have shapes and no storage. Two steps on
   micro-batches shaped like the script's example inputs run under the same tracker, and the second step's
-  peak is written to ``PATH``. LLaMA-2 70B on 64 devices (dp32 tp2 ZeRO 3) took ~60 s of CPU time.
+  peak is written to ``PATH``. ``TENSOROPT_SIMULATE_RANK=R`` simulates rank R instead. LLaMA-2 70B on 64 devices
+  (dp32 tp2 ZeRO 3) took ~60 s of CPU time.
 
 The simulation runs on the CPU whatever the plan's device: the bytes a tensor takes do not depend on the
 device, but a CUDA autocast casts a few ops differently from the CPU's (``torch.amp``'s per-device op lists),
@@ -43,6 +44,7 @@ from .memory_tracker import StepMemory
 from .tp_guard import unchecked
 
 MEMORY_OUT_ENV, SIMULATE_ENV = "TENSOROPT_MEMORY_OUT", "TENSOROPT_SIMULATE_MEMORY"
+RANK_ENV = "TENSOROPT_SIMULATE_RANK"     # the rank simulated (default 0): a pipeline's last stage is another
 TRACKED_STEPS = 2                # the peak of the second: the steady state
 
 
@@ -308,9 +310,9 @@ def _real_meshes() -> Iterator[None]:
         device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__, device_mesh.DeviceMesh.mesh = originals
 
 
-def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) -> dict:
-    """Rank 0's peak tensor memory by category in the second step of ``plan`` (module doc); the model
-    is built on meta."""
+def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs, rank: int = 0) -> dict:
+    """``rank``'s peak tensor memory by category in the second step of ``plan`` (module doc); the model
+    is built on meta. Rank 0 unless asked: a pipeline's last stage (the head and its logits) is another rank."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -320,7 +322,9 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) 
     if reason := unsimulated(plan, run_plan.engine or "torch"):
         raise TensorOptError(reason)
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
+        if not 0 <= rank < plan.devices:
+            raise TensorOptError(f"{RANK_ENV}={rank} is not a rank of the plan's {plan.devices} devices")
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.devices)
     device = torch.device("cpu")
     with _outside_capture(), _real_meshes(), _bucketed_ddp(), _pipeline_on_fake_group(), unchecked(), \
             FakeTensorMode(allow_non_fake_inputs=True):
@@ -339,15 +343,16 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) 
                 stepper(micro)
     if not result:
         raise TensorOptError("the simulated step did not reach the optimizer step")
-    return {"rank": 0, "simulated": True} | result
+    return {"rank": dist.get_rank(), "simulated": True} | result
 
 
 def simulate_mode(model: nn.Module, optimizer_fn, example_inputs) -> None:
     """``tensoropt.parallelize`` under ``TENSOROPT_SIMULATE_MEMORY``: simulate, write the report, end the script."""
     run_plan = RunPlan.read(Path(os.environ["TENSOROPT_PLAN"]))
-    write_report(os.environ[SIMULATE_ENV], simulate(model, optimizer_fn, run_plan, example_inputs))
+    rank = int(os.environ.get(RANK_ENV, "0"))
+    write_report(os.environ[SIMULATE_ENV], simulate(model, optimizer_fn, run_plan, example_inputs, rank))
     raise _Simulated(0)
 
 
-__all__ = ["MEMORY_OUT_ENV", "SIMULATE_ENV", "TRACKED_STEPS", "measuring", "register_model", "simulate",
+__all__ = ["MEMORY_OUT_ENV", "RANK_ENV", "SIMULATE_ENV", "TRACKED_STEPS", "measuring", "register_model", "simulate",
            "simulate_mode", "tracked_stepper", "unsimulated"]
