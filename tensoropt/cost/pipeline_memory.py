@@ -15,6 +15,17 @@ holds stages ``r, r + p, ...``: stage 0 (device 0) is first and not last, every 
 and device ``p - 1`` holds the last stage and ``v - 1`` others that are not first; either way ``2 v - 1`` buffer
 sets of ``m`` micro-batches. Values a stage only relays (an attention mask made once, integer and without
 gradient) are not counted.
+
+Beside the buffers, a stage keeps what it sent (``held_*_bytes``):
+- each forward's outputs stay in the stage's ``fwd_cache`` until that micro-batch's backward (``stage.py
+  forward_one_chunk``: ``self.fwd_cache[fwd_chunk_id] = (output_tuple, ...)``, for ``backward_one_chunk``); no op of
+  the stage saves its last copy's output, so the layers' saved bytes do not count it;
+- a send's work holds its tensor until the schedule drops the work (gloo's send work owns its tensor; NCCL's
+  stashes it for the caching allocator): ``Schedule1F1B`` keeps one send pending at a time, ``ScheduleGPipe``
+  (fewer micro-batches than stages) a whole phase's, and the interleaved schedule every send of the step until
+  its end (``schedules._PipelineScheduleRuntime._step_microbatches``: ``send_ops``, waited after the last
+  action), so there device 0's ``v`` stages' outputs and its ``v - 1`` later stages' input gradients, and the
+  last device's ``v - 1`` outputs and ``v`` input gradients, all stay: ``(2v - 1) m`` messages either way.
 """
 
 from __future__ import annotations
@@ -30,4 +41,20 @@ def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byt
     return np.where(pp > 1, buffer_sets * np.asarray(micro_batches) * np.asarray(micro_batch) * carried_bytes, 0.0)
 
 
-__all__ = ["p2p_buffer_bytes"]
+def held_first_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
+    """Sent messages device 0 still holds at its peak (module doc): the outputs of its micro-batches in flight
+    (``min(m, p)``: 1F1B's warm-up and GPipe's forward phase), or with interleaving every send of the step."""
+    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
+    messages = np.where(v > 1, (2 * v - 1) * m, np.minimum(m, pp))
+    return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
+
+
+def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
+    """Sent messages the last device still holds (module doc): its input gradients pending in sends, one in 1F1B,
+    the backward phase's ``m`` in GPipe, or with interleaving every send of the step."""
+    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
+    messages = np.where(v > 1, (2 * v - 1) * m, np.where(m >= pp, 1, m))
+    return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
+
+
+__all__ = ["held_first_bytes", "held_last_bytes", "p2p_buffer_bytes"]
