@@ -320,10 +320,10 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                      state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
                      cast))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                       first.activation_bytes, last.activation_bytes))
+                       first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes))
     per_plan = np.array(ints, dtype=np.int64)[which].T
     dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy = per_plan
-    loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
+    loose_time, loose_params, first_acts, last_acts, first_back, last_back = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
     stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
@@ -347,10 +347,10 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     weights = weight * params / np.where(z == 3, dp, 1)
     grads = grad_bytes / np.where(z >= 2, dp, 1)
     optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
-    acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts) + held_first_bytes(pp, v, m, mb,
-                                                                                                      carried)
-    acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts + held_last_bytes(pp, v, m, mb, carried),
-                         acts_first)
+    acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts) + np.where(
+        piped, held_first_bytes(pp, v, m, mb, carried) + first_back, 0.0)
+    acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts + held_last_bytes(pp, v, m, mb, carried)
+                         + last_back, acts_first)
     activations = np.maximum(acts_first, acts_last) + p2p_buffer_bytes(pp, v, m, mb, carried)
     other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params
     memory = weights + grads + optimizer + activations + other

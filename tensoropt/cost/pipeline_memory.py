@@ -32,6 +32,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..graph.ir import Op
+
+
+def backward_working_bytes(op: Op) -> float:
+    """Gradient bytes one op's backward holds at once: its floating-point outputs' gradients (received) and its
+    activation inputs' gradients (produced) at the captured micro-batch (one sample). Autograd's engine runs a
+    node's backward with its incoming gradients alive and frees them once the node returns
+    (``torch/csrc/autograd/engine.cpp``: ``call_function`` consumes the ``InputBuffer``); parameters' gradients
+    are the model state's, counted there. For the head and loss of a language model this is the logits' float32
+    gradient next to its input's (``log_softmax_backward``): several times the saved logits themselves."""
+    outputs = sum(m.nbytes for m in op.outputs if "float" in m.dtype)
+    inputs = sum(m.nbytes for m, r in zip(op.inputs, op.sources) if "float" in m.dtype and r.kind != "param")
+    return float(outputs + inputs)
+
 
 def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
     """Bytes of the receive buffers of pipeline device 0 (and of device ``p - 1``: the same count), numbers or
