@@ -3,9 +3,10 @@ beside the cost model's prediction of the same plan (issue 19 part 5).
 
 Each row is two ``tensoropt launch examples/train_llama_large.py --plan PLAN --dry-run --check-memory`` (one per
 simulated rank): the launcher captures the script, prices the plan with ``tensoropt.cost.model.estimate`` and
-simulates the rank's second step through the torch engine's own pipeline (``runtime.pipeline``: stages built with their messages' shapes, the
-real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run on a fake process group, ``runtime.memory_check``). The model is
-Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices; ``--quick`` keeps its dimensions with 8 layers.
+simulates the rank's second step through the torch engine's own pipeline (``runtime.pipeline``: stages built
+with their messages' shapes, the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run on a fake process group,
+``runtime.memory_check``). The model is Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices;
+``--quick`` keeps its dimensions with 8 layers (every case: 22 simulations, ~25 min on 2 busy cores).
 
 ``actual_bytes`` is the larger simulated peak of tensor bytes (``memory_tracker.StepMemory``) of rank 0 (stage 0:
 the embedding, the most micro-batches in flight) and the last stage's first rank (the head and its logits,
@@ -47,7 +48,6 @@ CASES = [
     ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 1, 1, "full", "bf16-mixed"),
     ("pipeline-1f1b-32-true", 2, 1, 4, 1, 1, 1, "full", "32-true"),
 ]
-QUICK = {0, 2, 7}          # the cases ``--quick`` runs
 
 
 def plan_of(pp: int, virtual: int, dp: int, tp: int, zero: int, micro_batch: int, recompute: str, precision: str,
@@ -101,9 +101,11 @@ def rows(quick: bool = False, family: str | None = None) -> list[dict]:
     model = "llama3-8b-like" + (f" ({layers} layers)" if quick else "")
     dims = [str(a) for k, v in (LLAMA3_8B | {"--layers": layers}).items() for a in (k, v)]
     out = []
-    with tempfile.TemporaryDirectory() as cache_dir:       # captures shared by the rows of one precision
-        for index, (name, pp, virtual, dp, tp, zero, mb, recompute, precision) in enumerate(CASES):
-            if (family and name != family) or (quick and index not in QUICK):
+    # captures shared by the rows of one precision; a TENSOROPT_CACHE_DIR of the caller's keeps them
+    with tempfile.TemporaryDirectory() as temporary:
+        cache_dir = os.environ.get("TENSOROPT_CACHE_DIR", temporary)
+        for name, pp, virtual, dp, tp, zero, mb, recompute, precision in CASES:
+            if family and name != family:
                 continue
             plan = plan_of(pp, virtual, dp, tp, zero, mb, recompute, precision, layers)
             dtype = "bfloat16" if precision == "bf16-true" else "float32"

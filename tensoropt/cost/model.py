@@ -68,7 +68,7 @@ from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
-from .pipeline_memory import held_first_bytes, held_last_bytes, p2p_buffer_bytes
+from .pipeline_memory import held_first_bytes, held_last_bytes, in_flight_last, p2p_buffer_bytes
 from .profile import Cluster
 
 
@@ -347,10 +347,12 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     weights = weight * params / np.where(z == 3, dp, 1)
     grads = grad_bytes / np.where(z >= 2, dp, 1)
     optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
+    # a stage's loose ops' backward (the loss's first) and its copies' recomputation run at different times
+    first_back, last_back = (np.maximum(b - np.asarray(transient_bytes), 0.0) for b in (first_back, last_back))
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts) + np.where(
         piped, held_first_bytes(pp, v, m, mb, carried) + first_back, 0.0)
-    acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts + held_last_bytes(pp, v, m, mb, carried)
-                         + last_back, acts_first)
+    acts_last = np.where(piped, in_flight_last(pp, m, v) * np.asarray(activation_bytes) + last_acts
+                         + held_last_bytes(pp, v, m, mb, carried) + last_back, acts_first)
     activations = np.maximum(acts_first, acts_last) + p2p_buffer_bytes(pp, v, m, mb, carried)
     other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params
     memory = weights + grads + optimizer + activations + other
