@@ -121,4 +121,32 @@ def _ratio(row: dict) -> float:
     return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
 
 
-__all__ = ["CASES", "plan_of", "rows"]
+def table(rows_: list[dict]) -> str:
+    """The rows as a markdown table (GiB; the peak rank; predicted / actual - 1)."""
+    lines = ["| family | plan | precision | peak rank | actual GiB | predicted GiB | error |",
+             "|---|---|---|---|---:|---:|---:|"]
+    for row in rows_:
+        lines.append(f"| {row['family']} | {row['plan']} | {row['precision']} | {row['actual']['rank']} | "
+                     f"{row['actual_bytes'] / 2**30:.3f} | {row['predicted_tensor_bytes'] / 2**30:.3f} | "
+                     f"{_ratio(row):+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """``python benchmarks/_memory_pipeline.py [--quick]``: these rows alone, written to
+    ``results/memory_pipeline.json`` and ``.md`` (``memory_accuracy.py`` runs them with the other families)."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import write_results
+    out = rows(args.quick)
+    write_results("memory_pipeline", out, table(out), notes=__doc__, extra={"quick": args.quick})
+
+
+__all__ = ["CASES", "plan_of", "rows", "table"]
+
+
+if __name__ == "__main__":
+    main()
