@@ -68,7 +68,14 @@ from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
-from .pipeline_memory import held_first_bytes, held_last_bytes, in_flight_last, p2p_buffer_bytes
+from .pipeline_memory import (
+    gradients_divisor,
+    held_first_bytes,
+    held_last_bytes,
+    in_flight_last,
+    kept_gathered_bytes,
+    p2p_buffer_bytes,
+)
 from .profile import Cluster
 
 
@@ -344,8 +351,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                            prof.pcie_bandwidth_bytes_per_s, opt_params * adam_moved / prof.memory_bytes_per_s)
     time_s = pipeline_s + exposed + optimizer_s
 
-    weights = weight * params / np.where(z == 3, dp, 1)
-    grads = grad_bytes / np.where(z >= 2, dp, 1)
+    weights = weight * params / np.where(z == 3, dp, 1) + kept_gathered_bytes(pp, z, gathered, params)
+    grads = grad_bytes / gradients_divisor(pp, z, dp)
     optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
     # a stage's loose ops' backward (the loss's first) and its copies' recomputation run at different times
     first_back, last_back = (np.maximum(b - np.asarray(transient_bytes), 0.0) for b in (first_back, last_back))
