@@ -73,7 +73,6 @@ from .pipeline_memory import (
     held_first_bytes,
     held_last_bytes,
     in_flight_last,
-    kept_gathered_bytes,
     p2p_buffer_bytes,
 )
 from .profile import Cluster
@@ -351,7 +350,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                            prof.pcie_bandwidth_bytes_per_s, opt_params * adam_moved / prof.memory_bytes_per_s)
     time_s = pipeline_s + exposed + optimizer_s
 
-    weights = weight * params / np.where(z == 3, dp, 1) + kept_gathered_bytes(pp, z, gathered, params)
+    weights = weight * params / np.where(z == 3, dp, 1)
     grads = grad_bytes / gradients_divisor(pp, z, dp)
     optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
     # a stage's loose ops' backward (the loss's first) and its copies' recomputation run at different times

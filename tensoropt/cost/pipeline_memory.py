@@ -59,18 +59,11 @@ def gradients_divisor(pp, zero, dp):
     """What a stage's gradients are divided by: FSDP2 in a pipeline stage reduces them only after the step's last
     micro-batch (``stage.py backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)`` in every backward;
     ``perform_reduce_grad`` once all have run), so under ZeRO 2 and 3 as under 1 every micro-batch's gradients
-    accumulate whole; unpiped, ZeRO 2 and 3 keep a shard (``dp``)."""
+    accumulate whole; unpiped, ZeRO 2 and 3 keep a shard (``dp``). (The same backward runs with
+    ``set_reshard_after_backward(False)``, but the next micro-batch's forward reshards a ZeRO 3 stage's weights
+    again (``reshard_after_forward=True``), so they are not kept whole at the peaks: not priced.)"""
     pp, zero, dp = np.asarray(pp), np.asarray(zero), np.asarray(dp)
     return np.where((zero >= 2) & (pp == 1), dp, 1)
-
-
-def kept_gathered_bytes(pp, zero, gathered_bytes, parameters):
-    """The gathered weights a ZeRO 3 pipeline stage keeps beside its shards: the same backward runs with
-    ``set_reshard_after_backward(False)`` (``stage.py backward_maybe_with_nosync``), so the weights gathered for
-    the first micro-batch's backward stay until the reduction after the last; ZeRO 1 and 2 stages keep them
-    anyway (``reshard_after_forward=False``), priced with the weights."""
-    pp, zero = np.asarray(pp), np.asarray(zero)
-    return np.where((pp > 1) & (zero == 3), np.asarray(gathered_bytes) * np.asarray(parameters), 0.0)
 
 
 def in_flight_last(pp, micro_batches, virtual_stages):
@@ -101,4 +94,4 @@ def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byte
 
 
 __all__ = ["backward_working_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes", "in_flight_last",
-           "kept_gathered_bytes", "p2p_buffer_bytes"]
+           "p2p_buffer_bytes"]
