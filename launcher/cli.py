@@ -11,6 +11,7 @@ import click
 from tensoropt.cli.common import limit_options
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import choose_engine
+from tensoropt.search.engines import COMPILE_SPACES
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.space.plan import PRECISIONS
 from tensoropt.space.run_plan import RunPlan
@@ -40,6 +41,10 @@ from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, 
               help="bf16-mixed (float32 weights and AdamW states, bf16 compute), bf16-true (all bf16) or 32-true (all "
                    "float32), as PyTorch Lightning names them (default: --plan's, else $TENSOROPT_PRECISION, else "
                    "bf16-mixed)")
+@click.option("--compile", "compile_", is_flag=True,
+              help="run every copy of the model's repeated blocks (each transformer layer) under torch.compile, as "
+                   "torchtitan does, and plan with compiled kernels' prices (plan.json \"compile\": true); torch "
+                   "engine: DDP or FSDP2 ZeRO 3, no or full recomputation, no tensor parallelism or pipeline")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--master-addr", default=None)
@@ -63,9 +68,9 @@ from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, 
               help='elastic: JSON file {"gpus": N} with the devices available now (watched while the job runs)')
 @limit_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, precision, nnodes, node_rank,
-           master_addr, master_port, rendezvous_timeout_s, gpus_per_node, dry_run, check_memory, run_dir, no_cache,
-           elastic, checkpoint_dir, checkpoint_every, min_gpus, resources_file, script_args, limits):
+def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, precision, compile_, nnodes,
+           node_rank, master_addr, master_port, rendezvous_timeout_s, gpus_per_node, dry_run, check_memory, run_dir,
+           no_cache, elastic, checkpoint_dir, checkpoint_every, min_gpus, resources_file, script_args, limits):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
@@ -75,7 +80,10 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     if check_memory and not dry_run:
         raise TensorOptError("--check-memory simulates the plan instead of running it: add --dry-run")
     if elastic:
-        _check_elastic(checkpoint_dir, plan_path, engine, nnodes)
+        _check_elastic(checkpoint_dir, plan_path, engine, nnodes, compile_)
+    if compile_ and engine and engine not in COMPILE_SPACES:
+        raise TensorOptError(f"--compile compiles the torch engine's blocks; the {engine} engine runs eager PyTorch: "
+                             f"drop --compile or --engine {engine}")
     check_nodes(nnodes, node_rank, master_addr, dry_run)
     check_counts(device, gpus, nnodes, master_port, min_gpus, elastic)
     memory = check_mem_per_gpu(device, gpus, mem_per_gpu)
@@ -113,14 +121,15 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
                                          f"given {precision}: give every node the same --precision")
                 precision = shared_plan.plan.precision
                 graph = L.capture_script(script, list(script_args), use_cache=not no_cache, precision=precision)
-        point, engine = _load_plan(data, source, graph, devices, per_node, engine, precision)
+        point, engine = _load_plan(data, source, graph, devices, per_node, engine, precision, compile_)
         if point.peak_memory_bytes > devices.memory_bytes:
             raise TensorOptError(f"{source} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
                                  f"have {devices.memory_bytes / 2**30:.2f} GiB" +
                                  (f"; {devices.note}" if devices.note else ""))
     else:
         point, engine, why, _ = L.plan_for(graph, devices, per_node, objective, "torch" if elastic else engine,
-                                           pipeline=not elastic, limits=limits, precision=precision)  # as elastic.py
+                                           pipeline=not elastic, limits=limits, precision=precision,  # as elastic.py
+                                           compile=compile_)
     if checkpoint_dir and engine != "torch":
         raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
                              f"on {engine}: add --engine torch")
@@ -152,23 +161,25 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
         del store                               # node 0 serves its plan until its workers are done
 
 
-def _check_elastic(checkpoint_dir, plan_path, engine, nnodes) -> None:
+def _check_elastic(checkpoint_dir, plan_path, engine, nnodes, compile_) -> None:
     problems = [problem for problem, bad in (
         ("--elastic needs --checkpoint-dir DIR (where it resumes from)", not checkpoint_dir),
         ("--elastic chooses its plans itself: drop --plan", plan_path),
         ("--elastic runs the torch engine (torch.distributed.checkpoint reshards): drop --engine deepspeed",
          engine == "deepspeed"),
-        ("--elastic runs on one node for now: drop --nnodes", nnodes > 1)) if bad]
+        ("--elastic runs on one node for now: drop --nnodes", nnodes > 1),
+        ("--elastic runs eager blocks (its restarts are not tested compiled): drop --compile", compile_)) if bad]
     if problems:
         raise TensorOptError("; ".join(problems))
 
 
 def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int,
-               engine: str | None, precision: str) -> tuple[FrontierPoint, str]:
+               engine: str | None, precision: str, compile_: bool = False) -> tuple[FrontierPoint, str]:
     """The plan in ``data`` (from ``source``: a file, or node 0) for this script's model on these devices,
-    priced again here: a plan's own figures were computed for whatever model and devices it was made for."""
+    priced again here: a plan's own figures were computed for whatever model and devices it was made for.
+    ``compile_`` (``--compile``) compiles its blocks whatever its ``compile`` says."""
     written = RunPlan.from_json(data, source)          # a bad field: one line naming it
-    plan = written.plan
+    plan = dataclasses.replace(written.plan, compile=True) if compile_ else written.plan
     blocks = {b.name: b.repeats for b in L.folded(graph).blocks}
     planned = {b.block: b.copies * plan.pp for b in plan.blocks}
     if planned != blocks:
@@ -176,10 +187,6 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
                              f"{planned}, this script's model repeats {blocks}")
     if plan.devices != devices.count:
         raise TensorOptError(f"{source} is a plan for {plan.devices} devices, this launch has {devices.count}")
-    if plan.compile:
-        # what is planned is what runs: its price assumed fused kernels the engines do not launch
-        raise TensorOptError(f"{source} is priced for compiled blocks (\"compile\": true), but the engines run eager "
-                             "PyTorch (launch --compile does not exist yet): set \"compile\": false")
     try:
         engine = choose_engine(L.planned_precision(plan, "torch", precision), engine or written.engine or None)
     except TensorOptError as exc:

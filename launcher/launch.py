@@ -21,7 +21,7 @@ from tensoropt.runtime import PLAN_ENV
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.runtime.precision import PRECISION_ENV, checked, of_plan
 from tensoropt.runtime.precision import words as precision_words
-from tensoropt.search.engines import ENGINE_SPACES, ENGINES, master_weights
+from tensoropt.search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan, compute_dtype
@@ -94,7 +94,7 @@ def planned_precision(plan: Plan, engine: str, precision: str) -> Plan:
     """``plan`` in ``precision`` on ``engine``: its compute dtype, and whether the engine keeps a separate float32
     master copy of bf16 weights (DeepSpeed's bf16 mode; the torch engine's bf16-mixed weights are float32)."""
     return dataclasses.replace(plan, dtype=compute_dtype(precision), precision=precision,
-                               master_weights=master_weights(engine, precision))
+                               master_weights=master_weights(engine, precision), engine=engine)
 
 
 def cost_model(graph: OpGraph, devices: Devices, per_node: int) -> ModelCost:
@@ -134,22 +134,29 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
 
 
 def _plan(graph: OpGraph, devices: Devices, per_node: int, engine: str | None, pipeline: bool, limits: Limits,
-          precision: str | None, fits: bool) -> Frontier:
+          precision: str | None, fits: bool, compile: bool = False) -> Frontier:
     return planning.plan(graph, cluster(devices, per_node), budget=devices.memory_bytes,
                          engines=[engine] if engine else ENGINES, limits=limits,
-                         precision=precision or default_precision(graph), pipeline=pipeline, fits=fits)
+                         precision=precision or default_precision(graph), pipeline=pipeline, fits=fits,
+                         compile=compile)
 
 
 def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, engine: str | None = None,
              pipeline: bool = True, limits: Limits = NO_LIMITS,
-             precision: str | None = None) -> tuple[FrontierPoint, str, str, int]:
+             precision: str | None = None, compile: bool = False) -> tuple[FrontierPoint, str, str, int]:
     """(point, engine, why, frontier size) for the devices found, within the user's ``limits``, in
     ``precision`` (default ``default_precision``): the frontier ``tensoropt.plan`` gives for the devices'
-    memory, and the point of it the objective prefers."""
+    memory, and the point of it the objective prefers; ``compile``: among plans that run compiled blocks."""
     global_batch = int(graph.meta("global_batch") or 0)
     try:
-        front = _plan(graph, devices, per_node, engine, pipeline, limits, precision, fits=True)
+        front = _plan(graph, devices, per_node, engine, pipeline, limits, precision, fits=True, compile=compile)
     except NoPlanError:
+        if compile:
+            zeros = " or ".join(map(str, COMPILE_SPACES["torch"]["zero_stages"]))
+            raise TensorOptError(f"no plan that the runtime runs with compiled blocks (data parallelism, ZeRO {zeros}) "
+                                 f"splits global batch {global_batch} over {devices.count} devices"
+                                 + (f" within {limits.flags()}" if limits else "") + ": drop --compile"
+                                 + (" or relax the limits" if limits else "")) from None
         if limits:
             raise TensorOptError(f"no plan the runtime can apply on {devices.count} devices respects {limits.flags()} "
                                  f"(global batch {global_batch}" + (f", engine {engine}" if engine else "")
@@ -199,7 +206,7 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
     plan, config = point.plan, None
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
-        write_json_atomic(config_path, deepspeed_config(plan))
+        write_json_atomic(config_path, deepspeed_config(plan, graph.num_parameters))
         config = str(config_path.resolve())
     tensor_parallel = plan.tp > 1
     run_plan = RunPlan(
@@ -230,11 +237,15 @@ def describe(run_plan: RunPlan, engine: str) -> str:
                        for kind in ("full", "selective"))
     sequence = sum(n for bp in plan.blocks for s, n in bp.strategies if s.sequence_parallel)
     if engine == "deepspeed":       # selective recomputation is the runtime's own, not in DeepSpeed's config
-        return "deepspeed config: " + json.dumps(deepspeed_config(plan), sort_keys=True) + (
+        written = json.loads(Path(run_plan.deepspeed_config).read_text()) if run_plan.deepspeed_config else \
+            deepspeed_config(plan)
+        return "deepspeed config: " + json.dumps(written, sort_keys=True) + (
             f"; precision {precision_words(of_plan(plan), engine, plan.zero)}") + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
     vocab = run_plan.vocab_parallel
-    parts = [f"tensor parallel {plan.tp} (ColwiseParallel/RowwiseParallel)" if plan.tp > 1 else "",
+    copies = sum(n for bp in plan.blocks for _, n in bp.strategies)
+    parts = [f"torch.compile on {copies} block copies per stage" if plan.compile else "",
+             f"tensor parallel {plan.tp} (ColwiseParallel/RowwiseParallel)" if plan.tp > 1 else "",
              ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.enabled else
               f"vocabulary replicated ({vocab.reason})") if plan.tp > 1 and vocab else "",
              f"pipeline {plan.pp} stages ({plan.grad_accumulation} micro-batches)" if plan.pp > 1 else "",

@@ -23,7 +23,7 @@ from .errors import TensorOptError
 from .frontier import Frontier
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
-from .search.engines import ENGINE_SPACES, ENGINES, master_weights, unsupported
+from .search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights, unsupported
 from .search.ft import FrontierPoint, SearchSpace, search
 from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
@@ -57,7 +57,8 @@ def folded(graph: OpGraph) -> FoldedGraph:
 def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequence[Cluster], *,
          budget: float | str | None = None, engines: Sequence[str] | None = None, global_batch: int | None = None,
          example_inputs: tuple | Mapping | None = None, seq_len: int | None = None, limits: Limits = NO_LIMITS,
-         precision: str | None = None, pipeline: bool = True, fits: bool = True, fold_blocks: bool = True) -> Frontier:
+         precision: str | None = None, pipeline: bool = True, fits: bool = True, fold_blocks: bool = True,
+         compile: bool = False) -> Frontier:
     """The frontier of plans for ``model`` on ``devices``, fastest first.
 
     ``model``: a ``--model`` string, a module with ``example_inputs``, or a captured graph. ``devices``: a
@@ -66,7 +67,9 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     ``engines`` (e.g. ``("torch", "deepspeed")``): only what they run, each point's engine in
     ``Frontier.engine_of``; ``precision`` (``bf16-mixed``...) prices the model states as each engine holds them.
     ``global_batch`` defaults to the one the graph records (a launch's script). ``pipeline=False`` leaves
-    pipeline stages out; ``fold_blocks=False`` searches copy by copy. One-line ``TensorOptError`` when no plan
+    pipeline stages out; ``fold_blocks=False`` searches copy by copy. ``compile``: every plan runs its blocks
+    compiled (``torch.compile``) and is priced so; with ``engines``, only what they run compiled
+    (``search.engines.COMPILE_SPACES``). One-line ``TensorOptError`` when no plan
     exists (``NoPlanError``) or none fits (``NoPlanFitsError``)."""
     graph, capture_seconds = _graph(model, example_inputs, seq_len)
     clusters = [devices] if isinstance(devices, Cluster) else list(devices)
@@ -81,8 +84,8 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     start = time.perf_counter()                             # search_seconds: the search alone, as before
     candidates: list[tuple[FrontierPoint, str]] = []        # in ENGINES order: of two equal points the first is kept
     for cluster in clusters:
-        cost = ModelCost(graph, folding, cluster)
-        for engine, space in _spaces(graph, global_batch, engines, precision, pipeline, limits):
+        cost = ModelCost(graph, folding, cluster, compiled=compile)
+        for engine, space in _spaces(graph, global_batch, engines, precision, pipeline, limits, compile):
             points = search(cost, cluster.num_devices, space, doubling=fold_blocks).points
             candidates += [(p, engine) for p in points if not engine or not unsupported(p.plan, engine)]
     if not candidates:
@@ -111,10 +114,11 @@ def _graph(model, example_inputs, seq_len) -> tuple[OpGraph, float]:
 
 
 def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, precision: str | None,
-            pipeline: bool, limits: Limits) -> list[tuple[str, SearchSpace]]:
+            pipeline: bool, limits: Limits, compile: bool = False) -> list[tuple[str, SearchSpace]]:
     """(engine, space) pairs to search; engine "" is the planner's whole space. A model whose forward returns more
     than the loss (a Hugging Face output) has no pipeline plans under an engine: the pipeline engine cannot split
-    it. An engine whose part the ``limits`` empty is not searched."""
+    it. An engine whose part the ``limits`` empty is not searched; with ``compile``, neither is one that does not
+    compile (``COMPILE_SPACES``), and the others' parts narrow to what they run compiled."""
     priced = {"dtype": compute_dtype(precision), "precision": precision} if precision else {}
     if engines is None:
         parts = [("", {} if pipeline else {"pipeline_stages": (1,)})]
@@ -123,10 +127,13 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
         if unknown:
             raise TensorOptError(f"unknown engine {unknown[0]!r}: use {' or '.join(ENGINES)}")
         split = pipeline and graph.meta("output", "tensor") == "tensor"
-        parts = [(e, ENGINE_SPACES[e] | ({} if split else {"pipeline_stages": (1,)})) for e in engines]
+        parts = [(e, ENGINE_SPACES[e] | (COMPILE_SPACES[e] if compile else {})
+                  | ({} if split else {"pipeline_stages": (1,)}))
+                 for e in engines if not compile or e in COMPILE_SPACES]
     spaces = []
     for engine, part in parts:
         own = {"master_weights": master_weights(engine, precision)} if engine and precision else {}
+        own |= {"engine": engine} if engine else {}
         space = limits.restrict(SearchSpace(global_batch=global_batch, **priced, **own, **part))
         if space is not None:
             spaces.append((engine, space))

@@ -11,10 +11,12 @@ EXAMPLES = REPO / "examples"
 
 
 # Every test, and every process a test starts, uses a fresh capture cache and an empty folder of measured
-# profiles, never the user's (~/.cache/tensoropt). Set when pytest loads this file, before any test module
+# profiles, never the user's (~/.cache/tensoropt), and a fresh inductor cache (torch.compile's kernels: launch
+# --compile), shared by the session's compiled runs. Set when pytest loads this file, before any test module
 # copies the environment (tests/workers.py's ENV does, at import).
 ISOLATED = {"TENSOROPT_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-cache-"),
-            "TENSOROPT_PROFILE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-profiles-")}
+            "TENSOROPT_PROFILE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-profiles-"),
+            "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-inductor-")}
 os.environ.update(ISOLATED)
 
 

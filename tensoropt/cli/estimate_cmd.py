@@ -75,8 +75,9 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
                    "2+2+4, bf16-mixed with --master-weights DeepSpeed's bf16 mode (2+2+12), with --no-master-weights "
                    "the torch engine's (float32 weights 4+4+8, bf16 compute)")
 @click.option("--compile/--eager", "compile_", default=False, show_default=True,
-              help="price blocks compiled with torch.compile (memory-bound ops fused, as Megatron-LM's fused kernels "
-                   "run) or eager PyTorch, one kernel per op (what the torch engine runs)")
+              help="price blocks compiled with torch.compile (memory-bound ops fused inside each block copy, as "
+                   "`launch --compile` and Megatron-LM's fused kernels run them; the ops outside blocks eager) or "
+                   "eager PyTorch, one kernel per op (what the torch engine runs without --compile)")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
              recompute, sequence_parallel, dtype, master_weights, precision, compile_, as_json):

@@ -26,9 +26,10 @@ DEFAULT_GLOBAL_BATCH = 512
 
 
 def run_search(model: str, gpus: list[int], per_node: int, device: str, global_batch: int, seq_len: int | None,
-               no_fold: bool, limits: Limits = NO_LIMITS) -> Frontier:
+               no_fold: bool, limits: Limits = NO_LIMITS, compile: bool = False) -> Frontier:
     """``tensoropt.plan`` for the command's flags: the planner's whole space, only plans that fit the profile's
-    memory (a plan the devices cannot hold is not a plan), each failure one line."""
+    memory (a plan the devices cannot hold is not a plan), each failure one line; ``compile``: priced with
+    compiled blocks (the whole space: ``launch --compile`` runs the part ``search.engines.COMPILE_SPACES`` says)."""
     profile = load_profile(device)
     captured = capture(model, seq_len=seq_len)
     # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the
@@ -36,7 +37,8 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
     gc.freeze()
     clusters = [Cluster(n, min(per_node, n), profile) for n in gpus]
     try:
-        return plan(captured, clusters, global_batch=global_batch, limits=limits, fold_blocks=not no_fold)
+        return plan(captured, clusters, global_batch=global_batch, limits=limits, fold_blocks=not no_fold,
+                    compile=compile)
     except NoPlanError:
         if limits:
             raise TensorOptError(f"no plan for {model} on {gpus} devices respects {limits.flags()} with "
@@ -52,8 +54,8 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
 
 def _check_load(ctx: click.Context, limits: Limits) -> None:
     """``--load`` answers from the saved frontier: options that would describe another search contradict it."""
-    given = [f"--{name.replace('_', '-')}" for name in ("model", "gpus", "gpus_per_node", "device", "seq_len",
-                                                          "global_batch", "no_fold")
+    names = ("model", "gpus", "gpus_per_node", "device", "seq_len", "global_batch", "no_fold", "compile_")
+    given = [f"--{name.rstrip('_').replace('_', '-')}" for name in names
              if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
     given += [limits.flags()] if limits else []
     if given:
@@ -89,13 +91,16 @@ def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
 @click.option("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, show_default=True, help="samples per iteration")
 @click.option("--mem", default=None, help="memory per device, e.g. 40GiB: print the fastest plan that fits")
 @click.option("--no-fold", is_flag=True, help="search copy by copy instead of composing folded blocks")
+@click.option("--compile", "compile_", is_flag=True,
+              help="price every plan with its blocks compiled by torch.compile (fused memory-bound ops), as "
+                   "`tensoropt launch --compile` runs them")
 @click.option("--plot", "plot_path", default=None, help="write a frontier plot (PNG)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--out", "out_path", default=None, help="save the frontier (JSON) for later queries")
 @click.option("--load", "load_path", default=None, help="answer from a saved frontier instead of searching")
 @limit_options
-def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_fold, plot_path, as_json, out_path,
-             load_path, limits):
+def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_fold, compile_, plot_path, as_json,
+             out_path, load_path, limits):
     """Search the Pareto frontier of plans (iteration time vs peak memory per device)."""
     limit = parse_bytes(mem) if mem is not None else None
     for path, flag, suffixes in ((out_path, "--out", ()), (plot_path, "--plot", PLOT_SUFFIXES)):
@@ -109,7 +114,7 @@ def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_
             raise TensorOptError("give --model and --gpus, or --load FILE.json")
         counts = parse_gpus(gpus)
         check_counts(global_batch=global_batch, gpus_per_node=gpus_per_node, devices=counts[-1])
-        result = run_search(model, counts, gpus_per_node, device, global_batch, seq_len, no_fold, limits)
+        result = run_search(model, counts, gpus_per_node, device, global_batch, seq_len, no_fold, limits, compile_)
     chosen = result.fastest_within(limit) if limit is not None else None
     if out_path:
         write_json_atomic(Path(out_path), result.to_json(chosen))

@@ -67,6 +67,7 @@ from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
+from .deepspeed_memory import extra_bytes, master_and_moment_bytes
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .pipeline_memory import (
     gradients_divisor,
@@ -185,6 +186,11 @@ class ModelCost:
         copy = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
         widths = [DTYPE_BYTES.get(meta.dtype, 4) for _, meta in graph.params]
         self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
+        # the module's buffers (a causal mask, rotary tables): every rank holds them whole, no engine shards them;
+        # and AdamW's step count, a float32 scalar per parameter tensor (``torch/optim/adam.py``; a device tensor on
+        # CPU and on the fused and capturable paths, a host scalar on CUDA's default foreach path: bytes either way)
+        self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers) + 4 * len(graph.params)
+        self.largest_parameter = max((meta.numel for _, meta in graph.params), default=0)   # elements
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
@@ -247,15 +253,16 @@ class ModelCost:
                                  f"of block {bp.block!r} unevenly: use a tp that divides the sequence length")
 
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
-        """(first stage, last stage) costs of the ops outside blocks."""
+        """(first stage, last stage) costs of the ops outside blocks, eager whatever ``compiled`` says: the runtime
+        compiles the block copies only (``runtime.compile``, as torchtitan does)."""
         split = pp > 1                   # which stages hold them matters, not how many stages there are
         key = (tp, micro_batch, split)
         if key not in self._loose:
             if split not in self._loose_ops:
                 self._loose_ops[split] = (
                     LooseOps(self.head_ops + self.middle_ops + (() if split else self.tail_ops), self.cluster,
-                             self.vocab, self.compiled),
-                    LooseOps(self.tail_ops if split else (), self.cluster, self.vocab, self.compiled))
+                             self.vocab),
+                    LooseOps(self.tail_ops if split else (), self.cluster, self.vocab))
             head, tail = self._loose_ops[split]
             first = head.cost(tp, micro_batch)
             self._loose[key] = (first, tail.cost(tp, micro_batch) if split else first)
@@ -279,6 +286,7 @@ class Context:
     master_weights: bool = True      # a float32 master copy of 16-bit weights (mixed precision)
     precision: str = ""              # one of space.plan.PRECISIONS; "": as dtype and master_weights say
     compile: bool = False            # compiled blocks (fused kernels) rather than eager PyTorch: ModelCost.compiled
+    engine: str = ""                 # the engine priced: "deepspeed" adds its own buffers (cost.deepspeed_memory)
 
     @property
     def micro_batches(self) -> int:
@@ -288,13 +296,13 @@ class Context:
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
                        plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
-                       plan.compile)
+                       plan.compile, plan.engine)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision, self.compile)
+                    self.precision, self.compile, self.engine)
 
 
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
@@ -324,11 +332,13 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
         cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
                      state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
-                     cast))
+                     cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
+                     state.partition_copy))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes))
     per_plan = np.array(ints, dtype=np.int64)[which].T
-    dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy = per_plan
+    dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy, deepspeed, \
+        master, moment, partition_copy = per_plan
     loose_time, loose_params, first_acts, last_acts, first_back, last_back = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
@@ -360,7 +370,11 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_last = np.where(piped, in_flight_last(pp, m, v) * np.asarray(activation_bytes) + last_acts
                          + held_last_bytes(pp, v, m, mb, carried) + last_back, acts_first)
     activations = np.maximum(acts_first, acts_last) + p2p_buffer_bytes(pp, v, m, mb, carried)
-    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params
+    deepspeed_bytes = np.where(deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment,
+                                                           partition_copy, grads, activations,
+                                                           model.largest_parameter), 0.0)
+    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params + model.buffer_bytes + \
+        deepspeed_bytes
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..cost.deepspeed_memory import bucket_sizes
 from ..space.plan import Plan
 from ..space.run_plan import RunPlan
 from .blocks import largest_block_bytes
@@ -30,10 +31,11 @@ from .run import Run, call_model, loss_of, mean_over_group
 NEVER_PRINT_STEPS = 2**31 - 1
 
 
-def deepspeed_config(plan: Plan) -> dict:
+def deepspeed_config(plan: Plan, parameters: int | None = None) -> dict:
     """The DeepSpeed config that runs ``plan`` as planned: the precision it was priced in
-    (``precision``), no gradient clipping (the plan's step is a plain optimizer step)."""
-    zero: dict = {"stage": plan.zero}
+    (``precision``), no gradient clipping (the plan's step is a plain optimizer step), and for a model of
+    ``parameters`` parameters the bucket sizes priced (``cost.deepspeed_memory.bucket_sizes``)."""
+    zero: dict = {"stage": plan.zero} | bucket_sizes(plan.zero, parameters)
     if plan.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
@@ -51,6 +53,11 @@ def deepspeed_config(plan: Plan) -> dict:
             "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
             "synchronize_checkpoint_boundary": False}
     return config
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters (a tied weight once), as the launcher counts them in the captured graph."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def precision(plan: Plan) -> dict:
@@ -116,7 +123,7 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     init_process_group(device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     plan, path = run_plan.plan, run_plan.deepspeed_config
-    config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan)
+    config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan, parameter_count(model))
     if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
         materializer.block_bytes = largest_block_bytes(model, plan)
     if named := of_plan(plan):        # the weights in the dtype DeepSpeed trains them in (bf16 mode: bf16)

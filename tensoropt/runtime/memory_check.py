@@ -18,12 +18,13 @@ device, but a CUDA autocast casts a few ops differently from the CPU's (``torch.
 and the engines' CUDA-only paths (NCCL, CUDA streams) are not exercised. DeepSpeed is not simulated
 (``unsimulated``): it partitions and reduces with its own buffers and needs a real process group.
 
-Pipeline plans run rank 0's stages (pipeline stage 0, the one with the most micro-batches in flight in 1F1B, and
-with virtual stages ``pp``, ``2 pp``, ...) through the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``: the
-engine builds every stage with its messages' shapes (``pipeline_split.stage_messages``), so no shapes are
-exchanged; the fake group's sends and receives return at once and leave the receive buffers as they are, which
-changes no byte. Within ``_pipeline_on_fake_group`` the schedule's start-of-run vote is given its result and each
-send's work holds its tensor as a real group's does. The tests hold rank 0's peak equal to a real run's.
+Pipeline plans run the simulated rank's stages (rank 0: pipeline stage 0, the most micro-batches in flight in
+1F1B, and with virtual stages ``pp``, ``2 pp``, ...; the last stage's rank holds the head and its logits) through
+the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``: the engine builds every stage with its messages' shapes
+(``pipeline_split.stage_messages``), so no shapes are exchanged; the fake group's sends and receives return at
+once and leave the receive buffers as they are, which changes no byte. Within ``_pipeline_on_fake_group`` the
+schedule's start-of-run vote is given its result and each send's work holds its tensor as a real group's does.
+The tests hold both ranks' peaks of a pp2 run equal to the real run's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn
 from ..errors import TensorOptError
 from ..space.plan import Plan
 from ..space.run_plan import RunPlan
+from .deepspeed_tensors import deepspeed_tensors
 from .memory_tracker import StepMemory
 from .tp_guard import unchecked
 
@@ -57,6 +59,9 @@ def unsimulated(plan: Plan, engine: str) -> str | None:
     if engine != "torch":
         return (f"the {engine} engine is not simulated: it partitions and reduces with its own buffers and needs a "
                 "real process group; measure a real run with TENSOROPT_MEMORY_OUT")
+    if plan.compile:    # priced with the eager plan's memory (cost.model: compiling is a time fact)
+        return ("compiled blocks are not simulated: dynamo and inductor would trace and compile the fake step; "
+                "check the same plan without --compile, whose memory the compiled plan is priced with")
     return None
 
 
@@ -77,7 +82,12 @@ def _fsdp_tensors(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tens
 
 
 def register_model(tracker: StepMemory, model: nn.Module, optimizer) -> None:
-    """Give the tracker the roles of what the model and optimizer hold now (memory_tracker's categories)."""
+    """Give the tracker the roles of what the model and optimizer hold now (memory_tracker's categories); a
+    DeepSpeed optimizer's own buffers first (``deepspeed_tensors``), so the model's roles win where they share."""
+    deepspeed = deepspeed_tensors(model, optimizer)
+    offloaded = deepspeed.pop("offloaded", [])
+    for role, tensors in deepspeed.items():
+        tracker.register(role, tensors)
     fsdp_params, fsdp_grads = _fsdp_tensors(model)
     tracker.register("parameters", [*model.parameters(), *model.buffers(), *fsdp_params])
     tracker.register("gradients", [*(p.grad for p in model.parameters()), *fsdp_grads])
@@ -85,6 +95,7 @@ def register_model(tracker: StepMemory, model: nn.Module, optimizer) -> None:
     if isinstance(states, Mapping):
         tracker.register("optimizer", [v for state in states.values() if isinstance(state, Mapping)
                                        for v in state.values()])
+    tracker.register("offloaded", offloaded)      # host memory of an offloading DeepSpeed optimizer, told apart
 
 
 def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callable[[dict], None]) -> Callable:
@@ -100,9 +111,11 @@ def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callab
     def post_hook(*_):
         tracker.optimizer_phase = False
         register_model(tracker, model, optimizer)
-    if isinstance(optimizer, torch.optim.Optimizer):     # else (DeepSpeed) the step's phases are not told apart
+    if isinstance(optimizer, torch.optim.Optimizer):
         optimizer.register_step_pre_hook(pre_hook)
         optimizer.register_step_post_hook(post_hook)
+    elif callable(getattr(optimizer, "step", None)):     # DeepSpeed's: its whole step (copies, gathers) is told apart
+        optimizer.step = _phased(optimizer.step, pre_hook, post_hook)
 
     def step(micro_batches):
         if steps[0] >= TRACKED_STEPS:
@@ -118,6 +131,17 @@ def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callab
             if steps[0] == TRACKED_STEPS:
                 done(tracker.breakdown())
     return step
+
+
+def _phased(step: Callable, before: Callable, after: Callable) -> Callable:
+    """``step`` run between ``before()`` and ``after()``: the optimizer phase of an optimizer without step hooks."""
+    def phased(*args, **kwargs):
+        before()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            after()
+    return phased
 
 
 def write_report(path: str, report: dict) -> None:

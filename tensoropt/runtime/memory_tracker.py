@@ -13,7 +13,9 @@ model's parameters and buffers as this rank holds them, FSDP2's gathered copies 
 activations (made in a forward and not one of the above: what autograd saved, and the forward's
 temporaries) and temporaries (made in a backward or optimizer step: gradients before they are reduced,
 recomputed activations, communication buffers). Storages made before tracking began count only once
-``register`` names them.
+``register`` names them. A DeepSpeed optimizer that offloads keeps its states in host memory: those are
+``offloaded`` (``runtime.deepspeed_tensors``), counted in the peak like the rest (on a CPU run every tensor is in
+the same memory) and given apart so that the device's share can be read.
 
 Torch ships a similar tracker (``torch.distributed._tools.mem_tracker.MemTracker``); this one is kept
 small and hookless (no module hooks to interfere with the engines' wrappers) and reports the categories
@@ -143,7 +145,7 @@ class StepMemory(TorchDispatchMode):
             role = self._role.get(serial)
             if role is None:
                 role = "activations" if self._phase_of.get(serial) == "forward" else "temporaries"
-            out[role] += nbytes
+            out[role] = out.get(role, 0) + nbytes       # "offloaded" (host memory) only where there is some
         return out | {"peak_bytes": self.peak_bytes}
 
 

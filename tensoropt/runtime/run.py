@@ -21,6 +21,7 @@ import torch
 from ..errors import TensorOptError
 from ..graph.loss import loss_problem, loss_tensor
 from ..space.run_plan import RunPlan
+from .compile import compile_report
 from .device import check_placement, local_tensor, to_device
 
 Batch = torch.Tensor | tuple | Mapping
@@ -222,12 +223,13 @@ class Run:
         """Where this rank trained: its device, the devices its parameters sit on, and the most device
         memory its tensors took (``max_memory_allocated``) and its caching allocator held
         (``max_memory_reserved``) since the first step (see ``reset_peak_memory``); GPUs only, None on
-        CPUs, where torch keeps no such count."""
+        CPUs, where torch keeps no such count. With what compiled here (``compile.compile_report``)."""
         params = self.model.parameters() if isinstance(self.model, torch.nn.Module) else ()
         gpu = self.device.type == "cuda"
         return {"device": str(self.device), "parameter_devices": sorted({str(local_tensor(p).device) for p in params}),
                 "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(self.device) if gpu else None,
-                "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(self.device) if gpu else None}
+                "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(self.device) if gpu else None,
+                **compile_report(self.model)}
 
     def full_state_dict(self, ranks: Collection[int] | None = None) -> dict:
         """The whole model's parameters as CPU tensors of their own (a copy, not the run's memory), under the

@@ -7,6 +7,7 @@ imported from here and none importing this one back:
   Megatron-LM's layout with ``torch.distributed.tensor``, the sequence split between branches, the
   vocabulary-parallel embedding, head and loss;
 - ``recompute``: full (``checkpoint_wrapper``) or selective (``selective``) recomputation per copy;
+- ``compile``: ``torch.compile`` per copy (``--compile``), after the two above and before data parallelism;
 - ``data_parallel``: DDP (ZeRO 0) or FSDP2 ``fully_shard`` per copy (ZeRO 1-3), the same functions for the
   whole model and for pipeline stages;
 - ``materialize``: placement, a meta-built model given storage for this rank's part only;
@@ -22,6 +23,7 @@ from torch import nn
 from ..errors import TensorOptError
 from ..space.run_plan import RunPlan
 from .blocks import largest_block_bytes
+from .compile import apply_compile
 from .data_parallel import ddp_micro_batch, fsdp_micro_batch, replicate, shard
 from .device import init_process_group
 from .materialize import Materializer, place
@@ -59,6 +61,7 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     if tp > 1:
         vocab_split = apply_tensor_parallel(model, run_plan, mesh["tp"], device, example_inputs)
     apply_recompute(model, plan)
+    apply_compile(model, plan)      # around TP and recomputation, inside DDP / FSDP2 (see runtime.compile)
     autocast_forward(model, precision, device)
     before_micro_batch = None
     if plan.zero >= 1:

@@ -3,7 +3,9 @@
 ``ENGINE_SPACES`` is the part of the search space an engine applies (``SearchSpace`` arguments), so the
 launcher searches only there. Some plans inside that space still cannot run, because a combination is not
 applied (tensor with data parallelism under ZeRO 0 in the torch engine, for instance). ``unsupported``
-names what a plan needs that an engine lacks. The launcher drops those plans after the search, and a worker
+names what a plan needs that an engine lacks. ``COMPILE_SPACES`` narrows an engine's part further for plans
+with compiled blocks (``launch --compile``): only what its tests ran compiled; an engine without an entry never
+compiles. The launcher drops those plans after the search, and a worker
 refuses them before it runs anything else. ``ENGINES`` is defined with the plan file (``space.run_plan``),
 which names the engine that runs it. Plain data on a ``Plan``: no GPU.
 """
@@ -21,9 +23,38 @@ ENGINE_SPACES = {
                       offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
 
+# with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP and FSDP2 ZeRO 3 around
+# compiled copies, plain or fully recomputed. Not tested compiled, so not offered: ZeRO 1/2 (FSDP2 told to defer
+# its reduce-scatter), selective recomputation (runtime.selective's saved-tensor hooks), tensor and sequence
+# parallelism (DTensor collectives inside the compiled region), pipeline stages (traced stage modules); DeepSpeed
+# runs its own engine eagerly
+COMPILE_SPACES = {
+    "torch": dict(zero_stages=(0, 3), recompute=("none", "full"), sequence_parallel=False, max_virtual_stages=1,
+                  pipeline_stages=(1,), tensor_parallel=(1,)),
+}
+
 
 def unsupported(plan: Plan, engine: str) -> list[str]:
     """What ``plan`` needs that ``engine`` does not apply; empty when it can run it."""
+    return _unsupported(plan, engine) + (_not_compiled(plan, engine) if plan.compile else [])
+
+
+def _not_compiled(plan: Plan, engine: str) -> list[str]:
+    """What a plan with compiled blocks needs that ``engine`` does not run compiled (``COMPILE_SPACES``)."""
+    if engine not in COMPILE_SPACES:
+        return [f"compiled blocks (the {engine} engine runs eager PyTorch: drop --compile)"]
+    space = COMPILE_SPACES[engine]
+    recompute = {s.recompute for b in plan.blocks for s, _ in b.strategies}
+    return [f"compiled blocks with {what}" for what, needed in [
+        (f"ZeRO {plan.zero}", plan.zero not in space["zero_stages"]),
+        (f"{' and '.join(sorted(recompute - set(space['recompute'])))} recomputation",
+         bool(recompute - set(space["recompute"]))),
+        ("tensor parallelism", plan.tp not in space["tensor_parallel"]),
+        ("pipeline stages", plan.pp not in space["pipeline_stages"]),
+    ] if needed]
+
+
+def _unsupported(plan: Plan, engine: str) -> list[str]:
     if engine == "deepspeed":
         return [what for what, needed in [
             ("interleaved virtual pipeline stages", plan.virtual_stages > 1),
@@ -57,4 +88,4 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
                          "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
-__all__ = ["ENGINES", "ENGINE_SPACES", "choose_engine", "master_weights", "unsupported"]
+__all__ = ["COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine", "master_weights", "unsupported"]

@@ -37,7 +37,7 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
                                    device_chain_sums(cost, [(o, size) for o in seq], tp, branches, mb, v))
                                   for seq in itertools.product(options, repeat=groups)])
             ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                          space.master_weights, space.precision)
+                          space.master_weights, space.precision, engine=space.engine)
             for combo in itertools.product(*per_block):
                 sums = np.array([c[1] for c in combo])
                 t, b, a, p = sums[:, 0].sum(), sums[:, 1].sum(), sums[:, 2].sum(), sums[:, 4].sum()

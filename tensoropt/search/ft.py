@@ -75,6 +75,7 @@ class SearchSpace:
     dtype: str = "bfloat16"            # training precision: sizes the model states (cost.model.state_bytes)
     master_weights: bool = True        # a float32 master copy of 16-bit weights (mixed precision)
     precision: str = ""                # one of space.plan.PRECISIONS ("": as dtype and master_weights say)
+    engine: str = ""                   # the engine the plans are priced for ("": the torch engine's memory)
 
 
 @dataclass(frozen=True)
@@ -260,10 +261,13 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
 
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True) -> SearchResult:
+    """The frontier of ``space`` on ``devices``, every plan priced for ``model``'s kernels (``model.compiled``:
+    compiled blocks, and the plans say ``compile``)."""
     start = time.perf_counter()
     blocks = range(len(model.blocks))
     choices = [(dp, tp, pp, branches, mb, [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                                                   space.master_weights, space.precision)
+                                                   space.master_weights, space.precision, model.compiled,
+                                                   space.engine)
                                            for v, z, off in _undominated(globals_, dp, pp)])
                for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
     choices = [c for c in choices if c[-1]]

@@ -78,6 +78,10 @@ class Plan:
     # True, blocks compiled with torch.compile (memory-bound chains fused). plan.json key ``compile``; plans
     # written before it existed load as eager
     compile: bool = False
+    # the engine the plan is priced for (``search.engines.ENGINES``): DeepSpeed holds buffers of its own beside
+    # the model states (``cost.deepspeed_memory``); "" (plans made by hand, the planner's engine-free space):
+    # priced as the torch engine runs it. plan.json's ``engine`` (``space.run_plan``)
+    engine: str = ""
 
     @property
     def precision_name(self) -> str:
@@ -114,7 +118,7 @@ class Plan:
                 for s, n in bp.strategies]} for bp in self.blocks],
             "summary": self.summary(),
             "compile": self.compile,
-        } | ({"precision": self.precision} if self.precision else {})
+        } | ({"precision": self.precision} if self.precision else {}) | ({"engine": self.engine} if self.engine else {})
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
@@ -131,7 +135,7 @@ class Plan:
                 (LayerStrategy(s["recompute"], s["sequence_parallel"]), s["copies"])
                 for s in b["strategies"])) for b in d["blocks"]),
             master_weights=d.get("master_weights", True), precision=d.get("precision") or "",
-            compile=d.get("compile", False),
+            compile=d.get("compile", False), engine=d.get("engine") or "",
         )
 
 
