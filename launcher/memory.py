@@ -86,8 +86,8 @@ def simulate_and_compare(script: str, script_args: list[str], plan_file: Path, e
         return None
     simulated = simulate_script(script, script_args, plan_file)
     predicted = predicted_breakdown(model, point, devices.profile.runtime_overhead_bytes)
-    echo("memory check: rank 0's second step simulated on fake tensors (torch engine, fake process group of "
-         f"{plan.devices}), peak tensor memory by category:")
+    echo(f"memory check: rank {simulated['rank']}'s second step simulated on fake tensors (torch engine, fake process "
+         f"group of {plan.devices}), peak tensor memory by category:")
     for line in report_lines(simulated, predicted):
         echo(line)
     result = {"plan": plan.summary(), "simulated": simulated, "predicted": predicted}

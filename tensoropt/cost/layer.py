@@ -22,6 +22,7 @@ from ..space.plan import LayerStrategy
 from ..space.vocab import VocabLayout
 from .comm import all_gather_s, all_reduce_s
 from .ops import OpArrays, op_times
+from .pipeline_memory import backward_working_bytes
 from .profile import Cluster
 
 
@@ -65,6 +66,7 @@ class BlockCost:
         self.ops, self.space, self.cluster = ops, space, cluster
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
+        self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
         self.core = np.zeros(len(ops), dtype=bool)
         self.core[list(space.attention_core)] = True
         self._cache: dict[tuple, LayerCost] = {}
@@ -176,6 +178,7 @@ class LooseCost:
     time_s: float                    # forward + backward, vocabulary-parallel all-reduces included
     activation_bytes: float
     parameters: float
+    backward_bytes: float = 0.0      # the largest working set of one op's backward (pipeline_memory)
 
 
 class LooseOps:
@@ -204,6 +207,7 @@ class LooseOps:
                     self.hidden_bytes = max(self.hidden_bytes, float(op.outputs[0].nbytes))
         self.arrays = OpArrays.of(ops, cluster.profile, compiled) if ops else None
         self.params = _param_elements(ops, range(len(ops)))
+        self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
 
     def split(self, tp: int) -> bool:
         """Whether the vocabulary is split over ``tp`` ranks (as the runtime decides: ``VocabLayout.why_not``)."""
@@ -211,11 +215,12 @@ class LooseOps:
 
     def cost(self, tp: int, micro_batch: int) -> LooseCost:
         if not self.ops:
-            return LooseCost(0.0, 0.0, 0.0)
+            return LooseCost(0.0, 0.0, 0.0, 0.0)
         split = self.split(tp)
         shard = np.where(self.vocab_split, float(tp), 1.0) if split else np.ones(len(self.ops))
         hidden_bytes = self.hidden_bytes if split else 0.0
         fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
         comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, self.cluster) if hidden_bytes else 0.0
         activations = float((self.arrays.saved_bytes * micro_batch / shard).sum())
-        return LooseCost(float((fwd + bwd).sum()) + comm, activations, float((self.params / shard).sum()))
+        return LooseCost(float((fwd + bwd).sum()) + comm, activations, float((self.params / shard).sum()),
+                         float((self.backward_bytes * micro_batch / shard).max()))

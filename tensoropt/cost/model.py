@@ -70,6 +70,13 @@ from .comm import p2p_s
 from .data_parallel import data_parallel_s
 from .deepspeed_memory import extra_bytes, master_and_moment_bytes
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
+from .pipeline_memory import (
+    gradients_divisor,
+    held_first_bytes,
+    held_last_bytes,
+    in_flight_last,
+    p2p_buffer_bytes,
+)
 from .profile import Cluster
 
 
@@ -329,11 +336,11 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                      cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
                      state.partition_copy))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                       first.activation_bytes, last.activation_bytes))
+                       first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes))
     per_plan = np.array(ints, dtype=np.int64)[which].T
     dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy, deepspeed, \
         master, moment, partition_copy = per_plan
-    loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
+    loose_time, loose_params, first_acts, last_acts, first_back, last_back = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
     stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
@@ -355,11 +362,15 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     time_s = pipeline_s + exposed + optimizer_s
 
     weights = weight * params / np.where(z == 3, dp, 1)
-    grads = grad_bytes / np.where(z >= 2, dp, 1)
+    grads = grad_bytes / gradients_divisor(pp, z, dp)
     optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
-    acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
-    acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
-    activations = np.maximum(acts_first, acts_last)
+    # a stage's loose ops' backward (the loss's first) and its copies' recomputation run at different times
+    first_back, last_back = (np.maximum(b - np.asarray(transient_bytes), 0.0) for b in (first_back, last_back))
+    acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts) + np.where(
+        piped, held_first_bytes(pp, v, m, mb, carried) + first_back, 0.0)
+    acts_last = np.where(piped, in_flight_last(pp, m, v) * np.asarray(activation_bytes) + last_acts
+                         + held_last_bytes(pp, v, m, mb, carried) + last_back, acts_first)
+    activations = np.maximum(acts_first, acts_last) + p2p_buffer_bytes(pp, v, m, mb, carried)
     deepspeed_bytes = np.where(deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment,
                                                            partition_copy, grads, activations,
                                                            model.largest_parameter), 0.0)

@@ -10,12 +10,21 @@
   ``torch._subclasses.FakeTensorMode``: FSDP2, DDP, tensor and sequence parallelism, the recomputation
   wrappers, the optimizer, each as it runs, on tensors that have shapes and no storage. Two steps on
   micro-batches shaped like the script's example inputs run under the same tracker, and the second step's
-  peak is written to ``PATH``. LLaMA-2 70B on 64 devices (dp32 tp2 ZeRO 3) took ~60 s of CPU time.
+  peak is written to ``PATH``. ``TENSOROPT_SIMULATE_RANK=R`` simulates rank R instead. LLaMA-2 70B on 64 devices
+  (dp32 tp2 ZeRO 3) took ~60 s of CPU time.
 
 The simulation runs on the CPU whatever the plan's device: the bytes a tensor takes do not depend on the
 device, but a CUDA autocast casts a few ops differently from the CPU's (``torch.amp``'s per-device op lists),
-and the engines' CUDA-only paths (NCCL, CUDA streams) are not exercised. The pipeline and DeepSpeed engines are
-not simulated (``unsimulated``): their schedules and their own allocators need a real process group.
+and the engines' CUDA-only paths (NCCL, CUDA streams) are not exercised. DeepSpeed is not simulated
+(``unsimulated``): it partitions and reduces with its own buffers and needs a real process group.
+
+Pipeline plans run the simulated rank's stages (rank 0: pipeline stage 0, the most micro-batches in flight in
+1F1B, and with virtual stages ``pp``, ``2 pp``, ...; the last stage's rank holds the head and its logits) through
+the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``: the engine builds every stage with its messages' shapes
+(``pipeline_split.stage_messages``), so no shapes are exchanged; the fake group's sends and receives return at
+once and leave the receive buffers as they are, which changes no byte. Within ``_pipeline_on_fake_group`` the
+schedule's start-of-run vote is given its result and each send's work holds its tensor as a real group's does.
+The tests hold both ranks' peaks of a pp2 run equal to the real run's.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from .memory_tracker import StepMemory
 from .tp_guard import unchecked
 
 MEMORY_OUT_ENV, SIMULATE_ENV = "TENSOROPT_MEMORY_OUT", "TENSOROPT_SIMULATE_MEMORY"
+RANK_ENV = "TENSOROPT_SIMULATE_RANK"     # the rank simulated (default 0): a pipeline's last stage is another
 TRACKED_STEPS = 2                # the peak of the second: the steady state
 
 
@@ -52,9 +62,6 @@ def unsimulated(plan: Plan, engine: str) -> str | None:
     if plan.compile:    # priced with the eager plan's memory (cost.model: compiling is a time fact)
         return ("compiled blocks are not simulated: dynamo and inductor would trace and compile the fake step; "
                 "check the same plan without --compile, whose memory the compiled plan is priced with")
-    if plan.pp > 1:
-        return ("pipeline stages are not simulated: torch.distributed.pipelining's schedules exchange shapes with "
-                "the other stages; measure a real run with TENSOROPT_MEMORY_OUT")
     return None
 
 
@@ -251,6 +258,50 @@ def _bucketed_ddp() -> Iterator[None]:
         nn.parallel.DistributedDataParallel = original
 
 
+class _HeldWork:
+    """A fake process group's send or receive, holding its tensor as long as the schedule holds the work: a real
+    group's work keeps its tensors referenced until it is dropped (gloo's send and receive works own their
+    tensors; NCCL's stash them for the caching allocator until the work is waited), and the interleaved
+    schedule keeps every send's work until the end of its step (``schedules._PipelineScheduleRuntime.
+    _step_microbatches``: ``send_ops``), so a sent activation or gradient stays allocated that long."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
+        self.work, self.tensors = work, tensors     # a batch's works are waited and dropped together
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _pipeline_on_fake_group() -> Iterator[None]:
+    """Run ``torch.distributed.pipelining``'s schedules on a fake process group, as on a real one for memory.
+
+    A schedule's first step starts with a vote over the pipeline ranks (``schedules._PipelineSchedule.
+    _warmup_p2p``: each stage sends whether it was built with its shapes, the result comes back by ``recv`` and
+    is read with ``.item()``), which a fake group cannot carry and a fake tensor cannot read. The torch engine
+    builds every stage of every rank with its shapes (``pipeline``), so the vote is "static" on every rank:
+    within, each stage is given that result directly, after the same check of its own metadata the vote starts
+    with (``InferenceMode.needs_dynamic``). Each send and receive's work holds its tensor (``_HeldWork``)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(schedule, stages, has_backward, p2p_done):
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise TensorOptError(f"pipeline stage {stage.stage_index} was built without its shapes: it cannot "
+                                     "be simulated")
+            stage._inference_mode = InferenceMode.STATIC
+
+    def batch_p2p(p2p_ops, desc=None):
+        return [_HeldWork(work, [op.tensor for op in p2p_ops]) for work in batch(p2p_ops, desc)]
+    warmup, batch = schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p
+    schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p = vote, batch_p2p
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p = warmup, batch
+
+
 @contextlib.contextmanager
 def _outside_capture() -> Iterator[None]:
     """Leave the capture's torch-function modes (``capture_run``: every device is meta) while simulating: the
@@ -267,23 +318,25 @@ def _real_meshes() -> Iterator[None]:
     which a fake tensor cannot give. Its tables are small; nothing else is made real."""
     import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    originals = device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__
+    originals = device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__, device_mesh.DeviceMesh.mesh
 
     def real(function):
         def outside_fake_mode(*args, **kwargs):
             with unset_fake_temporarily():
                 return function(*args, **kwargs)
         return outside_fake_mode
-    device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = map(real, originals)
+    # ``DeviceMesh.mesh`` is computed from the rank map at each read (the pipeline engine reads its table)
+    device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = map(real, originals[:2])
+    device_mesh.DeviceMesh.mesh = property(real(originals[2].fget))
     try:
         yield
     finally:
-        device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = originals
+        device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__, device_mesh.DeviceMesh.mesh = originals
 
 
-def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) -> dict:
-    """Rank 0's peak tensor memory by category in the second step of ``plan`` (module doc); the model
-    is built on meta."""
+def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs, rank: int = 0) -> dict:
+    """``rank``'s peak tensor memory by category in the second step of ``plan`` (module doc); the model
+    is built on meta. Rank 0 unless asked: a pipeline's last stage (the head and its logits) is another rank."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -293,9 +346,12 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) 
     if reason := unsimulated(plan, run_plan.engine or "torch"):
         raise TensorOptError(reason)
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
+        if not 0 <= rank < plan.devices:
+            raise TensorOptError(f"{RANK_ENV}={rank} is not a rank of the plan's {plan.devices} devices")
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.devices)
     device = torch.device("cpu")
-    with _outside_capture(), _real_meshes(), _bucketed_ddp(), unchecked(), FakeTensorMode(allow_non_fake_inputs=True):
+    with _outside_capture(), _real_meshes(), _bucketed_ddp(), _pipeline_on_fake_group(), unchecked(), \
+            FakeTensorMode(allow_non_fake_inputs=True):
         on_cpu = dataclasses.replace(run_plan, device="cpu")
         model, optimizer, run = apply(model, optimizer_fn, on_cpu, device, _FakeStorage(), example_inputs)
         if optimizer is None:
@@ -311,15 +367,16 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs) 
                 stepper(micro)
     if not result:
         raise TensorOptError("the simulated step did not reach the optimizer step")
-    return {"rank": 0, "simulated": True} | result
+    return {"rank": dist.get_rank(), "simulated": True} | result
 
 
 def simulate_mode(model: nn.Module, optimizer_fn, example_inputs) -> None:
     """``tensoropt.parallelize`` under ``TENSOROPT_SIMULATE_MEMORY``: simulate, write the report, end the script."""
     run_plan = RunPlan.read(Path(os.environ["TENSOROPT_PLAN"]))
-    write_report(os.environ[SIMULATE_ENV], simulate(model, optimizer_fn, run_plan, example_inputs))
+    rank = int(os.environ.get(RANK_ENV, "0"))
+    write_report(os.environ[SIMULATE_ENV], simulate(model, optimizer_fn, run_plan, example_inputs, rank))
     raise _Simulated(0)
 
 
-__all__ = ["MEMORY_OUT_ENV", "SIMULATE_ENV", "TRACKED_STEPS", "measuring", "register_model", "simulate",
+__all__ = ["MEMORY_OUT_ENV", "RANK_ENV", "SIMULATE_ENV", "TRACKED_STEPS", "measuring", "register_model", "simulate",
            "simulate_mode", "tracked_stepper", "unsimulated"]

@@ -15,6 +15,11 @@ Parameters used on several stages (tied input and output embeddings) are copied 
 split; their gradients are summed over those stages (on this rank, then over the pipeline ranks that hold
 them, within one (dp, tp) coordinate) before the optimizer step, so the copies take identical steps and
 stay equal, as the one shared parameter of the unsplit model would.
+
+Each ``PipelineStage`` is built with the shapes of what it receives and sends (``pipeline_split.stage_messages``,
+from the trace), so the schedule's first step runs no shape-inference forward and backward and no stage sends
+another its shapes (torch's "static" metadata mode): the first step allocates as every later one, and a
+simulation on a fake process group (``memory_check``), whose messages carry nothing, runs the same schedule.
 """
 
 from __future__ import annotations
@@ -33,7 +38,15 @@ from .data_parallel import data_parallel_stage, reshard_all
 from .device import local_tensor, to_device
 from .materialize import Materializer, place, tied_parameters
 from .param_groups import build_optimizer
-from .pipeline_split import Relay, example_micro_batch, retarget_devices, split_spec, stage_wiring, tie_within_stage
+from .pipeline_split import (
+    Relay,
+    example_micro_batch,
+    retarget_devices,
+    split_spec,
+    stage_messages,
+    stage_wiring,
+    tie_within_stage,
+)
 from .pipeline_tp import check_before_cutting, shard_stage, shard_vocabulary
 from .pipeline_trace import trace_pipeline
 from .precision import autocast_forward, of_plan
@@ -73,7 +86,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
                              f"the plan has {n_stages}: every block copy must be called once by the model's forward")
     held = [{name for name, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)}
             for s in range(n_stages)]
-    modules, wirings, shared, vocab_split = [], [], {}, False
+    modules, wirings, messages, shared, vocab_split = [], [], [], {}, False
     for s in mine:
         module = pipe.get_stage_module(s)
         retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
@@ -91,6 +104,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
             replace_module(module, name, recomputed[name])
         modules.append(module)
         wirings.append(stage_wiring(pipe.split_gm.graph, s))
+        messages.append(stage_messages(pipe, s))
     del pipe                                        # the other stages' modules go with it
     relays = [Relay(m, w) for m, w in zip(modules, wirings)]
     for relay in relays:                            # and run under the autocast they were traced in
@@ -100,7 +114,9 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     shared = {s: {index: module.get_parameter(next(n for n in tied[index] if n in held[s])) for index in by_index}
               for (s, by_index), module in zip(sorted(shared.items()), modules)}
     reductions = shared_gradient_groups(shared, tied, held, mesh)
-    stages = [Stage(w, s, n_stages, device, group=mesh["pp"].get_group()) for w, s in zip(wrapped, mine)]
+    # every stage is given its messages' shapes up front: no stage asks another (module doc)
+    stages = [PipelineStage(w, s, n_stages, device, input_args=received, output_args=sent, group=mesh["pp"].get_group())
+              for w, s, (received, sent) in zip(wrapped, mine, messages)]
     optimizer = build_optimizer(optimizer_fn, [p for m in modules for p in m.parameters()])
     stepper = None
     if optimizer is not None:
@@ -137,19 +153,6 @@ def _rng_devices(device: torch.device) -> list[int]:
     return [device.index] if device.type != "cpu" and device.index is not None else []
 
 
-class Stage(PipelineStage):
-    """A ``PipelineStage`` whose first-step metadata inference (a forward with gradients enabled, to learn the
-    shapes it exchanges) runs a DDP module under ``no_sync``: run plainly, DDP's forward arms its reducer for a
-    backward, and the schedule's first micro-batch's backward then fills its bucket order twice (a failed
-    internal assert in DDP's reducer on the second step)."""
-
-    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            with module.no_sync():
-                return module(*args, **kwargs)
-        return super()._compute_outputs(*args, module=module, **kwargs)
-
-
 def shared_gradient_groups(shared: dict[int, dict[int, nn.Parameter]], tied: list[tuple[str, ...]],
                            held: list[set[str]], mesh) -> list[tuple[list[nn.Parameter], object]]:
     """(this rank's copies, process group over the pipeline ranks holding one) for each tied parameter held by
@@ -158,8 +161,10 @@ def shared_gradient_groups(shared: dict[int, dict[int, nn.Parameter]], tied: lis
     ``new_group`` requires: one per (dp, tp) coordinate, the ranks of one pipeline."""
     import torch.distributed as dist
     pp = mesh["pp"].size()
-    columns = mesh.mesh.reshape(pp, -1)            # one column per (dp, tp) coordinate: the ranks of one pipeline
-    mine = int((columns == dist.get_rank()).nonzero()[0, 1])
+    # one column per (dp, tp) coordinate: the ranks of one pipeline. Read as Python lists (a tensor op on the
+    # mesh's table would give a fake tensor in a simulation, see memory_check)
+    columns = [[rank for tp_ranks in dp_rows for rank in tp_ranks] for dp_rows in mesh.mesh.tolist()]
+    mine = next(row.index(dist.get_rank()) for row in columns if dist.get_rank() in row)
     out, groups = [], {}
     for index, group in enumerate(tied):
         stages = [s for s, names in enumerate(held) if any(name in names for name in group)]
@@ -168,7 +173,7 @@ def shared_gradient_groups(shared: dict[int, dict[int, nn.Parameter]], tied: lis
         ranks = tuple(sorted({s % pp for s in stages}))
         if len(ranks) > 1 and ranks not in groups:
             groups[ranks] = mesh["pp"].get_group() if len(ranks) == pp else \
-                [dist.new_group([int(columns[r, c]) for r in ranks]) for c in range(columns.shape[1])][mine]
+                [dist.new_group([columns[r][c] for r in ranks]) for c in range(len(columns[0]))][mine]
         params = [by_index[index] for _, by_index in sorted(shared.items()) if index in by_index]
         if params:
             out.append((params, groups.get(ranks)))

@@ -148,6 +148,32 @@ def stage_wiring(split_graph, stage_index: int) -> Wiring:
                   _carried(stages, stage_index) if node is not stages[-1] else None)
 
 
+def stage_messages(pipe, stage_index: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(what stage ``stage_index``'s ``Relay`` receives, what it hands on) as meta tensors shaped as the trace
+    fixed them, for a ``PipelineStage`` built with its shapes up front (``input_args`` / ``output_args``: no
+    stage then asks another for shapes, see ``torch.distributed.pipelining.stage.PipelineStage``). A floating
+    point message requires a gradient, as torch's traced stages take it (``stage._PipelineStage.
+    _create_act_recv_info``: ``torch.export`` records no ``requires_grad``); the first stage receives nothing
+    (it reads model inputs only), the last hands on its output, the loss."""
+    graph = pipe.split_gm.graph
+    stages = [n for n in graph.nodes if n.op == "call_module"]
+    values: dict[str, torch.Tensor] = {}
+    for node in stages:
+        module = pipe.get_stage_module(stages.index(node))
+        returned = next(n for n in module.graph.nodes if n.op == "output").args[0]
+        for name, index in _output_names(node):
+            values[name] = _meta_message((returned if index is None else returned[index]).meta["val"])
+    wiring = stage_wiring(graph, stage_index)
+    sends = wiring.sends if wiring.sends is not None else (stages[stage_index].name,)
+    return tuple(values[name] for name in wiring.receives), tuple(values[name] for name in sends)
+
+
+def _meta_message(value: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``value``'s shape, strides and dtype, requiring a gradient if floating point."""
+    empty = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return empty.requires_grad_(value.is_floating_point())
+
+
 def _output_names(node) -> tuple[tuple[str, int | None], ...]:
     """Names of a stage's outputs: the ``getitem`` nodes that unpack its tuple, or its own name."""
     items = tuple((user.name, user.args[1]) for user in node.users if user.target is operator.getitem)
@@ -170,5 +196,5 @@ def _carried(stages: list, boundary: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-__all__ = ["Relay", "Wiring", "example_micro_batch", "retarget_devices", "split_spec", "stage_wiring",
-           "tie_within_stage"]
+__all__ = ["Relay", "Wiring", "example_micro_batch", "retarget_devices", "split_spec", "stage_messages",
+           "stage_wiring", "tie_within_stage"]

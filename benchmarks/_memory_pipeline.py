@@ -1,0 +1,152 @@
+"""Rows of ``memory_accuracy.py`` for pipeline plans: the first and last stages' ranks simulated on fake tensors
+beside the cost model's prediction of the same plan (issue 19 part 5).
+
+Each row is two ``tensoropt launch examples/train_llama_large.py --plan PLAN --dry-run --check-memory`` (one per
+simulated rank): the launcher captures the script, prices the plan with ``tensoropt.cost.model.estimate`` and
+simulates the rank's second step through the torch engine's own pipeline (``runtime.pipeline``: stages built
+with their messages' shapes, the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run on a fake process group,
+``runtime.memory_check``). The model is Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices;
+``--quick`` keeps its dimensions with 8 layers (every case: 22 simulations, ~25 min on 2 busy cores).
+
+``actual_bytes`` is the larger simulated peak of tensor bytes (``memory_tracker.StepMemory``) of rank 0 (stage 0:
+the embedding, the most micro-batches in flight) and the last stage's first rank (the head and its logits,
+``TENSOROPT_SIMULATE_RANK``): the stages between hold fewer micro-batches in flight and no loose ops. The tests
+hold both ranks' simulation equal to a real 2-worker run's tracked peaks (``tests/test_memory_check.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = "examples/train_llama_large.py"
+# Llama 3 8B (Meta 2024: 32 layers, hidden 4096, 32 heads in 8 key/value groups, SwiGLU 14336, vocabulary
+# 128256), 4096 tokens
+LLAMA3_8B = {"--layers": 32, "--hidden": 4096, "--heads": 32, "--kv-heads": 8, "--ffn": 14336, "--vocab": 128256,
+             "--seq-len": 4096}
+ON_8 = ["--device", "cuda", "--gpus", "8"]
+GLOBAL_BATCH = 16
+
+# (family, pp, virtual stages, dp, tp, zero, micro-batch, recompute, precision)
+CASES = [
+    ("pipeline-1f1b", 2, 1, 4, 1, 1, 1, "none", "bf16-true"),
+    ("pipeline-1f1b", 4, 1, 2, 1, 1, 1, "none", "bf16-true"),
+    ("pipeline-1f1b-full", 2, 1, 4, 1, 1, 1, "full", "bf16-true"),
+    ("pipeline-1f1b-selective", 2, 1, 4, 1, 1, 1, "selective", "bf16-true"),
+    ("pipeline-1f1b-ddp", 2, 1, 4, 1, 0, 1, "none", "bf16-true"),
+    ("pipeline-1f1b-zero3", 2, 1, 4, 1, 3, 1, "full", "bf16-true"),
+    ("pipeline-1f1b-tp2", 2, 1, 2, 2, 1, 1, "none", "bf16-true"),
+    ("pipeline-interleaved", 2, 2, 4, 1, 1, 1, "none", "bf16-true"),
+    ("pipeline-interleaved", 4, 2, 2, 1, 1, 1, "full", "bf16-true"),
+    ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 1, 1, "full", "bf16-mixed"),
+    ("pipeline-1f1b-32-true", 2, 1, 4, 1, 1, 1, "full", "32-true"),
+]
+
+
+def plan_of(pp: int, virtual: int, dp: int, tp: int, zero: int, micro_batch: int, recompute: str, precision: str,
+            layers: int) -> Plan:
+    """A torch-engine pipeline plan of the example's one block (``layers.*``) on ``pp * dp * tp`` devices."""
+    return Plan(devices=pp * dp * tp, dp=dp, tp=tp, pp=pp, virtual_stages=virtual, micro_batch=micro_batch,
+                global_batch=GLOBAL_BATCH, zero=zero, tp_branches=("attn", "mlp") if tp > 1 else (),
+                precision=precision, dtype="float32" if precision == "32-true" else "bfloat16", master_weights=False,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy(recompute), layers // pp),)),))
+
+
+def check_memory(script_args: list[str], plan: Plan, cache_dir: str, rank: int) -> dict:
+    """What ``launch --dry-run --check-memory`` wrote for ``rank`` (``memory_check.json``: simulated and
+    predicted)."""
+    env = {**os.environ, "TENSOROPT_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", "TENSOROPT_SIMULATE_RANK": str(rank),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file = Path(tmp) / "given.json"
+        plan_file.write_text(json.dumps(plan.to_json()))
+        result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, *ON_8, "--plan", str(plan_file),
+                                 "--precision", plan.precision, "--dry-run", "--check-memory", "--run-dir",
+                                 str(Path(tmp) / "run"), "--", *script_args],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        out = Path(tmp) / "run" / "memory_check.json"
+        if result.returncode or not out.exists():
+            tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SystemExit(f"_memory_pipeline: {plan.summary()} failed: {tail}")
+        return json.loads(out.read_text())
+
+
+def last_stage_rank(plan: Plan) -> int:
+    """The first rank of the last pipeline stage (the engine's mesh is ``(pp, dp, tp)``, pipeline outermost)."""
+    return (plan.pp - 1) * plan.dp * plan.tp
+
+
+def _row(family: str, model: str, plan: Plan, checks: list[dict]) -> dict:
+    """The row of the rank with the larger peak of the two simulated (the cost model prices a device as the larger
+    of the first and the last stage: ``cost.model.evaluate_rows``)."""
+    peak = max(checks, key=lambda check: check["simulated"]["peak_bytes"])
+    simulated, predicted = peak["simulated"], peak["predicted"]
+    ranks = {check["simulated"]["rank"]: check["simulated"]["peak_bytes"] for check in checks}
+    return {"family": family, "model": model, "plan": plan.summary(), "precision": plan.precision,
+            "how": "simulated", "actual_of": f"max over ranks {sorted(ranks)} (first and last pipeline stage)",
+            "predicted_tensor_bytes": int(predicted["tensor_bytes"]), "actual_bytes": int(simulated["peak_bytes"]),
+            "predicted": predicted, "actual": simulated, "actual_peak_by_rank": ranks}
+
+
+def rows(quick: bool = False, family: str | None = None) -> list[dict]:
+    """One row per case (module doc); ``family``: only that family's cases."""
+    layers = 8 if quick else LLAMA3_8B["--layers"]
+    model = "llama3-8b-like" + (f" ({layers} layers)" if quick else "")
+    dims = [str(a) for k, v in (LLAMA3_8B | {"--layers": layers}).items() for a in (k, v)]
+    out = []
+    # captures shared by the rows of one precision; a TENSOROPT_CACHE_DIR of the caller's keeps them
+    with tempfile.TemporaryDirectory() as temporary:
+        cache_dir = os.environ.get("TENSOROPT_CACHE_DIR", temporary)
+        for name, pp, virtual, dp, tp, zero, mb, recompute, precision in CASES:
+            if family and name != family:
+                continue
+            plan = plan_of(pp, virtual, dp, tp, zero, mb, recompute, precision, layers)
+            dtype = "bfloat16" if precision == "bf16-true" else "float32"
+            args = [*dims, "--dtype", dtype, "--global-batch", str(GLOBAL_BATCH)]
+            checks = [check_memory(args, plan, cache_dir, rank) for rank in (0, last_stage_rank(plan))]
+            out.append(_row(name, model, plan, checks))
+            print(f"  {name:26s} {model:26s} {plan.summary():46s} {_ratio(out[-1]):+7.1%}", file=sys.stderr,
+                  flush=True)
+    return out
+
+
+def _ratio(row: dict) -> float:
+    return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
+
+
+def table(rows_: list[dict]) -> str:
+    """The rows as a markdown table (GiB; the peak rank; predicted / actual - 1)."""
+    lines = ["| family | plan | precision | peak rank | actual GiB | predicted GiB | error |",
+             "|---|---|---|---|---:|---:|---:|"]
+    for row in rows_:
+        lines.append(f"| {row['family']} | {row['plan']} | {row['precision']} | {row['actual']['rank']} | "
+                     f"{row['actual_bytes'] / 2**30:.3f} | {row['predicted_tensor_bytes'] / 2**30:.3f} | "
+                     f"{_ratio(row):+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """``python benchmarks/_memory_pipeline.py [--quick]``: these rows alone, written to
+    ``results/memory_pipeline.json`` and ``.md`` (``memory_accuracy.py`` runs them with the other families)."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import write_results
+    out = rows(args.quick)
+    write_results("memory_pipeline", out, table(out), notes=__doc__, extra={"quick": args.quick})
+
+
+__all__ = ["CASES", "plan_of", "rows", "table"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Memory a pipeline stage holds for its messages, beside the activations its micro-batches save.
+
+``torch.distributed.pipelining`` (torch 2.13, ``stage.py``) allocates its receive buffers once, when a stage is
+set up for a step count of ``m`` micro-batches, and keeps them for the run:
+
+- a stage that is not the first gets one buffer per input per micro-batch (``PipelineStage.
+  _setup_forward_recv_info``: ``_make_tensor_from_meta`` for every ``chunk_id in range(num_microbatches)``);
+- a stage that is not the last gets one gradient buffer per output that requires a gradient per micro-batch
+  (``_PipelineStageBase._setup_backward_recv_info`` -> ``PipelineStage._create_grad_recv_info``).
+
+The stream between stages is the block's carried state (``space.block.BlockSpace.carried_bytes`` per sample),
+sent whole even under tensor parallelism (``runtime.pipeline_tp``: sequence parallelism gathers the stream before
+a stage hands it on), so each buffer holds ``micro_batch * carried_bytes``. With ``v`` interleaved stages a device
+holds stages ``r, r + p, ...``: stage 0 (device 0) is first and not last, every other stage of device 0 is neither,
+and device ``p - 1`` holds the last stage and ``v - 1`` others that are not first; either way ``2 v - 1`` buffer
+sets of ``m`` micro-batches. Values a stage only relays (an attention mask made once, integer and without
+gradient) are not counted.
+
+Beside the buffers, a stage keeps what it sent (``held_*_bytes``):
+- each forward's outputs stay in the stage's ``fwd_cache`` until that micro-batch's backward (``stage.py
+  forward_one_chunk``: ``self.fwd_cache[fwd_chunk_id] = (output_tuple, ...)``, for ``backward_one_chunk``); no op of
+  the stage saves its last copy's output, so the layers' saved bytes do not count it;
+- a send's work holds its tensor until the schedule drops the work (gloo's send work owns its tensor; NCCL's
+  stashes it for the caching allocator): ``Schedule1F1B`` keeps one send pending at a time, ``ScheduleGPipe``
+  (fewer micro-batches than stages) a whole phase's, and the interleaved schedule every send of the step until
+  its end (``schedules._PipelineScheduleRuntime._step_microbatches``: ``send_ops``, waited after the last
+  action), so there device 0's ``v`` stages' outputs and its ``v - 1`` later stages' input gradients, and the
+  last device's ``v - 1`` outputs and ``v`` input gradients, all stay: ``(2v - 1) m`` messages either way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph.ir import Op
+
+
+def backward_working_bytes(op: Op) -> float:
+    """Gradient bytes one op's backward holds at once: its floating-point outputs' gradients (received) and its
+    activation inputs' gradients (produced) at the captured micro-batch (one sample). Autograd's engine runs a
+    node's backward with its incoming gradients alive and frees them once the node returns
+    (``torch/csrc/autograd/engine.cpp``: ``call_function`` consumes the ``InputBuffer``); parameters' gradients
+    are the model state's, counted there. For the head and loss of a language model this is the logits' float32
+    gradient next to its input's (``log_softmax_backward``): several times the saved logits themselves."""
+    outputs = sum(m.nbytes for m in op.outputs if "float" in m.dtype)
+    inputs = sum(m.nbytes for m, r in zip(op.inputs, op.sources) if "float" in m.dtype and r.kind != "param")
+    return float(outputs + inputs)
+
+
+def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
+    """Bytes of the receive buffers of pipeline device 0 (and of device ``p - 1``: the same count), numbers or
+    per-plan arrays; 0 without a pipeline (module doc)."""
+    pp, v = np.asarray(pp), np.asarray(virtual_stages)
+    buffer_sets = 2 * v - 1
+    return np.where(pp > 1, buffer_sets * np.asarray(micro_batches) * np.asarray(micro_batch) * carried_bytes, 0.0)
+
+
+def gradients_divisor(pp, zero, dp):
+    """What a stage's gradients are divided by: FSDP2 in a pipeline stage reduces them only after the step's last
+    micro-batch (``stage.py backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)`` in every backward;
+    ``perform_reduce_grad`` once all have run), so under ZeRO 2 and 3 as under 1 every micro-batch's gradients
+    accumulate whole; unpiped, ZeRO 2 and 3 keep a shard (``dp``). (The same backward runs with
+    ``set_reshard_after_backward(False)``, but the next micro-batch's forward reshards a ZeRO 3 stage's weights
+    again (``reshard_after_forward=True``), so they are not kept whole at the peaks: not priced.)"""
+    pp, zero, dp = np.asarray(pp), np.asarray(zero), np.asarray(dp)
+    return np.where((zero >= 2) & (pp == 1), dp, 1)
+
+
+def in_flight_last(pp, micro_batches, virtual_stages):
+    """Micro-batches of activations (in units of the device's copies) the last pipeline device holds at its peak:
+    one in 1F1B (its stage runs each micro-batch's backward right after its forward); with ``v`` interleaved
+    stages it warms up ``(v - 1) p`` chunks of its earlier stages before its first backward, and runs one more
+    forward (``schedules._get_warmup_ops`` for rank ``p - 1``: ``(n_local_stages - 1) * microbatches_per_round``),
+    each chunk ``1 / v`` of its copies. The first device's count is ``cost.model.in_flight``."""
+    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
+    chunks = np.minimum((v - 1) * pp + 1, m * v)
+    return np.where(v > 1, chunks / v, 1.0)
+
+
+def held_first_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
+    """Sent messages device 0 still holds at its peak (module doc): the outputs of its micro-batches in flight
+    (``min(m, p)``: 1F1B's warm-up and GPipe's forward phase), or with interleaving every send of the step."""
+    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
+    messages = np.where(v > 1, (2 * v - 1) * m, np.minimum(m, pp))
+    return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
+
+
+def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
+    """Sent messages the last device still holds (module doc): its input gradients pending in sends, one in 1F1B,
+    the backward phase's ``m`` in GPipe, or with interleaving every send of the step."""
+    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
+    messages = np.where(v > 1, (2 * v - 1) * m, np.where(m >= pp, 1, m))
+    return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
+
+
+__all__ = ["backward_working_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes", "in_flight_last",
+           "p2p_buffer_bytes"]
