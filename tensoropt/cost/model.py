@@ -69,6 +69,7 @@ from .comm import p2p_s
 from .data_parallel import data_parallel_s
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .profile import Cluster
+from .torch_memory import fsdp_held_bytes, largest_copy_parameters, loss_gradient_bytes
 
 
 @dataclass(frozen=True)
@@ -319,10 +320,12 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                      state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
                      cast))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                       first.activation_bytes, last.activation_bytes))
+                       first.activation_bytes, last.activation_bytes,
+                       largest_copy_parameters(model, c.tp, c.tp_branches),
+                       loss_gradient_bytes(model, c.tp, c.micro_batch)))
     per_plan = np.array(ints, dtype=np.int64)[which].T
     dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy = per_plan
-    loose_time, loose_params, first_acts, last_acts = np.array(floats, dtype=float)[which].T
+    loose_time, loose_params, first_acts, last_acts, unit_params, loss_grads = np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
     stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
@@ -349,7 +352,10 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
-    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params
+    held_params, working = fsdp_held_bytes(z, gathered, grad, unit_params, loose_params, loss_grads,
+                                           np.asarray(transient_bytes, dtype=float))
+    weights = weights + held_params
+    other = working + prof.runtime_overhead_bytes + cast_copy * params
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}
