@@ -352,8 +352,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts)
     acts_last = np.where(piped, np.asarray(activation_bytes) + last_acts, acts_first)
     activations = np.maximum(acts_first, acts_last)
-    held_params, working = fsdp_held_bytes(z, gathered, grad, unit_params, loose_params, loss_grads,
-                                           np.asarray(transient_bytes, dtype=float))
+    held_params, grads, working = fsdp_held_bytes(z, gathered, grad, unit_params, loose_params, loss_grads,
+                                                  np.asarray(transient_bytes, dtype=float), grads, m, dp)
     weights = weights + held_params
     other = working + prof.runtime_overhead_bytes + cast_copy * params
     memory = weights + grads + optimizer + activations + other

@@ -59,26 +59,36 @@ def loss_gradient_bytes(model, tp: int, micro_batch: int) -> float:
     return logits_elements(model) * micro_batch * FLOAT32 * (3 / tp if split else 2)
 
 
-def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """(parameter bytes, working-set bytes) held beyond the sharded states and the kept activations, at the
-    larger of the backward's two peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``: bytes per
-    parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements; ``root_params``:
-    the loose ops' elements on the stage; ``loss_grads``: ``loss_gradient_bytes``; ``layer_transient``: the
-    largest working set of one copy's backward (``cost.layer``: recomputed activations).
+def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
+                    micro_batches, data_parallel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parameter bytes, gradient bytes, working-set bytes) beside the sharded states and the kept activations
+    at the larger of the backward's two peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``:
+    bytes per parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements;
+    ``root_params``: the loose ops' elements on the stage; ``loss_grads``: ``loss_gradient_bytes``;
+    ``layer_transient``: the largest working set of one copy's backward (``cost.layer``: recomputed
+    activations); ``gradients``: the gradient bytes ZeRO leaves on the device once the step's backward is done.
 
     - the loss's backward: its gradients, and under ZeRO 3 the flat all-gather output of the last unit, which
-      the root's pre-backward prefetches;
+      the root's pre-backward prefetches. FSDP2's gradients (ZeRO 1-3) do not exist yet in a step of one
+      micro-batch: the optimizer's ``zero_grad`` sets them to None (torch's default) and FSDP2 makes each unit's
+      in its post-backward. DDP's bucket is allocated with the wrapper and kept.
     - a block copy's backward: its recomputed activations, and under ZeRO 3 the unit gathered, the next unit's
       flat all-gather output and two units' gradients (unsharded, and the reduce-scatter input), under ZeRO 2
       the two units' gradients.
+    - DDP with gradient accumulation: the micro-batches before the last run under ``no_sync`` and accumulate
+      into ``.grad`` tensors of their own beside the bucket (``gradient_as_bucket_view`` views the bucket only
+      once a synchronising backward copies them in), so the gradients are held twice during the last backward.
     The root's gathered parameters (ZeRO 3) are held through both."""
     zero3, zero2 = zero == 3, zero == 2
     unit = gathered * unit_params
     grads = 2 * grad * unit_params
+    gradients = gradients * np.where((zero == 0) & (micro_batches > 1) & (data_parallel > 1), 2, 1)
     at_loss = loss_grads + np.where(zero3, unit, 0.0)
+    grads_at_loss = np.where((zero >= 1) & (micro_batches == 1), 0.0, gradients)
     in_block = layer_transient + np.where(zero3, 2 * unit + grads, np.where(zero2, grads, 0.0))
-    return np.where(zero3, gathered * root_params, 0.0), np.maximum(at_loss, in_block)
+    loss_first = at_loss + grads_at_loss >= in_block + gradients
+    return (np.where(zero3, gathered * root_params, 0.0), np.where(loss_first, grads_at_loss, gradients),
+            np.where(loss_first, at_loss, in_block))
 
 
 __all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_gradient_bytes"]
