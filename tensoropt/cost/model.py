@@ -354,8 +354,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     activations = np.maximum(acts_first, acts_last)
     held_params, grads, working = fsdp_held_bytes(z, gathered, grad, unit_params, loose_params, loss_grads,
                                                   np.asarray(transient_bytes, dtype=float), grads, m, dp)
-    weights = weights + held_params
-    other = working + prof.runtime_overhead_bytes + cast_copy * params
+    # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
+    other = working + held_params + prof.runtime_overhead_bytes + cast_copy * params
     memory = weights + grads + optimizer + activations + other
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": memory}
