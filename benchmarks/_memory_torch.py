@@ -29,7 +29,7 @@ SCRIPT = "examples/train_llama_large.py"
 # 128256), 4096 tokens
 LLAMA3_8B = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--ffn", "14336",
              "--vocab", "128256", "--seq-len", "4096"]
-ON_8 = ["--device", "cuda", "--gpus", "8", "--mem-per-gpu", "1024GiB"]  # every row priced, fits or not
+ON_8 = ["--device", "cuda", "--gpus", "8", "--profile", "h200-141gb"]     # DDP of an 8B model needs ~97 GiB
 ON_64 = ["--device", "cuda", "--gpus", "8", "--nnodes", "8"]
 
 
