@@ -42,8 +42,8 @@ parameter as each engine holds them, before dividing over dp as above:
   leaf float32 tensors that need gradients, and the products save them for backward; torch.amp docs). With
   FSDP2 (torch ``fully_shard`` docs, ``MixedPrecisionPolicy``: parameters gathered in ``param_dtype``,
   gradients reduced in ``reduce_dtype``, sharded parameters kept in their own dtype): ZeRO 3 holds float32
-  shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated, the
-  gathered unit freed after use, as the transient of one unit at a time is not priced here for any plan)
+  shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated; the
+  gathered units and gradient buffers FSDP2 holds beyond the shards are priced in ``cost.torch_memory``)
   and reduce-scatters float32 (4); ZeRO 2 (``reshard_after_forward=False``) keeps the gathered bf16 weights
   through the step (2, whole) beside the float32 shard (4/dp); ZeRO 1 too, and accumulates whole float32
   gradients (4) over the micro-batches, reduce-scattered once after the last
