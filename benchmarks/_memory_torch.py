@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -30,7 +31,7 @@ SCRIPT = "examples/train_llama_large.py"
 LLAMA3_8B = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--ffn", "14336",
              "--vocab", "128256", "--seq-len", "4096"]
 ON_8 = ["--device", "cuda", "--gpus", "8", "--profile", "h200-141gb"]     # DDP of an 8B model needs ~97 GiB
-ON_64 = ["--device", "cuda", "--gpus", "8", "--nnodes", "8"]
+ON_64 = ["--device", "cuda", "--gpus", "8", "--nnodes", "8", "--profile", "h200-141gb"]
 
 
 def _chain(spec: str, layers: int) -> tuple[tuple[LayerStrategy, int], ...]:
@@ -79,10 +80,11 @@ CASES_8B = [
     ("precision-bf16-mixed", 8, 8, 1, 3, 1, 8, "bf16-mixed", "full"),
     ("precision-bf16-true", 8, 8, 1, 3, 1, 8, "bf16-true", "full"),
 ]
-# the plans the planner chose for LLaMA-2 70B on 64 H100s with --engine torch (README, --check-memory)
+# LLaMA-2 70B on 64: the plan the planner chose with --engine torch (README, --check-memory), and ZeRO 3 with SP
+# and no recomputation (priced on the h200-141gb profile: it needs more than 80 GiB)
 CASES_70B = [
     ("fsdp2-zero3", 64, 32, 2, 3, 2, 64, "bf16-true", "25/80 none+sp,full+sp"),
-    ("tp2-sp", 64, 32, 2, 3, 2, 64, "bf16-true", "none+sp"),
+    ("tp2-sp", 64, 32, 2, 3, 1, 64, "bf16-true", "none+sp"),
 ]
 
 
@@ -120,18 +122,22 @@ def rows(quick: bool = False, family: str | None = None) -> list[dict]:
     todo = [(c, model_8b, ON_8, script_8b, layers) for c in CASES_8B]
     if not quick:
         todo += [(c, "llama2-70b", ON_64, [], 80) for c in CASES_70B]
-    out = []
-    with tempfile.TemporaryDirectory() as cache_dir:       # captures shared by the rows of one precision
-        for (name, devices, dp, tp, zero, mb, gb, precision, chain), model, launch, script_args, n in todo:
-            if family and name != family:
-                continue
-            plan = plan_of(devices, dp, tp, zero, mb, gb, precision, chain, n)
-            check = check_memory(launch, [*script_args, *_dtype_args(precision), "--global-batch", str(gb)],
-                                 plan, cache_dir)
-            out.append(_row(name, model, plan, check))
-            print(f"  {name:22s} {model:26s} {plan.summary():52s} {_ratio(out[-1]):+7.1%}", file=sys.stderr,
-                  flush=True)
-    return out
+    todo = [t for t in todo if not family or t[0][0] == family]
+    with tempfile.TemporaryDirectory() as cache_dir, ThreadPoolExecutor(WORKERS) as pool:
+        return list(pool.map(lambda t: _case(*t, cache_dir), todo))
+
+
+WORKERS = 2          # simulations at once (each its own process)
+
+
+def _case(case: tuple, model: str, launch: list[str], script_args: list[str], layers: int, cache_dir: str) -> dict:
+    name, devices, dp, tp, zero, mb, gb, precision, chain = case
+    plan = plan_of(devices, dp, tp, zero, mb, gb, precision, chain, layers)
+    check = check_memory(launch, [*script_args, *_dtype_args(precision), "--global-batch", str(gb)], plan,
+                         cache_dir)
+    row = _row(name, model, plan, check)
+    print(f"  {name:22s} {model:26s} {plan.summary():52s} {_ratio(row):+7.1%}", file=sys.stderr, flush=True)
+    return row
 
 
 def _ratio(row: dict) -> float:
