@@ -79,9 +79,12 @@ def test_priced_bytes_per_precision_for_a_known_parameter_count(small_gpt):
     assert _states(model, _plan("bf16-mixed")) == (4 * p, 4 * p, 8 * p, base + 2 * p)     # torch DDP + autocast
     ds = _plan("bf16-mixed", master_weights=True)
     assert _states(model, ds) == (2 * p, 2 * p, 12 * p, base)
-    assert _states(model, _plan("bf16-mixed", zero=3)) == (4 * p / 2, 4 * p / 2, 8 * p / 2, base)
-    assert _states(model, _plan("bf16-mixed", zero=2)) == (2 * p, 4 * p / 2, 12 * p / 2, base)
-    assert _states(model, _plan("32-true", zero=3)) == (4 * p / 2, 4 * p / 2, 8 * p / 2, base)
+    # FSDP2 ZeRO 2-3 hold gathered units and gradient buffers beyond the states (cost.torch_memory): in ``other``
+    for plan, states in ((_plan("bf16-mixed", zero=3), (4 * p / 2, 4 * p / 2, 8 * p / 2)),
+                         (_plan("bf16-mixed", zero=2), (2 * p, 4 * p / 2, 12 * p / 2)),
+                         (_plan("32-true", zero=3), (4 * p / 2, 4 * p / 2, 8 * p / 2))):
+        *held, other = _states(model, plan)
+        assert tuple(held) == states and other > base
 
 
 def test_compute_is_priced_in_the_precision_the_capture_ran_in(small_gpt):

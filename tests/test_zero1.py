@@ -78,7 +78,8 @@ def test_zero1_priced_bytes_for_a_known_parameter_count(small_gpt):
         return m["parameters_bytes"], m["gradients_bytes"], m["optimizer_bytes"], m["other_bytes"]
     base = states(_plan("32-true", zero=0))[3]
     assert states(_plan("bf16-mixed")) == (2 * p, 4 * p, 12 * p / 2, base)
-    assert states(_plan("bf16-mixed", zero=2)) == (2 * p, 4 * p / 2, 12 * p / 2, base)
+    *held, other = states(_plan("bf16-mixed", zero=2))
+    assert tuple(held) == (2 * p, 4 * p / 2, 12 * p / 2) and other > base     # + FSDP2's buffers (torch_memory)
     assert states(_plan("32-true")) == (4 * p, 4 * p, 12 * p / 2, base)
 
 

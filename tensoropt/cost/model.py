@@ -43,8 +43,8 @@ parameter as each engine holds them, before dividing over dp as above:
   leaf float32 tensors that need gradients, and the products save them for backward; torch.amp docs). With
   FSDP2 (torch ``fully_shard`` docs, ``MixedPrecisionPolicy``: parameters gathered in ``param_dtype``,
   gradients reduced in ``reduce_dtype``, sharded parameters kept in their own dtype): ZeRO 3 holds float32
-  shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated, the
-  gathered unit freed after use, as the transient of one unit at a time is not priced here for any plan)
+  shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated; the
+  gathered units and gradient buffers FSDP2 holds beyond the shards are priced in ``cost.torch_memory``)
   and reduce-scatters float32 (4); ZeRO 2 (``reshard_after_forward=False``) keeps the gathered bf16 weights
   through the step (2, whole) beside the float32 shard (4/dp); ZeRO 1 too, and accumulates whole float32
   gradients (4) over the micro-batches, reduce-scattered once after the last
@@ -78,6 +78,7 @@ from .pipeline_memory import (
     p2p_buffer_bytes,
 )
 from .profile import Cluster
+from .torch_memory import fsdp_held_bytes, largest_copy_parameters, loss_gradient_bytes
 
 
 @dataclass(frozen=True)
@@ -336,11 +337,14 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                      cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
                      state.partition_copy))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                       first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes))
+                       first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
+                       largest_copy_parameters(model, c.tp, c.tp_branches),
+                       loss_gradient_bytes(model, c.tp, c.micro_batch)))
     per_plan = np.array(ints, dtype=np.int64)[which].T
     dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy, deepspeed, \
         master, moment, partition_copy = per_plan
-    loose_time, loose_params, first_acts, last_acts, first_back, last_back = np.array(floats, dtype=float)[which].T
+    loose_time, loose_params, first_acts, last_acts, first_back, last_back, unit_params, loss_grads = \
+        np.array(floats, dtype=float)[which].T
     offload = offload.astype(bool)
 
     stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
@@ -365,16 +369,26 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     grads = grad_bytes / gradients_divisor(pp, z, dp)
     optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
     # a stage's loose ops' backward (the loss's first) and its copies' recomputation run at different times
-    first_back, last_back = (np.maximum(b - np.asarray(transient_bytes), 0.0) for b in (first_back, last_back))
+    transient = np.asarray(transient_bytes, dtype=float)
+    first_back, last_back = (np.maximum(b - transient, 0.0) for b in (first_back, last_back))
     acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts) + np.where(
         piped, held_first_bytes(pp, v, m, mb, carried) + first_back, 0.0)
     acts_last = np.where(piped, in_flight_last(pp, m, v) * np.asarray(activation_bytes) + last_acts
                          + held_last_bytes(pp, v, m, mb, carried) + last_back, acts_first)
     activations = np.maximum(acts_first, acts_last) + p2p_buffer_bytes(pp, v, m, mb, carried)
-    deepspeed_bytes = np.where(deepspeed == 1, extra_bytes(z, offload, params, dp, weight, grad, master, moment,
-                                                           partition_copy, grads, activations,
-                                                           model.largest_parameter), 0.0)
-    other = np.asarray(transient_bytes) + prof.runtime_overhead_bytes + cast_copy * params + model.buffer_bytes + \
+    # the loss's backward working set: a pipeline prices it with its stage's loose ops above (``first_back``)
+    loss_grads = np.where(piped, 0.0, loss_grads)
+    ds = deepspeed == 1
+    held_params, torch_grads, torch_working = fsdp_held_bytes(z, gathered, grad, unit_params, loose_params,
+                                                              loss_grads, transient, grads, m, dp)
+    # FSDP2's and DDP's terms are the torch engine's; DeepSpeed's own buffers are ``deepspeed_memory``'s
+    deepspeed_bytes = np.where(ds, extra_bytes(z, offload, params, dp, weight, grad, master, moment, partition_copy,
+                                               grads, activations, model.largest_parameter), 0.0)
+    held_params = np.where(ds, 0.0, held_params)
+    grads = np.where(ds, grads, torch_grads)
+    working = np.where(ds, np.maximum(transient, loss_grads), torch_working)
+    # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
+    other = working + held_params + prof.runtime_overhead_bytes + cast_copy * params + model.buffer_bytes + \
         deepspeed_bytes
     memory = weights + grads + optimizer + activations + other
     if totals_only:

@@ -52,6 +52,31 @@ def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
+def _metadata_only(tracker: StepMemory):
+    """Stop counting while DTensor's sharding propagation runs: it runs the op on fake tensors of the global
+    shape to learn the output's metadata (``ShardingPropagator._propagate_tensor_meta_non_cached``, "it is not
+    part of the real (local) computation"), which allocates nothing on the device. On the simulation's fake
+    tensors they would be counted: the global float32 log-softmax of a vocabulary-parallel loss, twice, at the
+    forward's peak (2 x 1.96 GiB for a 128256-token vocabulary at 4096 positions). Returns what ``_restore``
+    puts back."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, *args, **kwargs):
+        tracker._shadowing += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            tracker._shadowing -= 1
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    return original
+
+
+def _restore(original) -> None:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
 class StepMemory(TorchDispatchMode):
     """Count live tensor bytes (module doc). ``reset_peak()`` starts a new peak; ``breakdown()`` gives the
     latest peak by category once the model's tensors are ``register``-ed by role."""
@@ -67,6 +92,7 @@ class StepMemory(TorchDispatchMode):
         self._peak_serials: dict[int, int] = {}
         self.optimizer_phase = False
         self._resize = torch.UntypedStorage.resize_
+        self._shadowing = 0                      # > 0 inside DTensor's sharding propagation (``_metadata_only``)
 
     # -- counting -------------------------------------------------------------------------------------
     def _add(self, storage: torch.UntypedStorage, phase: str) -> int:
@@ -112,10 +138,12 @@ class StepMemory(TorchDispatchMode):
                 tracker._add(storage, tracker._current_phase())
             return out
         torch.UntypedStorage.resize_ = counted_resize
+        self._propagate = _metadata_only(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
+        _restore(self._propagate)
         return super().__exit__(*exc)
 
     def _current_phase(self) -> str:
@@ -130,6 +158,8 @@ class StepMemory(TorchDispatchMode):
             out = args[0]                        # eager waits return their input; the fake kernel makes a copy
         else:
             out = func(*args, **(kwargs or {}))
+        if self._shadowing:
+            return out
         phase = self._current_phase()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

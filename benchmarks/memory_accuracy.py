@@ -1,0 +1,111 @@
+"""Is the analytic memory model an upper bound of what the engines hold? (issue 19 part 5)
+
+For every plan family the providers below offer, the cost model's predicted peak tensor memory
+(``tensoropt.cost.model.estimate`` less the profile's ``runtime_overhead_bytes``, the CUDA context, libraries
+and fragmentation that no tensor count sees) is compared with the peak tensor bytes of the same plan, simulated on
+fake tensors (``tensoropt.runtime.memory_check.simulate``) or measured in a real CPU run
+(``TENSOROPT_MEMORY_OUT``). Target, every row: 0 <= predicted / actual - 1 <= 0.05.
+
+Providers (each ``rows(quick=False) -> list[dict]``, imported when present, so this runs with any of them):
+``_memory_torch`` (DDP, FSDP2 ZeRO 1-3, TP with and without SP, recomputation, precisions),
+``_memory_deepspeed`` (DeepSpeed ZeRO 0-3 and offload), ``_memory_pipeline`` (a pipeline stage in 1F1B).
+
+    python benchmarks/memory_accuracy.py [--quick] [--family NAME] [--check]
+
+``--check`` exits non-zero when a row misses the target; ``--quick`` runs each provider's small cases (~2 min
+for the torch rows). Results: ``results/memory_accuracy.json`` and ``.md`` (not written for ``--family``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_results  # noqa: E402
+
+PROVIDERS = ("_memory_torch", "_memory_deepspeed", "_memory_pipeline")
+UPPER = 0.05                   # at most 5% above; never below
+
+
+def providers() -> dict[str, Callable]:
+    """{module name: its ``rows``} of the providers that exist."""
+    out = {}
+    for name in PROVIDERS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        out[name] = module.rows
+    return out
+
+
+def error(row: dict) -> float:
+    """predicted / actual - 1 of a row's tensor bytes."""
+    return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
+
+
+def meets(row: dict) -> bool:
+    return 0 <= error(row) <= UPPER
+
+
+def collect(quick: bool, family: str | None) -> list[dict]:
+    rows = []
+    for name, rows_of in providers().items():
+        kwargs = {"quick": quick}
+        if family and "family" in inspect.signature(rows_of).parameters:
+            kwargs["family"] = family                         # a provider that can skip the other families' runs
+        print(f"{name}:", file=sys.stderr, flush=True)
+        rows += [r for r in rows_of(**kwargs) if not family or r["family"] == family]
+    return rows
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    """One markdown table per family."""
+    out = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        out += [f"### {family}", "",
+                "| model | plan | precision | how | predicted GiB | actual GiB | predicted / actual - 1 | target |",
+                "|---|---|---|---|---:|---:|---:|---|"]
+        for r in (r for r in rows if r["family"] == family):
+            out.append(f"| {r['model']} | {r['plan']} | {r['precision']} | {r['how']} | "
+                       f"{_gib(r['predicted_tensor_bytes'])} | {_gib(r['actual_bytes'])} | {error(r):+.1%} | "
+                       f"{'met' if meets(r) else 'MISSED'} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="each provider's small cases")
+    parser.add_argument("--family", help="only this family's rows (results not written)")
+    parser.add_argument("--check", action="store_true", help="exit non-zero when a row misses the target")
+    args = parser.parse_args()
+    rows = collect(args.quick, args.family)
+    text = table(rows)
+    print(text)
+    missed = [r for r in rows if not meets(r)]
+    print(f"{len(rows) - len(missed)} of {len(rows)} rows within 0 .. +{UPPER:.0%}")
+    if not args.family:
+        notes = ("predicted: `tensoropt.cost.model.estimate` of the plan less the profile's runtime_overhead_bytes "
+                 "(tensors only); actual: the tracker's peak tensor bytes (rank 0 unless a row says otherwise). "
+                 f"Target: 0 <= predicted / actual - 1 <= {UPPER:.0%} for every row.\n")
+        write_results("memory_accuracy" + ("_quick" if args.quick else ""), rows, text, notes,
+                      {"target": {"lower": 0.0, "upper": UPPER}, "quick": args.quick})
+    if args.check and missed:
+        raise SystemExit(f"memory_accuracy: {len(missed)} row(s) miss the target: "
+                         + ", ".join(f"{r['family']} {r['plan']} {error(r):+.1%}" for r in missed))
+
+
+if __name__ == "__main__":
+    main()

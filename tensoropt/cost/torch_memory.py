@@ -1,0 +1,94 @@
+"""What FSDP2 (the torch engine's ZeRO 1-3, ``runtime.data_parallel``) holds beyond the sharded model states.
+
+``cost.model`` divides weights, gradients and optimizer states over dp by ZeRO stage (Rajbhandari et al.,
+SC'20). Under ZeRO 3 FSDP2 also holds, at the peak of the backward (torch ``distributed/fsdp/_fully_shard``,
+as the fake-tensor simulation of the step shows, ``runtime.memory_check``):
+
+- the root unit's parameters (the ops outside the block copies: embedding, final norm, head) gathered from its
+  forward to the end of the backward: the root does not reshard after forward, as its parameters are needed
+  again first in the backward (``FSDPState._lazy_init``: ``post_forward_mesh_info = None`` for the root);
+- the unit whose backward runs, gathered (``FSDPParamGroup.pre_backward`` unshards it), and the flat all-gather
+  output of the unit prefetched after it (``_backward_prefetch``: one unit ahead), which lives until that unit's
+  copy-out;
+- the reduce-scatter input of the previous unit's gradients (``foreach_reduce``'s flat buffer in the reduce
+  dtype, kept until the next unit's ``post_backward`` reclaims it:
+  ``reduce_scatter_max_input_buffers`` = 1), beside the current unit's unsharded gradients as autograd made
+  them (the gradient dtype).
+
+So ZeRO 3 holds ``gathered`` bytes of the root and one unit as parameters, and one unit's gathered bytes and two
+units' gradient bytes as working set. ZeRO 1 and 2 keep every unit gathered through the step (``weight`` is
+whole already) and reduce whole gradients (``grad`` whole under ZeRO 1; ZeRO 2's reduce-scatter input is one
+unit's, in the working set as under ZeRO 3).
+
+The loss's backward, at the start of every backward (any engine: torch's ``cross_entropy``), works in float32 on
+tensors the size of the logits, beside all the activations kept: ``log_softmax_backward_data`` and
+``nll_loss_backward`` make float32 logit-sized gradients, two live at once with the vocabulary replicated;
+under the vocabulary-parallel loss (``torch.distributed.tensor.parallel.loss_parallel``, its
+``_nll_loss_and_log_softmax_backward``) three of the rank's share. ``loss_gradient_bytes`` prices them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..space.plan import LayerStrategy
+
+
+def largest_copy_parameters(model, tp: int, tp_branches: tuple[str, ...]) -> float:
+    """Elements of the largest block copy's parameters on one device (after tensor parallelism): one FSDP2 unit
+    (``model`` a ``cost.model.ModelCost``)."""
+    return max((cost.layer(LayerStrategy(), tp, tp_branches, 1).parameters for _, cost in model.blocks),
+               default=0.0)
+
+
+FLOAT32 = 4
+
+
+def logits_elements(model) -> float:
+    """Elements of the largest vocabulary-sized tensor the ops outside the blocks make per sample (the logits);
+    0 for a model without a vocabulary."""
+    vocab = model.vocab.vocab
+    ops = model.head_ops + model.middle_ops + model.tail_ops
+    return float(max((m.numel for op in ops for m in op.outputs if vocab and m.shape and m.shape[-1] == vocab),
+                     default=0))
+
+
+def loss_gradient_bytes(model, tp: int, micro_batch: int) -> float:
+    """The loss backward's float32 logit-sized gradients (module doc) of one micro-batch on one device."""
+    split = tp > 1 and not model.vocab.why_not(tp)
+    return logits_elements(model) * micro_batch * FLOAT32 * (3 / tp if split else 2)
+
+
+def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
+                    micro_batches, data_parallel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parameter bytes, gradient bytes, working-set bytes) beside the sharded states and the kept activations
+    at the larger of the backward's two peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``:
+    bytes per parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements;
+    ``root_params``: the loose ops' elements on the stage; ``loss_grads``: ``loss_gradient_bytes``;
+    ``layer_transient``: the largest working set of one copy's backward (``cost.layer``: recomputed
+    activations); ``gradients``: the gradient bytes ZeRO leaves on the device once the step's backward is done.
+
+    - the loss's backward: its gradients, and under ZeRO 3 the flat all-gather output of the last unit, which
+      the root's pre-backward prefetches. FSDP2's gradients (ZeRO 1-3) do not exist yet in a step of one
+      micro-batch: the optimizer's ``zero_grad`` sets them to None (torch's default) and FSDP2 makes each unit's
+      in its post-backward. DDP's bucket is allocated with the wrapper and kept.
+    - a block copy's backward: its recomputed activations, and under ZeRO 3 the unit gathered, the next unit's
+      flat all-gather output and two units' gradients (unsharded, and the reduce-scatter input), under ZeRO 2
+      the two units' gradients.
+    - DDP with gradient accumulation: the micro-batches before the last run under ``no_sync`` and accumulate
+      into ``.grad`` tensors of their own beside the bucket (``gradient_as_bucket_view`` views the bucket only
+      once a synchronising backward copies them in), so the gradients are held twice during the last backward.
+    The root's gathered parameters (ZeRO 3) are held through both."""
+    zero3, zero2 = zero == 3, zero == 2
+    unit = gathered * unit_params
+    grads = 2 * grad * unit_params
+    gradients = gradients * np.where((zero == 0) & (micro_batches > 1) & (data_parallel > 1), 2, 1)
+    at_loss = loss_grads + np.where(zero3, unit, 0.0)
+    grads_at_loss = np.where((zero >= 1) & (micro_batches == 1), 0.0, gradients)
+    in_block = layer_transient + np.where(zero3, 2 * unit + grads, np.where(zero2, grads, 0.0))
+    loss_first = at_loss + grads_at_loss >= in_block + gradients
+    return (np.where(zero3, gathered * root_params, 0.0), np.where(loss_first, grads_at_loss, gradients),
+            np.where(loss_first, at_loss, in_block))
+
+
+__all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_gradient_bytes"]
