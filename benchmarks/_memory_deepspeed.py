@@ -13,7 +13,8 @@ the host too; it names it (``offloaded``: the float32 partitions, their gradient
 staging buffers), and ``actual_bytes`` is the peak less those bytes: what a GPU would hold at that moment.
 
 ``python benchmarks/_memory_deepspeed.py`` measures every row and writes ``results/memory_deepspeed.json``;
-``--reprice`` re-prices the rows stored there with the current cost model (the measurements do not depend on it).
+``--reprice`` re-prices the rows stored there with the current cost model (the measurements do not depend on it),
+as ``memory_accuracy.py`` does (``rows(measure=True)`` launches them again).
 
 The model: a 12-layer GPT, hidden 512, vocabulary 8192, sequence 64 (42.1M parameters), global batch 8 in micro-
 batches of 2 (two accumulation steps per rank), AdamW with its foreach kernels (``--foreach``, what CUDA runs by
@@ -109,9 +110,15 @@ def priced(r: dict) -> dict:
                 "ratio": round(tensor_bytes / r["actual_bytes"] - 1, 4)}
 
 
-def rows(quick: bool = False) -> list[dict]:
-    """One measured row per case (``QUICK``: three of them, ~1 minute each on two cores)."""
-    return [row(*case) for case in (QUICK if quick else CASES)]
+def rows(quick: bool = False, measure: bool = False) -> list[dict]:
+    """One row per case (``QUICK``: three of them). By default the measurements stored in
+    ``results/memory_deepspeed.json`` (made by ``main``, ~1-2 minutes a launch on two cores) are re-priced with the
+    current cost model: they depend on the runtime, not on the prices. ``measure``: launch every case again."""
+    cases = QUICK if quick else CASES
+    if measure:
+        return [row(*case) for case in cases]
+    stored = json.loads((RESULTS / "memory_deepspeed.json").read_text())["rows"]
+    return [priced(r) for r in stored if (r["zero"], r["precision"], r["recompute"], r["offload"]) in cases]
 
 
 def main() -> None:

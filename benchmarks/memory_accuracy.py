@@ -10,7 +10,7 @@ Providers (each ``rows(quick=False) -> list[dict]``, imported when present, so t
 ``_memory_torch`` (DDP, FSDP2 ZeRO 1-3, TP with and without SP, recomputation, precisions),
 ``_memory_deepspeed`` (DeepSpeed ZeRO 0-3 and offload), ``_memory_pipeline`` (a pipeline stage in 1F1B).
 
-    python benchmarks/memory_accuracy.py [--quick] [--family NAME] [--check]
+    python benchmarks/memory_accuracy.py [--quick [PROVIDER ...]] [--family NAME] [--check]
 
 ``--check`` exits non-zero when a row misses the target; ``--quick`` runs each provider's small cases (~2 min
 for the torch rows). Results: ``results/memory_accuracy.json`` and ``.md`` (not written for ``--family``).
@@ -55,10 +55,11 @@ def meets(row: dict) -> bool:
     return 0 <= error(row) <= UPPER
 
 
-def collect(quick: bool, family: str | None) -> list[dict]:
+def collect(quick: bool | set[str], family: str | None) -> list[dict]:
+    """Every provider's rows; ``quick``: all providers' small cases, or the set of providers to run small."""
     rows = []
     for name, rows_of in providers().items():
-        kwargs = {"quick": quick}
+        kwargs = {"quick": quick is True or (isinstance(quick, set) and name in quick)}
         if family and "family" in inspect.signature(rows_of).parameters:
             kwargs["family"] = family                         # a provider that can skip the other families' runs
         print(f"{name}:", file=sys.stderr, flush=True)
@@ -87,11 +88,16 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="each provider's small cases")
+    parser.add_argument("--quick", nargs="*", metavar="PROVIDER",
+                        help="small cases: of every provider, or of the providers named (e.g. _memory_pipeline)")
     parser.add_argument("--family", help="only this family's rows (results not written)")
     parser.add_argument("--check", action="store_true", help="exit non-zero when a row misses the target")
     args = parser.parse_args()
-    rows = collect(args.quick, args.family)
+    unknown = set(args.quick or ()) - set(PROVIDERS)
+    if unknown:
+        raise SystemExit(f"memory_accuracy: --quick names no provider {sorted(unknown)}: use {', '.join(PROVIDERS)}")
+    quick = True if args.quick == [] else set(args.quick or ())
+    rows = collect(quick, args.family)
     text = table(rows)
     print(text)
     missed = [r for r in rows if not meets(r)]
@@ -100,8 +106,9 @@ def main() -> None:
         notes = ("predicted: `tensoropt.cost.model.estimate` of the plan less the profile's runtime_overhead_bytes "
                  "(tensors only); actual: the tracker's peak tensor bytes (rank 0 unless a row says otherwise). "
                  f"Target: 0 <= predicted / actual - 1 <= {UPPER:.0%} for every row.\n")
-        write_results("memory_accuracy" + ("_quick" if args.quick else ""), rows, text, notes,
-                      {"target": {"lower": 0.0, "upper": UPPER}, "quick": args.quick})
+        write_results("memory_accuracy" + ("_quick" if quick is True else ""), rows, text, notes,
+                      {"target": {"lower": 0.0, "upper": UPPER},
+                       "quick": True if quick is True else sorted(quick)})
     if args.check and missed:
         raise SystemExit(f"memory_accuracy: {len(missed)} row(s) miss the target: "
                          + ", ".join(f"{r['family']} {r['plan']} {error(r):+.1%}" for r in missed))
