@@ -384,9 +384,13 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     # FSDP2's and DDP's terms are the torch engine's; DeepSpeed's own buffers are ``deepspeed_memory``'s
     deepspeed_bytes = np.where(ds, extra_bytes(z, offload, params, dp, weight, grad, master, moment, partition_copy,
                                                grads, activations, model.largest_parameter), 0.0)
-    held_params = np.where(ds, 0.0, held_params)
-    grads = np.where(ds, grads, torch_grads)
-    working = np.where(ds, np.maximum(transient, loss_grads), torch_working)
+    # a pipeline stage's gradients are ``pipeline_memory``'s (its schedule defers the reduction to the last
+    # micro-batch); FSDP2's per-unit terms were measured on whole models, and adding them to a stage over-prices
+    # the simulated stages (ZeRO 3 pp2 +31%), so they price flat plans only (open: how the two combine)
+    flat_torch = ~ds & ~piped
+    held_params = np.where(flat_torch, held_params, 0.0)
+    grads = np.where(flat_torch, torch_grads, grads)
+    working = np.where(flat_torch, torch_working, np.maximum(transient, loss_grads))
     # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
     other = working + held_params + prof.runtime_overhead_bytes + cast_copy * params + model.buffer_bytes + \
         deepspeed_bytes
