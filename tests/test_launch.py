@@ -96,7 +96,7 @@ def test_bad_input_is_one_line(chosen, tmp_path):
          "is not a plan for this model"),
         (["launch", SCRIPT, "--gpus", 2], "no GPU found on this machine"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", compiled, "--dry-run"],
-         "needs compiled blocks with ZeRO 1, which the torch engine does not apply (nor does DeepSpeed)"),
+         "needs compiled blocks with ZeRO 1, which the torch engine does not apply\n"),     # the engine it names
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", zero1, "--engine", "torch", "--dry-run"],
          "needs optimizer offload, which the torch engine does not apply"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", tp2, "--engine", "deepspeed", "--dry-run"],
@@ -172,9 +172,9 @@ def test_two_nodes_on_localhost_run_node_0s_plan(reference, tmp_path):
     assert node1.returncode == 0, err1[-3000:]
     plans = [json.loads((tmp_path / node / "plan.json").read_text()) for node in ("node0", "node1")]
     summaries = [Plan.from_json(plan).summary() for plan in plans]
-    assert summaries[0] == summaries[1] == "dp2 tp1 pp1 mb1x4 zero3 [4xfull]"     # node 0's min-memory choice
+    assert summaries[0] == summaries[1] == "dp1 tp1 pp2 mb1x8 zero0 [2xfull]"     # node 0's min-memory choice
     assert plans[1]["predicted"]["why"].startswith(f"node 0's plan, shared at 127.0.0.1:{port + 1}")
-    assert "chosen: dp2 tp1 pp1 mb1x4 zero3 [4xfull] (engine torch)" in out1
+    assert "chosen: dp1 tp1 pp2 mb1x8 zero0 [2xfull] (engine torch)" in out1
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (summaries[0], "torch")
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
