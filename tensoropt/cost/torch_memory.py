@@ -53,10 +53,11 @@ def logits_elements(model) -> float:
                      default=0))
 
 
-def loss_gradient_bytes(model, tp: int, micro_batch: int) -> float:
-    """The loss backward's float32 logit-sized gradients (module doc) of one micro-batch on one device."""
+def loss_gradient_bytes(model, tp: int, micro_batch: int, logits: float | None = None) -> float:
+    """The loss backward's float32 logit-sized gradients (module doc) of one micro-batch on one device;
+    ``logits``: ``logits_elements(model)`` when the caller has it (the search prices thousands of contexts)."""
     split = tp > 1 and not model.vocab.why_not(tp)
-    return logits_elements(model) * micro_batch * FLOAT32 * (3 / tp if split else 2)
+    return (logits_elements(model) if logits is None else logits) * micro_batch * FLOAT32 * (3 / tp if split else 2)
 
 
 def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
