@@ -329,10 +329,10 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     # the numbers of each context, then of each plan
     ints, floats = [], []
     logits = logits_elements(model)
-    units: dict = {}                  # the largest copy's parameters per (tp, branches): many contexts share them
+    largest_copy: dict = {}           # the largest copy's parameters per (tp, branches): many contexts share them
     for c in ctxs:
-        if (c.tp, c.tp_branches) not in units:
-            units[c.tp, c.tp_branches] = largest_copy_parameters(model, c.tp, c.tp_branches)
+        if (c.tp, c.tp_branches) not in largest_copy:
+            largest_copy[c.tp, c.tp_branches] = largest_copy_parameters(model, c.tp, c.tp_branches)
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
         state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
         cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
@@ -342,7 +342,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                      state.partition_copy))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                       units[c.tp, c.tp_branches], loss_gradient_bytes(model, c.tp, c.micro_batch, logits)))
+                       largest_copy[c.tp, c.tp_branches], loss_gradient_bytes(model, c.tp, c.micro_batch, logits)))
     per_plan = np.array(ints, dtype=np.int64)[which].T
     dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy, deepspeed, \
         master, moment, partition_copy = per_plan
