@@ -68,7 +68,7 @@ from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
-from .deepspeed_memory import extra_bytes, master_and_moment_bytes
+from .deepspeed_memory import extra_bytes, largest_tied_parameter, master_and_moment_bytes
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .pipeline_memory import (
     gradients_divisor,
@@ -193,6 +193,7 @@ class ModelCost:
         # CPU and on the fused and capturable paths, a host scalar on CUDA's default foreach path: bytes either way)
         self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers) + 4 * len(graph.params)
         self.largest_parameter = max((meta.numel for _, meta in graph.params), default=0)   # elements
+        self.largest_tied_parameter = largest_tied_parameter(graph)                             # elements
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
@@ -386,7 +387,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
                                                               loss_grads, transient, grads, m, dp)
     # FSDP2's and DDP's terms are the torch engine's; DeepSpeed's own buffers are ``deepspeed_memory``'s
     deepspeed_bytes = np.where(ds, extra_bytes(z, offload, params, dp, weight, grad, master, moment, partition_copy,
-                                               grads, activations, model.largest_parameter), 0.0)
+                                               grads, activations, model.largest_parameter, transient, loss_grads,
+                                               model.largest_tied_parameter), 0.0)
     # a pipeline stage's gradients are ``pipeline_memory``'s (its schedule defers the reduction to the last
     # micro-batch); FSDP2's per-unit terms were measured on whole models, and adding them to a stage over-prices
     # the simulated stages (ZeRO 3 pp2 +31%), so they price flat plans only (open: how the two combine)
