@@ -36,7 +36,7 @@ def bucket_sizes(zero: int, parameters: int | None) -> dict:
 
 
 def master_and_moment_bytes(optimizer_bytes: int, partition_copy: int) -> tuple[int, int]:
-    """(master weight, AdamW moment) bytes per element from ``cost.model.StateBytes``: mixed precision's K = 12 is
+    """(master weight, AdamW moment) bytes per element from ``cost.states.StateBytes``: mixed precision's K = 12 is
     a float32 master and two float32 moments (no separate ``partition_copy``); training in a dtype of b bytes keeps
     the partition DeepSpeed updates (``partition_copy`` = b) and two moments of b."""
     master = partition_copy or 4

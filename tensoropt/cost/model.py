@@ -29,33 +29,11 @@ keeps float32 states as above, computes and saves activations in the autocast's 
 it), and holds a 16-bit copy of every weight it computes with for the step (autocast caches the casts, and
 the products save them for backward): 2 more bytes per parameter of the stage, over tp but not over dp
 (the copies are of the gathered weights), counted in ``other_bytes``.
-
-Named precisions (the plan's ``precision``, ``tensoropt launch --precision``; ``state_bytes``), bytes per
-parameter as each engine holds them, before dividing over dp as above:
-- ``32-true``: 4 + 4 + 8 (AdamW's two float32 moments, Loshchilov & Hutter 2019), every engine.
-- ``bf16-true``: 2 + 2 + 4 (torch: the model cast to bf16; DeepSpeed: ``bf16_master_weights_and_grads`` and
-  ``bf16_optimizer_states``, its ZeRO 1-2 partition a bf16 copy, 2/dp).
-- ``bf16-mixed`` on DeepSpeed (``master_weights``): 2 + 2 + 12, ZeRO's K = 12 (Rajbhandari et al. 2020,
-  sec. 3.1): bf16 weights and gradients, float32 master weights and two moments (``BF16_Optimizer``, ZeRO's
-  float32 partitions); gradients accumulated in bf16 (``data_types.grad_accum_dtype``), so no float32 copy.
-- ``bf16-mixed`` on the torch engine (``torch_mixed``): the weights themselves are float32. Without FSDP2:
-  4 + 4 + 8, plus autocast's bf16 copy of every weight (2, kept for the step: autocast caches the casts of
-  leaf float32 tensors that need gradients, and the products save them for backward; torch.amp docs). With
-  FSDP2 (torch ``fully_shard`` docs, ``MixedPrecisionPolicy``: parameters gathered in ``param_dtype``,
-  gradients reduced in ``reduce_dtype``, sharded parameters kept in their own dtype): ZeRO 3 holds float32
-  shards 4/dp, float32 gradient shards 4/dp, AdamW 8/dp, gathers in bf16 (2 bytes communicated; the
-  gathered units and gradient buffers FSDP2 holds beyond the shards are priced in ``cost.torch_memory``)
-  and reduce-scatters float32 (4); ZeRO 2 (``reshard_after_forward=False``) keeps the gathered bf16 weights
-  through the step (2, whole) beside the float32 shard (4/dp); ZeRO 1 too, and accumulates whole float32
-  gradients (4) over the micro-batches, reduce-scattered once after the last
-  (``set_requires_gradient_sync``). Autocast over FSDP2's bf16 weights casts nothing, so it caches no copy.
-Compute and activations come from the graph's op dtypes: the launcher captures the script in the precision it
-plans (``launcher.capture``), so bf16 plans compute at the bf16 peak and save bf16 activations.
+Model-state bytes per precision and engine: ``cost.states``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,94 +46,13 @@ from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
-from .deepspeed_memory import extra_bytes, largest_tied_parameter, master_and_moment_bytes
+from .deepspeed_memory import largest_tied_parameter
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
-from .pipeline_memory import (
-    gradients_divisor,
-    held_first_bytes,
-    held_last_bytes,
-    in_flight_last,
-    p2p_buffer_bytes,
-)
+from .memory import memory_rows
+from .pipeline_memory import in_flight
 from .profile import Cluster
-from .torch_memory import fsdp_held_bytes, largest_copy_parameters, logits_elements, loss_gradient_bytes
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of the model states under one ZeRO stage, and bytes one fused Adam step moves per
-    parameter (see the module docstring for each precision and engine)."""
-
-    weight: int                  # the weights held: whole under ZeRO 0-2, divided over dp under ZeRO 3
-    grad: int                    # the gradients held and reduced (divided over dp under ZeRO 2-3)
-    optimizer: int
-    adam_moved: int
-    partition_copy: int = 0      # a separate master partition when only the optimizer is sharded (ZeRO 1-2)
-    precision: str = ""          # what was assumed, in words (plan files and ``estimate`` say it)
-    gathered: int = 0            # bytes of the weights ZeRO 2-3 gather and compute with, when not ``weight``
-    cast_copy: int | None = None  # autocast's 16-bit copy of float32 weights held for the step; None: as captured
-
-    def optimizer_bytes(self, zero: int) -> int:
-        """Optimizer-state bytes per parameter (before dividing over dp) under a ZeRO stage."""
-        return self.optimizer + (self.partition_copy if zero in (1, 2) else 0)
-
-    @property
-    def gathered_bytes(self) -> int:
-        return self.gathered or self.weight
-
-
-# mixed precision (Micikevicius et al. 2018; Rajbhandari et al. 2020: 2 + 2 + K, K = 12); Adam step:
-# read/write fp32 master, m, v; read grad; write bf16
-MIXED_PRECISION = StateBytes(weight=2, grad=2, optimizer=12, adam_moved=36, precision="mixed precision: 16-bit "
-                             "weights and gradients, float32 master weights and AdamW states (2 + 2 + 12 bytes)")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def own_dtype(dtype: str) -> StateBytes:
-    """Training in the weights' own dtype of b bytes: b + b + 2b (AdamW's two moments in that dtype); a fused
-    step reads weight, gradient, m, v and writes weight, m, v: 7b bytes."""
-    b = DTYPE_BYTES.get(dtype, 2)
-    return StateBytes(weight=b, grad=b, optimizer=2 * b, adam_moved=7 * b, partition_copy=b,
-                      precision=f"{dtype} weights, gradients and AdamW states, no master copy ({b} + {b} + {2 * b} "
-                                "bytes)")
-
-
-def torch_mixed(zero: int) -> StateBytes:
-    """bf16-mixed in the torch engine: the weights stay float32 and are the master copy. ZeRO 0 (DDP, tensor
-    parallel, one process, pipeline stages): 4 + 4 + 8, and autocast's bf16 copy of every weight, cached for
-    the step (2). ZeRO 1-3 (FSDP2, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``): the
-    float32 shards (4/dp) are the master; a unit's weights are gathered in bf16 (2) and its gradients reduced
-    in float32. ZeRO 1 and 2 keep the gathered bf16 weights through the step (2, whole) beside the float32
-    shard (4/dp, counted as ``partition_copy``). ZeRO 2-3 keep float32 gradient shards (4/dp); ZeRO 1 skips
-    the reduce-scatter until the last micro-batch, and FSDP2 then accumulates each unsharded bf16 gradient
-    into a float32 one (``FSDPParam.to_accumulated_grad_if_needed``: reduce_dtype differs from param_dtype):
-    4, whole (one accumulation step reduce-scatters the bf16 gradient at once, less than priced). The step is
-    ``torch.optim.AdamW``'s default on GPUs, the foreach implementation (``torch/optim/adam.py``
-    ``_multi_tensor_adam``), eight passes over float32 lists rather than one fused kernel: decay (read and write
-    the weight, 8 bytes), lerp of m (12), scale of v (8), addcmul into v (12), sqrt of v into a temporary (8),
-    two in-place passes on it (16), addcdiv into the weight (16): 80 bytes per parameter."""
-    words = "float32 weights, gradients and AdamW states, bf16 compute"
-    if zero >= 1:
-        return StateBytes(weight=4 if zero == 3 else 2, grad=4, optimizer=8, adam_moved=80, partition_copy=4,
-                          gathered=2, cast_copy=0, precision=words + " (FSDP2 gathers bf16 weights, reduces "
-                          "float32 gradients; 4 + 4 + 8 bytes sharded)")
-    return StateBytes(weight=4, grad=4, optimizer=8, adam_moved=80, partition_copy=4, cast_copy=2,
-                      precision=words + " under autocast (4 + 4 + 8 bytes, + 2 for autocast's bf16 weight copies)")
-
-
-def state_bytes(dtype: str, master_weights: bool = True, precision: str = "", zero: int = 0) -> StateBytes:
-    """Model-state sizes for a plan's training precision under ZeRO stage ``zero`` (module docstring).
-
-    ``precision`` "" (plans from before it was named): 16-bit types with a float32 master copy train in mixed
-    precision; float32, or any dtype without a master copy, trains the weights themselves. ``bf16-mixed`` with
-    ``master_weights`` is DeepSpeed's bf16 mode (2 + 2 + 12); without, the torch engine's (``torch_mixed``).
-    ``bf16-true`` is 2 + 2 + 4 and ``32-true`` 4 + 4 + 8 in every engine."""
-    if precision == "bf16-mixed" and not master_weights:
-        return torch_mixed(zero)
-    if precision:        # the engine casts the weights to what it trains: no autocast copy of them is kept
-        named = {"32-true": own_dtype("float32"), "bf16-true": own_dtype("bfloat16")}.get(precision, MIXED_PRECISION)
-        return dataclasses.replace(named, cast_copy=0)
-    return MIXED_PRECISION if master_weights and DTYPE_BYTES.get(dtype, 2) < 4 else own_dtype(dtype)
+from .rows import plan_rows
+from .states import DTYPE_BYTES, StateBytes, state_bytes
 
 
 def _carried_bytes(block: Block) -> int:
@@ -210,6 +107,11 @@ class ModelCost:
 
     def tp_allowed(self, tp: int) -> bool:
         return tp == 1 or (bool(self.blocks) and all(s.tp_allowed(tp) for s in self.spaces))
+
+    @property
+    def carried_bytes(self) -> int:
+        """Bytes per sample of the stream a pipeline stage hands on (the largest block's carried state)."""
+        return max((cost.space.carried_bytes for _, cost in self.blocks), default=0)
 
     def units_per_stage(self, pp):
         """Communication units of sharded data parallelism on one stage: its block copies and the loose ops
@@ -327,88 +229,28 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
         # the layer sums come from ``model``'s kernels; ``estimate`` switches models (``ModelCost.with_kernels``)
         raise ValueError("contexts priced for other kernels than the model's: use model.with_kernels(compile)")
 
-    # the numbers of each context, then of each plan
-    ints, floats = [], []
-    logits = logits_elements(model)
-    largest_copy: dict = {}           # the largest copy's parameters per (tp, branches): many contexts share them
-    for c in ctxs:
-        if (c.tp, c.tp_branches) not in largest_copy:
-            largest_copy[c.tp, c.tp_branches] = largest_copy_parameters(model, c.tp, c.tp_branches)
-        first, last = model.loose(c.tp, c.micro_batch, c.pp)
-        state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
-        cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
-        ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
-                     state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
-                     cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
-                     state.partition_copy))
-        floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                       first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                       largest_copy[c.tp, c.tp_branches], loss_gradient_bytes(model, c.tp, c.micro_batch, logits)))
-    per_plan = np.array(ints, dtype=np.int64)[which].T
-    dp, tp, pp, v, m, mb, z, offload, weight, gathered, grad, adam_moved, optimizer_bytes, cast_copy, deepspeed, \
-        master, moment, partition_copy = per_plan
-    loose_time, loose_params, first_acts, last_acts, first_back, last_back, unit_params, loss_grads = \
-        np.array(floats, dtype=float)[which].T
-    offload = offload.astype(bool)
-
-    stage_s = np.asarray(layer_time_s, dtype=float) + loose_time
+    r = plan_rows(model, ctxs, which)
+    stage_s = np.asarray(layer_time_s, dtype=float) + r.loose_time_s
     # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
-    carried = max((cost.space.carried_bytes for _, cost in model.blocks), default=0)
-    p2p = 2 * v * p2p_s(carried * mb / tp, tp * dp >= cluster.devices_per_node, cluster)
-    piped = pp > 1
-    pipeline_s = np.where(piped, (m + (pp - 1) / v) * (stage_s + p2p), m * stage_s)
+    p2p = 2 * r.v * p2p_s(model.carried_bytes * r.mb / r.tp, r.tp * r.dp >= cluster.devices_per_node, cluster)
+    pipeline_s = np.where(r.piped, (r.m + (r.pp - 1) / r.v) * (stage_s + p2p), r.m * stage_s)
     # model states on stage 0 (the larger share of the tied embedding lives there too)
-    params = np.asarray(parameters, dtype=float) + loose_params
+    params = np.asarray(parameters, dtype=float) + r.loose_params
     backward = np.asarray(layer_backward_s, dtype=float)
-    grad_bytes = grad * params
-    units = model.units_per_stage(pp)
-    dp_comm, exposed = data_parallel_s(dp, tp, z, m, gathered * params, grad_bytes, stage_s, backward, cluster,
-                                        units)
-    opt_params = params / np.where(z >= 1, dp, 1)
-    optimizer_s = np.where(offload, offload_step_s(opt_params, weight, prof),
-                           opt_params * adam_moved / prof.memory_bytes_per_s)
+    dp_comm, exposed = data_parallel_s(r.dp, r.tp, r.zero, r.m, r.gathered * params, r.grad * params, stage_s,
+                                        backward, cluster, model.units_per_stage(r.pp))
+    opt_params = params / np.where(r.zero >= 1, r.dp, 1)
+    optimizer_s = np.where(r.offload, offload_step_s(opt_params, r.weight, prof),
+                           opt_params * r.adam_moved / prof.memory_bytes_per_s)
     time_s = pipeline_s + exposed + optimizer_s
-
-    weights = weight * params / np.where(z == 3, dp, 1)
-    grads = grad_bytes / gradients_divisor(pp, z, dp)
-    optimizer = np.where(offload, 0.0, optimizer_bytes * params / np.where(z >= 1, dp, 1))
-    # a stage's loose ops' backward (the loss's first) and its copies' recomputation run at different times
-    transient = np.asarray(transient_bytes, dtype=float)
-    first_back, last_back = (np.maximum(b - transient, 0.0) for b in (first_back, last_back))
-    acts_first = in_flight(pp, m, v) * (np.asarray(activation_bytes) + first_acts) + np.where(
-        piped, held_first_bytes(pp, v, m, mb, carried) + first_back, 0.0)
-    acts_last = np.where(piped, in_flight_last(pp, m, v) * np.asarray(activation_bytes) + last_acts
-                         + held_last_bytes(pp, v, m, mb, carried) + last_back, acts_first)
-    activations = np.maximum(acts_first, acts_last) + p2p_buffer_bytes(pp, v, m, mb, carried)
-    # the loss's backward working set: a pipeline prices it with its stage's loose ops above (``first_back``)
-    loss_grads = np.where(piped, 0.0, loss_grads)
-    ds = deepspeed == 1
-    held_params, torch_grads, torch_working = fsdp_held_bytes(z, gathered, grad, unit_params, loose_params,
-                                                              loss_grads, transient, grads, m, dp)
-    # FSDP2's and DDP's terms are the torch engine's; DeepSpeed's own buffers are ``deepspeed_memory``'s
-    deepspeed_bytes = np.where(ds, extra_bytes(z, offload, params, dp, weight, grad, master, moment, partition_copy,
-                                               grads, activations, model.largest_parameter, transient, loss_grads,
-                                               model.largest_tied_parameter), 0.0)
-    # a pipeline stage's gradients are ``pipeline_memory``'s (its schedule defers the reduction to the last
-    # micro-batch); FSDP2's per-unit terms were measured on whole models, and adding them to a stage over-prices
-    # the simulated stages (ZeRO 3 pp2 +31%), so they price flat plans only (open: how the two combine)
-    flat_torch = ~ds & ~piped
-    held_params = np.where(flat_torch, held_params, 0.0)
-    grads = np.where(flat_torch, torch_grads, grads)
-    working = np.where(flat_torch, torch_working, np.maximum(transient, loss_grads))
-    # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
-    other = working + held_params + prof.runtime_overhead_bytes + cast_copy * params + model.buffer_bytes + \
-        deepspeed_bytes
-    memory = weights + grads + optimizer + activations + other
+    mem = memory_rows(model, r, activation_bytes, transient_bytes, params)
     if totals_only:
-        return {"iteration_time_s": time_s, "peak_memory_bytes": memory}
+        return {"iteration_time_s": time_s, "peak_memory_bytes": mem["peak_memory_bytes"]}
     return {
-        "iteration_time_s": time_s, "peak_memory_bytes": memory,
-        "parameters_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optimizer,
-        "activations_bytes": activations, "other_bytes": other,
-        "compute_s": m * (np.asarray(layer_time_s) + loose_time),
-        "pipeline_bubble_s": np.where(piped, (pp - 1) / v * (stage_s + p2p), 0.0),
-        "pipeline_p2p_s": np.where(piped, m * p2p, 0.0),
+        "iteration_time_s": time_s, **mem,
+        "compute_s": r.m * (np.asarray(layer_time_s) + r.loose_time_s),
+        "pipeline_bubble_s": np.where(r.piped, (r.pp - 1) / r.v * (stage_s + p2p), 0.0),
+        "pipeline_p2p_s": np.where(r.piped, r.m * p2p, 0.0),
         "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
     }
 
@@ -430,13 +272,6 @@ def offload_step_s(opt_params, weight_bytes, prof):
     Arrays or numbers."""
     host_s = opt_params * (1 + (4 + weight_bytes) / HOST_ADAM_BYTES) / prof.cpu_adam_params_per_s
     return host_s + (OFFLOADED_GRAD_BYTES + weight_bytes) * opt_params / prof.pcie_bandwidth_bytes_per_s
-
-
-def in_flight(pp, micro_batches, virtual_stages):
-    """Micro-batches of activations stage 0 holds at its peak (numbers or arrays of them)."""
-    base = np.minimum(micro_batches, pp) * 1.0
-    interleaved = base * (1 + (pp - 1) / (pp * virtual_stages))
-    return np.where(pp == 1, 1.0, np.where(virtual_stages > 1, interleaved, base))
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],

@@ -66,12 +66,19 @@ def gradients_divisor(pp, zero, dp):
     return np.where((zero >= 2) & (pp == 1), dp, 1)
 
 
+def in_flight(pp, micro_batches, virtual_stages):
+    """Micro-batches of activations stage 0 holds at its peak (numbers or arrays of them)."""
+    base = np.minimum(micro_batches, pp) * 1.0
+    interleaved = base * (1 + (pp - 1) / (pp * virtual_stages))
+    return np.where(pp == 1, 1.0, np.where(virtual_stages > 1, interleaved, base))
+
+
 def in_flight_last(pp, micro_batches, virtual_stages):
     """Micro-batches of activations (in units of the device's copies) the last pipeline device holds at its peak:
     one in 1F1B (its stage runs each micro-batch's backward right after its forward); with ``v`` interleaved
     stages it warms up ``(v - 1) p`` chunks of its earlier stages before its first backward, and runs one more
     forward (``schedules._get_warmup_ops`` for rank ``p - 1``: ``(n_local_stages - 1) * microbatches_per_round``),
-    each chunk ``1 / v`` of its copies. The first device's count is ``cost.model.in_flight``."""
+    each chunk ``1 / v`` of its copies. The first device's count is ``in_flight``."""
     pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
     chunks = np.minimum((v - 1) * pp + 1, m * v)
     return np.where(v > 1, chunks / v, 1.0)
@@ -93,5 +100,5 @@ def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byte
     return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
 
 
-__all__ = ["backward_working_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes", "in_flight_last",
-           "p2p_buffer_bytes"]
+__all__ = ["backward_working_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes", "in_flight",
+           "in_flight_last", "p2p_buffer_bytes"]

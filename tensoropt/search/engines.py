@@ -74,7 +74,7 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
 def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
     """Whether an engine keeps a float32 master copy beside bf16 weights: DeepSpeed's bf16 mode does under
     bf16-mixed (``BF16_Optimizer``, ZeRO's float32 partitions: 2 + 2 + 12 bytes per parameter); the torch engine
-    keeps the weights themselves in float32 (``cost.model.torch_mixed``), and bf16-true / 32-true keep none."""
+    keeps the weights themselves in float32 (``cost.states.torch_mixed``), and bf16-true / 32-true keep none."""
     return engine == "deepspeed" and precision == "bf16-mixed"
 
 

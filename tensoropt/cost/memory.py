@@ -1,0 +1,84 @@
+"""Peak memory per device of many plans at once (``cost.model.evaluate_rows``'s memory half): the model states
+ZeRO leaves on a device, the activations its micro-batches keep in flight, and each engine's own buffers and
+working sets at the step's peak. Every engine's terms live in its own module (``cost.torch_memory`` for DDP and
+FSDP2, ``cost.deepspeed_memory``, ``cost.pipeline_memory``); this module chooses, per plan, which apply."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .deepspeed_memory import extra_bytes
+from .pipeline_memory import (
+    gradients_divisor,
+    held_first_bytes,
+    held_last_bytes,
+    in_flight,
+    in_flight_last,
+    p2p_buffer_bytes,
+)
+from .rows import PlanRows
+from .torch_memory import fsdp_held_bytes
+
+if TYPE_CHECKING:
+    from .model import ModelCost
+
+
+def _only(mask: np.ndarray, outputs: int, term, *args) -> list[np.ndarray]:
+    """The ``outputs`` arrays ``term(*args)`` returns, computed on the plans ``mask`` selects (per-plan arrays cut to
+    them, numbers as they are) and 0 on the rest: an engine's terms are computed for that engine's plans only."""
+    out = [np.zeros(len(mask)) for _ in range(outputs)]
+    if mask.any():
+        got = term(*(a[mask] if isinstance(a, np.ndarray) and a.shape == mask.shape else a for a in args))
+        for o, g in zip(out, got if outputs > 1 else (got,)):
+            o[mask] = g
+    return out
+
+
+def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes) -> np.ndarray:
+    """The activations a device keeps at its peak: its copies' and loose ops' saved tensors of the micro-batches in
+    flight, and a pipeline stage's messages (sent, held and receive buffers) and loose ops' backward working set
+    (a stage's loose ops' backward, the loss's first, and its copies' recomputation run at different times)."""
+    carried = model.carried_bytes
+    back_first, back_last = (np.maximum(b - transient_bytes, 0.0) for b in (r.first_back, r.last_back))
+    acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
+        r.piped, held_first_bytes(r.pp, r.v, r.m, r.mb, carried) + back_first, 0.0)
+    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + r.last_acts
+                         + held_last_bytes(r.pp, r.v, r.m, r.mb, carried) + back_last, acts_first)
+    return np.maximum(acts_first, acts_last) + p2p_buffer_bytes(r.pp, r.v, r.m, r.mb, carried)
+
+
+def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes, params: np.ndarray
+                ) -> dict[str, np.ndarray]:
+    """Peak bytes per device and its parts (``parameters``, ``gradients``, ``optimizer``, ``activations``,
+    ``other``) of each plan; ``params``: the elements of the device's stage (copies and loose ops)."""
+    prof = model.cluster.profile
+    activation_bytes, transient = np.asarray(activation_bytes, dtype=float), np.asarray(transient_bytes, dtype=float)
+    weights = r.weight * params / np.where(r.zero == 3, r.dp, 1)
+    grads = r.grad * params / gradients_divisor(r.pp, r.zero, r.dp)
+    optimizer = np.where(r.offload, 0.0, r.optimizer_bytes * params / np.where(r.zero >= 1, r.dp, 1))
+    activations = activations_bytes(model, r, activation_bytes, transient)
+    # FSDP2's and DDP's terms are the torch engine's flat plans'. A pipeline stage prices the loss's backward with
+    # its loose ops (``activations_bytes``), and its gradients are ``pipeline_memory``'s (its schedule defers the
+    # reduction to the last micro-batch); FSDP2's per-unit terms were measured on whole models, and adding them to a
+    # stage over-prices the simulated stages (ZeRO 3 pp2 +31%), so they price flat plans only (open: how the two
+    # combine)
+    flat_torch = ~r.deepspeed & ~r.piped
+    held_params, torch_grads, torch_working = _only(flat_torch, 3, fsdp_held_bytes, r.zero, r.gathered, r.grad,
+                                                    r.unit_params, r.loose_params, r.loss_grads, transient, grads,
+                                                    r.m, r.dp)
+    grads = np.where(flat_torch, torch_grads, grads)
+    working = np.where(flat_torch, torch_working, np.maximum(transient, np.where(r.piped, 0.0, r.loss_grads)))
+    deepspeed_bytes, = _only(r.deepspeed, 1, extra_bytes, r.zero, r.offload, params, r.dp, r.weight, r.grad,
+                             r.master, r.moment, r.partition_copy, grads, activations, model.largest_parameter,
+                             transient, np.where(r.piped, 0.0, r.loss_grads), model.largest_tied_parameter)
+    # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
+    other = working + held_params + prof.runtime_overhead_bytes + r.cast_copy * params + model.buffer_bytes + \
+        deepspeed_bytes
+    return {"peak_memory_bytes": weights + grads + optimizer + activations + other, "parameters_bytes": weights,
+            "gradients_bytes": grads, "optimizer_bytes": optimizer, "activations_bytes": activations,
+            "other_bytes": other}
+
+
+__all__ = ["activations_bytes", "memory_rows"]

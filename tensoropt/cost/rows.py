@@ -1,0 +1,85 @@
+"""The numbers of many plans' contexts as per-plan arrays: what ``cost.model.evaluate_rows`` prices the search's
+candidates from, element by element, so that each plan gets the very floats it would get priced alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .deepspeed_memory import master_and_moment_bytes
+from .states import state_bytes
+from .torch_memory import largest_copy_parameters, logits_elements, loss_gradient_bytes
+
+if TYPE_CHECKING:
+    from .model import Context, ModelCost
+
+
+@dataclass(frozen=True)
+class PlanRows:
+    """One array entry per plan: its context's choices, its model-state bytes per parameter (``cost.states``) and
+    the sizes of its stage's ops outside the blocks."""
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    v: np.ndarray                  # interleaved stages per device
+    m: np.ndarray                  # micro-batches per step
+    mb: np.ndarray                 # samples per micro-batch
+    zero: np.ndarray
+    offload: np.ndarray            # bool
+    weight: np.ndarray             # bytes per parameter (``StateBytes``)
+    gathered: np.ndarray
+    grad: np.ndarray
+    adam_moved: np.ndarray
+    optimizer_bytes: np.ndarray
+    cast_copy: np.ndarray
+    deepspeed: np.ndarray          # bool: DeepSpeed's engine, with its own buffers (``cost.deepspeed_memory``)
+    master: np.ndarray
+    moment: np.ndarray
+    partition_copy: np.ndarray
+    loose_time_s: np.ndarray       # the slower of the first and last stage's ops outside blocks
+    loose_params: np.ndarray       # elements, the larger stage's
+    first_acts: np.ndarray         # the first stage's loose ops' kept activations, bytes
+    last_acts: np.ndarray
+    first_back: np.ndarray         # their backward's working set, bytes
+    last_back: np.ndarray
+    unit_params: np.ndarray        # elements of the largest block copy on one device (one FSDP2 unit)
+    loss_grads: np.ndarray         # the loss backward's float32 logit-sized gradients, bytes
+
+    @property
+    def piped(self) -> np.ndarray:
+        return self.pp > 1
+
+
+_INTS = 18          # the first 18 fields are integers, the rest floats
+
+
+def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanRows:
+    """The arrays of plan i under context ``ctxs[which[i]]`` (each context's numbers computed once)."""
+    ints, floats = [], []
+    logits = logits_elements(model)
+    largest_copy: dict = {}           # the largest copy's parameters per (tp, branches): many contexts share them
+    for c in ctxs:
+        if (c.tp, c.tp_branches) not in largest_copy:
+            largest_copy[c.tp, c.tp_branches] = largest_copy_parameters(model, c.tp, c.tp_branches)
+        first, last = model.loose(c.tp, c.micro_batch, c.pp)
+        state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
+        cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
+        ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
+                     state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
+                     cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
+                     state.partition_copy))
+        floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
+                       first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
+                       largest_copy[c.tp, c.tp_branches], loss_gradient_bytes(model, c.tp, c.micro_batch, logits)))
+    columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
+    names = [f.name for f in fields(PlanRows)]
+    assert len(names) == len(columns) and len(ints[0]) == _INTS
+    values = dict(zip(names, columns))
+    values["offload"], values["deepspeed"] = values["offload"].astype(bool), values["deepspeed"].astype(bool)
+    return PlanRows(**values)
+
+
+__all__ = ["PlanRows", "plan_rows"]
