@@ -23,9 +23,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks._common import machine, write_results  # noqa: E402
+from launcher.capture import capture_script  # noqa: E402
+from launcher.devices import detect  # noqa: E402
+from launcher.launch import cost_model, price  # noqa: E402
+from launcher.memory import predicted_breakdown  # noqa: E402
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan  # noqa: E402
+
+STORED = REPO / "benchmarks" / "results" / "memory_pipeline.json"
 SCRIPT = "examples/train_llama_large.py"
 # Llama 3 8B (Meta 2024: 32 layers, hidden 4096, 32 heads in 8 key/value groups, SwiGLU 14336, vocabulary
 # 128256), 4096 tokens
@@ -95,25 +102,63 @@ def _row(family: str, model: str, plan: Plan, checks: list[dict]) -> dict:
             "predicted": predicted, "actual": simulated, "actual_peak_by_rank": ranks}
 
 
-def rows(quick: bool = False, family: str | None = None) -> list[dict]:
-    """One row per case (module doc); ``family``: only that family's cases."""
+def _dims(layers: int) -> list[str]:
+    return [str(a) for k, v in (LLAMA3_8B | {"--layers": layers}).items() for a in (k, v)]
+
+
+def script_args(layers: int, precision: str) -> list[str]:
+    """The example's arguments for the Llama-3-8B-like model of ``layers`` layers in ``precision``."""
+    dtype = "bfloat16" if precision == "bf16-true" else "float32"
+    return [*_dims(layers), "--dtype", dtype, "--global-batch", str(GLOBAL_BATCH)]
+
+
+def predicted(plan: Plan, layers: int) -> dict:
+    """The cost model's breakdown of ``plan`` (``launcher.memory.predicted_breakdown``), priced in this process as
+    ``tensoropt launch --plan PLAN --dry-run`` prices it (the capture cached like the launcher's)."""
+    devices = detect("cuda", plan.devices, None, None, dry_run=True)
+    graph = capture_script(SCRIPT, script_args(layers, plan.precision), precision=plan.precision)
+    point = price(graph, devices, plan.devices, plan, "torch", plan.precision)
+    return predicted_breakdown(cost_model(graph, devices, plan.devices), point, devices.profile.runtime_overhead_bytes)
+
+
+def priced(row: dict) -> dict:
+    """A stored row (its simulation) with the current cost model's prediction of its plan."""
+    plan = plan_of(*row["case"][1:], row["layers"])
+    got = predicted(plan, row["layers"])
+    return row | {"predicted_tensor_bytes": int(got["tensor_bytes"]), "predicted": got}
+
+
+def simulated(case: tuple, layers: int, model: str, cache_dir: str) -> dict:
+    """A case's row with both simulated ranks (``actual``: the larger peak's breakdown; ``actual_by_rank``: each
+    rank's) and the commit they were simulated at."""
+    name, pp, virtual, dp, tp, zero, mb, recompute, precision = case
+    plan = plan_of(pp, virtual, dp, tp, zero, mb, recompute, precision, layers)
+    checks = [check_memory(script_args(layers, precision), plan, cache_dir, rank)
+              for rank in (0, last_stage_rank(plan))]
+    return _row(name, model, plan, checks) | {"case": list(case), "layers": layers,
+                                                 "simulated_at": machine()["commit"]}
+
+
+def rows(quick: bool = False, family: str | None = None, simulate: bool = False) -> list[dict]:
+    """One row per case (module doc); ``family``: only that family's cases. By default the simulations stored in
+    ``results/memory_pipeline.json`` are re-priced with the current cost model (the simulations depend on the
+    runtime, not on the prices; a case not stored there is simulated); ``simulate``: simulate every case again
+    (~1 minute a rank at 8 layers on two cores)."""
     layers = 8 if quick else LLAMA3_8B["--layers"]
     model = "llama3-8b-like" + (f" ({layers} layers)" if quick else "")
-    dims = [str(a) for k, v in (LLAMA3_8B | {"--layers": layers}).items() for a in (k, v)]
+    stored = {} if simulate or not STORED.exists() else \
+        {(tuple(r["case"]), r["layers"]): r for r in json.loads(STORED.read_text())["rows"]}
     out = []
     # captures shared by the rows of one precision; a TENSOROPT_CACHE_DIR of the caller's keeps them
     with tempfile.TemporaryDirectory() as temporary:
         cache_dir = os.environ.get("TENSOROPT_CACHE_DIR", temporary)
-        for name, pp, virtual, dp, tp, zero, mb, recompute, precision in CASES:
-            if family and name != family:
+        for case in CASES:
+            if family and case[0] != family:
                 continue
-            plan = plan_of(pp, virtual, dp, tp, zero, mb, recompute, precision, layers)
-            dtype = "bfloat16" if precision == "bf16-true" else "float32"
-            args = [*dims, "--dtype", dtype, "--global-batch", str(GLOBAL_BATCH)]
-            checks = [check_memory(args, plan, cache_dir, rank) for rank in (0, last_stage_rank(plan))]
-            out.append(_row(name, model, plan, checks))
-            print(f"  {name:26s} {model:26s} {plan.summary():46s} {_ratio(out[-1]):+7.1%}", file=sys.stderr,
-                  flush=True)
+            found = stored.get((case, layers))
+            out.append(priced(found) if found else simulated(case, layers, model, cache_dir))
+            print(f"  {case[0]:26s} {model:26s} {out[-1]['plan']:46s} {_ratio(out[-1]):+7.1%}"
+                  f"{'' if found else ' (simulated)'}", file=sys.stderr, flush=True)
     return out
 
 
@@ -133,15 +178,18 @@ def table(rows_: list[dict]) -> str:
 
 
 def main() -> None:
-    """``python benchmarks/_memory_pipeline.py [--quick]``: these rows alone, written to
-    ``results/memory_pipeline.json`` and ``.md`` (``memory_accuracy.py`` runs them with the other families)."""
+    """``python benchmarks/_memory_pipeline.py [--quick] [--simulate]``: these rows alone, re-priced from the stored
+    simulations (or simulated again), written to ``results/memory_pipeline.json`` and ``.md``
+    (``memory_accuracy.py`` runs them with the other families)."""
     import argparse
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--simulate", action="store_true", help="simulate every case again (else re-price)")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import write_results
-    out = rows(args.quick)
+    out = rows(args.quick, simulate=args.simulate)
+    if STORED.exists():        # keep the stored rows of the other size (quick or not) that this run did not make
+        made = {(tuple(r["case"]), r["layers"]) for r in out}
+        out += [r for r in json.loads(STORED.read_text())["rows"] if (tuple(r["case"]), r["layers"]) not in made]
     write_results("memory_pipeline", out, table(out), notes=__doc__, extra={"quick": args.quick})
 
 
