@@ -17,6 +17,7 @@ from .pipeline_memory import (
     in_flight,
     in_flight_last,
     p2p_buffer_bytes,
+    relayed_fraction,
 )
 from .rows import PlanRows
 from .torch_memory import fsdp_held_bytes
@@ -42,9 +43,13 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     (a stage's loose ops' backward, the loss's first, and its copies' recomputation run at different times)."""
     carried = model.carried_bytes
     back_first, back_last = (np.maximum(b - transient_bytes, 0.0) for b in (r.first_back, r.last_back))
-    acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
+    # a stage after the first receives the model's tables as messages that require gradients: its copies keep
+    # more (``pipeline_memory.relayed_fraction``); device 0 holds such stages when interleaved
+    relayed = relayed_fraction(cost for _, cost in model.blocks)
+    copies_first = activation_bytes * (1 + np.where(r.piped & (r.v > 1), relayed, 0.0))
+    acts_first = in_flight(r.pp, r.m, r.v) * (copies_first + r.first_acts) + np.where(
         r.piped, held_first_bytes(r.pp, r.v, r.m, r.mb, carried) + back_first, 0.0)
-    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + r.last_acts
+    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes * (1 + relayed) + r.last_acts
                          + held_last_bytes(r.pp, r.v, r.m, r.mb, carried) + back_last, acts_first)
     return np.maximum(acts_first, acts_last) + p2p_buffer_bytes(r.pp, r.v, r.m, r.mb, carried)
 
