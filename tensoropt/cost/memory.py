@@ -42,7 +42,10 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     flight, and a pipeline stage's messages (sent, held and receive buffers) and loose ops' backward working set
     (a stage's loose ops' backward, the loss's first, and its copies' recomputation run at different times)."""
     carried = model.carried_bytes
-    back_first, back_last = (np.maximum(b - transient_bytes, 0.0) for b in (r.first_back, r.last_back))
+    # the last stage runs the loss's backward: at least its float32 logit-sized gradients (``loss_gradient_bytes``:
+    # three of a rank's share under the vocabulary-parallel loss, more than one op's inputs and outputs)
+    back_first, back_last = (np.maximum(b - transient_bytes, 0.0)
+                             for b in (r.first_back, np.maximum(r.last_back, r.loss_grads)))
     # a stage after the first receives the model's tables as messages that require gradients: its copies keep
     # more (``pipeline_memory.relayed_fraction``); device 0 holds such stages when interleaved
     relayed = relayed_fraction(cost for _, cost in model.blocks)
