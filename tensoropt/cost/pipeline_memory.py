@@ -97,14 +97,32 @@ def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byt
 
 
 def gradients_divisor(pp, zero, dp):
-    """What a stage's gradients are divided by: FSDP2 in a pipeline stage reduces them only after the step's last
-    micro-batch (``stage.py backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)`` in every backward;
-    ``perform_reduce_grad`` once all have run), so under ZeRO 2 and 3 as under 1 every micro-batch's gradients
-    accumulate whole; unpiped, ZeRO 2 and 3 keep a shard (``dp``). (The same backward runs with
-    ``set_reshard_after_backward(False)``, but the next micro-batch's forward reshards a ZeRO 3 stage's weights
-    again (``reshard_after_forward=True``), so they are not kept whole at the peaks: not priced.)"""
+    """What a device's gradients are divided by: ZeRO 2 and 3 keep a shard (``dp``), in a pipeline stage too; ZeRO
+    0 and 1 keep them whole. The torch engine makes a ZeRO 2/3 stage's copies and stage module FSDP2 units inside
+    the relay, which is no ``FSDPModule`` itself (``runtime.data_parallel.data_parallel_stage``), so the pipeline
+    stage does not defer their reduction (``stage.py backward_maybe_with_nosync`` does for an ``FSDPModule``
+    only): FSDP2 reduce-scatters every micro-batch's gradients and accumulates the shards, as the simulated ZeRO 3
+    stage shows (only sharded gradients at its peak). Under ZeRO 1 the relay is the FSDP2 root, and the stage
+    defers the reduction to its last backward: the micro-batches' gradients accumulate whole."""
     pp, zero, dp = np.asarray(pp), np.asarray(zero), np.asarray(dp)
-    return np.where((zero >= 2) & (pp == 1), dp, 1)
+    return np.where(zero >= 2, dp, 1)
+
+
+def fsdp_stage_bytes(zero, gathered, grad, unit_params, root_params):
+    """(held parameter bytes, extra bytes at the loss's backward, extra bytes during a copy's backward) that FSDP2
+    holds on a ZeRO 2/3 pipeline stage beside its sharded states (arrays, one entry per plan; ``gathered`` /
+    ``grad``: bytes per parameter; ``unit_params``: the largest copy's elements; ``root_params``: the stage's loose
+    ops' elements). The stage's FSDP2 units run their own hooks every micro-batch (``gradients_divisor``), as in
+    a flat plan (``cost.torch_memory`` says why each is held): under ZeRO 3 the stage module, the root unit,
+    keeps its own (loose ops') parameters gathered from its forward to its backward, and prefetches the last
+    copy's all-gather when its backward starts (the loss's backward, on the last stage); a copy's backward holds
+    its unit gathered, the next unit's all-gather output and two units' gradients (unsharded, and the
+    reduce-scatter input), under ZeRO 2 the two units' gradients (its parameters stay gathered: whole already)."""
+    zero, gathered, grad = np.asarray(zero), np.asarray(gathered), np.asarray(grad)
+    zero3 = zero == 3
+    unit, unit_grads = gathered * unit_params, 2 * grad * unit_params
+    return (np.where(zero3, gathered * root_params, 0.0), np.where(zero3, unit, 0.0),
+            np.where(zero3, 2 * unit + unit_grads, np.where(zero == 2, unit_grads, 0.0)))
 
 
 def in_flight(pp, micro_batches, virtual_stages):
@@ -141,5 +159,5 @@ def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byte
     return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
 
 
-__all__ = ["backward_working_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes", "in_flight",
-           "in_flight_last", "p2p_buffer_bytes", "relayed_fraction", "relayed_table_bytes"]
+__all__ = ["backward_working_bytes", "fsdp_stage_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes",
+           "in_flight", "in_flight_last", "p2p_buffer_bytes", "relayed_fraction", "relayed_table_bytes"]
