@@ -6,7 +6,7 @@ simulated rank): the launcher captures the script, prices the plan with ``tensor
 simulates the rank's second step through the torch engine's own pipeline (``runtime.pipeline``: stages built
 with their messages' shapes, the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run on a fake process group,
 ``runtime.memory_check``). The model is Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices;
-``--quick`` keeps its dimensions with 8 layers (every case: 22 simulations, ~25 min on 2 busy cores).
+``--quick`` keeps its dimensions with 8 layers (every case: 26 simulations, ~15-25 min on 2 busy cores).
 
 ``actual_bytes`` is the larger simulated peak of tensor bytes (``memory_tracker.StepMemory``) of rank 0 (stage 0:
 the embedding, the most micro-batches in flight) and the last stage's first rank (the head and its logits,
@@ -49,6 +49,8 @@ CASES = [
     ("pipeline-1f1b-selective", 2, 1, 4, 1, 1, 1, "selective", "bf16-true"),
     ("pipeline-1f1b-ddp", 2, 1, 4, 1, 0, 1, "none", "bf16-true"),
     ("pipeline-1f1b-zero3", 2, 1, 4, 1, 3, 1, "full", "bf16-true"),
+    ("pipeline-1f1b-zero3", 2, 1, 4, 1, 3, 1, "none", "bf16-true"),
+    ("pipeline-1f1b-zero2", 2, 1, 4, 1, 2, 1, "none", "bf16-true"),
     ("pipeline-1f1b-tp2", 2, 1, 2, 2, 1, 1, "none", "bf16-true"),
     ("pipeline-interleaved", 2, 2, 4, 1, 1, 1, "none", "bf16-true"),
     ("pipeline-interleaved", 4, 2, 2, 1, 1, 1, "full", "bf16-true"),
