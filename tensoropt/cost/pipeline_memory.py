@@ -57,10 +57,13 @@ def relayed_table_bytes(ops: tuple[Op, ...]) -> float:
     it (``pipeline_split._meta_message``, as torch's traced stages take it), so an op that multiplies an
     activation by the table saves the activation for the table's gradient (``mul``'s backward), which it does not
     when the table is a plain buffer. Each partner's producer is counted once, and not when its output is saved
-    anyway."""
+    anyway. A buffer of the block's own modules (named under the op's top-level module, ``layers.``) is the
+    stage's own, not a message: not counted."""
     extra: dict[int, float] = {}
     for op in ops:
-        tables = [k for k, r in enumerate(op.sources) if r.kind == "buffer" and "float" in op.inputs[k].dtype]
+        own = op.module_path.split(".")[0] + "."
+        tables = [k for k, r in enumerate(op.sources) if r.kind == "buffer" and "float" in op.inputs[k].dtype
+                  and not r.name.startswith(own)]
         if not tables or not op.requires_grad:
             continue
         for k, r in enumerate(op.sources):
