@@ -6,12 +6,19 @@ simulated rank): the launcher captures the script, prices the plan with ``tensor
 simulates the rank's second step through the torch engine's own pipeline (``runtime.pipeline``: stages built
 with their messages' shapes, the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run on a fake process group,
 ``runtime.memory_check``). The model is Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices;
-``--quick`` keeps its dimensions with 8 layers (every case: 26 simulations, ~15-25 min on 2 busy cores).
+``--quick`` keeps its dimensions with 8 layers (every case: 32 simulations, ~20-30 min on 2 busy cores).
 
 ``actual_bytes`` is the larger simulated peak of tensor bytes (``memory_tracker.StepMemory``) of rank 0 (stage 0:
 the embedding, the most micro-batches in flight) and the last stage's first rank (the head and its logits,
 ``TENSOROPT_SIMULATE_RANK``): the stages between hold fewer micro-batches in flight and no loose ops. The tests
 hold both ranks' simulation equal to a real 2-worker run's tracked peaks (``tests/test_memory_check.py``).
+
+The simulations are stored in ``results/memory_pipeline.json`` (each row's case, layer count, both ranks' peaks,
+the peak rank's breakdown and the commit it was simulated at): they depend on the runtime, not on the prices, so
+``rows()`` re-prices them with the current cost model in seconds, priced in this process as ``launch --plan PLAN
+--dry-run`` prices the plan. ``rows(simulate=True)`` (``--simulate`` here, ``memory_accuracy.py --simulate
+_memory_pipeline``) simulates every case again: after a change to the runtime. A case not stored is simulated. The
+32-layer cases are not stored (~45 minutes to simulate).
 """
 
 from __future__ import annotations
@@ -52,10 +59,13 @@ CASES = [
     ("pipeline-1f1b-zero3", 2, 1, 4, 1, 3, 1, "none", "bf16-true"),
     ("pipeline-1f1b-zero2", 2, 1, 4, 1, 2, 1, "none", "bf16-true"),
     ("pipeline-1f1b-tp2", 2, 1, 2, 2, 1, 1, "none", "bf16-true"),
+    ("pipeline-1f1b-tp2", 2, 1, 2, 2, 3, 1, "full", "bf16-true"),
     ("pipeline-interleaved", 2, 2, 4, 1, 1, 1, "none", "bf16-true"),
     ("pipeline-interleaved", 4, 2, 2, 1, 1, 1, "full", "bf16-true"),
     ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 1, 1, "full", "bf16-mixed"),
+    ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 1, 1, "none", "bf16-mixed"),
     ("pipeline-1f1b-32-true", 2, 1, 4, 1, 1, 1, "full", "32-true"),
+    ("pipeline-1f1b-32-true", 2, 1, 4, 1, 1, 1, "none", "32-true"),
 ]
 
 
