@@ -7,14 +7,21 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from workers import ENV, GPT_SCRIPT, tensoropt_cli
 
 import tensoropt
-from tensoropt.cost.deepspeed_memory import REDUCE_BUCKET_DEFAULT, bucket_sizes
+from tensoropt.cost.deepspeed_memory import (
+    PREFETCH_BUCKET_DEFAULT,
+    REDUCE_BUCKET_DEFAULT,
+    bucket_sizes,
+    extra_bytes,
+    largest_tied_parameter,
+)
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
-from tensoropt.runtime.deepspeed_tensors import role_of
+from tensoropt.runtime.deepspeed_tensors import host_gradients, role_of
 from tensoropt.search.ft import SearchSpace, search
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
@@ -94,6 +101,64 @@ def test_search_prices_deepspeed_plans_as_estimate(write_json):
         assert estimate(model, point.plan).peak_memory_bytes == pytest.approx(point.peak_memory_bytes, rel=1e-12)
     plain = search(model, 2, dataclasses.replace(space, engine="")).points
     assert min(p.peak_memory_bytes for p in points) > min(p.peak_memory_bytes for p in plain)
+
+
+def test_zero3_offload_keeps_no_gradient_partition_on_the_device(write_json):
+    """ZeRO 3 with the optimizer offloaded: DeepSpeed allocates the gradient partitions on the host, so the
+    device's price drops by the optimizer states and the priced gradient partition, nothing else."""
+    model = _model(write_json)
+    plan = _plan(zero=3, engine="deepspeed")
+    kept = estimate(model, plan).memory_breakdown
+    offloaded = estimate(model, dataclasses.replace(plan, offload=True)).memory_breakdown
+    assert kept["gradients_bytes"] > 0 and offloaded["optimizer_bytes"] == 0
+    assert offloaded["other_bytes"] - kept["other_bytes"] == pytest.approx(-kept["gradients_bytes"], rel=1e-12)
+
+
+def _extra(zero: int, params: float, **change) -> float:
+    """``extra_bytes`` of a bf16-mixed plan on two ranks (2-byte weights and gradients, float32 AdamW)."""
+    args = {"zero": np.array([zero]), "offload": np.array([False]), "params": np.array([params]),
+            "dp": np.array([2]), "weight_bytes": 2, "grad_bytes": 2, "master_bytes": 4, "moment_bytes": 4,
+            "partition_copy": 0, "grads": np.array([2 * params]), "activations": np.array([0.0])} | change
+    return float(extra_bytes(**args)[0])
+
+
+def test_zero3_forward_holds_the_prefetched_weights_twice():
+    """ZeRO 3's forward: the bucket, the gathered weights and the prefetch's flat all-gather output (at most
+    ``stage3_prefetch_bucket_size`` elements), less the loss's gradients the forward does not hold yet."""
+    small, large, held = 40e6, 400e6, np.array([1e9])    # activations: the reduction after the backward is less
+    assert _extra(3, small, activations=held) == pytest.approx(3 * 2 * small)
+    assert _extra(3, large, activations=held) == pytest.approx(2 * 2 * large + 2 * PREFETCH_BUCKET_DEFAULT)
+    assert _extra(3, small, activations=held, loss_gradients=np.array([1e6])) == pytest.approx(3 * 2 * small - 1e6)
+    # a recomputed block's forward makes its activations: only the loss's gradients beyond them are left out
+    assert _extra(3, small, activations=held, transient=np.array([4e5]), loss_gradients=np.array([1e6])) == \
+        pytest.approx(3 * 2 * small - 6e5)
+    # a model larger than the reduce bucket reduces (and flattens) a full bucket within the backward
+    huge = 2 * REDUCE_BUCKET_DEFAULT
+    assert _extra(3, huge, activations=held) == pytest.approx(2 * 2 * REDUCE_BUCKET_DEFAULT + 2 * huge)
+
+
+def test_a_tied_weights_gradients_are_held_three_times_at_the_end_of_the_backward(write_json):
+    """The GPT family ties its embedding and head: that weight is the tied one; a LLaMA has none. ZeRO 1's end
+    of the backward holds the bucket and three of the tied weight's gradients, once activations and the loss's
+    gradients are freed."""
+    gpt = tensoropt.capture(write_json("gpt.json", TINY_GPT)).graph
+    llama = tensoropt.capture(write_json("llama.json", TINY_GPT | {"family": "llama"})).graph
+    embedding = TINY_GPT["vocab_size"] * TINY_GPT["hidden_size"]
+    assert largest_tied_parameter(gpt) == embedding and largest_tied_parameter(llama) == 0
+    params, tied = 1e6, 3e5
+    end = 2 * params + 3 * 2 * tied
+    assert _extra(1, params, largest_tied=tied, activations=np.array([1e5]), loss_gradients=np.array([2e5])) == \
+        pytest.approx(end - 3e5)
+    # with more activations the backward's own peak (the bucket and one fresh gradient) is the larger
+    assert _extra(1, params, largest_tied=tied, largest_parameter=tied, activations=np.array([1.5e6])) == \
+        pytest.approx(2 * params + 2 * tied)
+
+
+def test_the_host_partitions_gradients_are_offloaded():
+    """ZeRO 3 keeps a host gradient on each float32 partition (``.grad``): the tracker names it offloaded."""
+    partition = torch.zeros(8, requires_grad=True)
+    partition.grad = torch.ones(8)
+    assert [g is partition.grad for g in host_gradients([partition, torch.zeros(2)])] == [True]
 
 
 # benchmarks/_memory_deepspeed.py's model, whose states dominate: 12 layers of hidden 512, vocabulary 8192 (42.1M

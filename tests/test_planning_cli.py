@@ -191,3 +191,26 @@ def test_estimate_prices_the_kernels_it_is_told(model):
     assert eager == default and eager["plan"]["compile"] is False and compiled["plan"]["compile"] is True
     # fused memory-bound chains move fewer bytes: the compiled plan's forward + backward is faster
     assert compiled["time_breakdown"]["forward_backward_s"] < eager["time_breakdown"]["forward_backward_s"]
+
+
+def test_estimate_prices_the_engine_it_is_told(model):
+    """``--engine deepspeed`` adds DeepSpeed's own buffers (ZeRO 1: the reduce bucket of every bf16 gradient, and
+    more) to the same states; ``--engine torch`` prices as no engine does; a plan DeepSpeed cannot run is one line."""
+    def est(*engine, tp=1):
+        code, out = run("estimate", "--model", model, "--gpus", 2, "--tp", tp, "--pp", 1, "--global-batch", 4,
+                        "--micro-batch", 2, "--zero", 1, "--json", *engine)
+        return code, out
+    reports = {}
+    for engine in ("", "torch", "deepspeed"):
+        code, out = est(*(["--engine", engine] if engine else []))
+        assert code == 0, out
+        reports[engine] = json.loads(out)
+    plain, torch_, deepspeed = (reports[e]["memory_breakdown"] for e in ("", "torch", "deepspeed"))
+    assert torch_ == plain and reports["torch"]["plan"]["engine"] == "torch"
+    assert reports["deepspeed"]["plan"]["engine"] == "deepspeed" and "engine" not in reports[""]["plan"]
+    states = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes")
+    assert all(deepspeed[k] == plain[k] for k in states)
+    params = plain["parameters_bytes"] / 2                                           # bf16 weights
+    assert deepspeed["other_bytes"] - plain["other_bytes"] >= 2 * params            # the bf16 reduce bucket at least
+    code, out = est("--engine", "deepspeed", tp=2)
+    assert code == 1 and "the deepspeed engine does not run tensor parallelism" in out and out.count("\n") == 1, out

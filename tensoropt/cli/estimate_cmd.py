@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -12,6 +13,8 @@ from ..cost.model import estimate as estimate_plan
 from ..cost.model import state_bytes
 from ..errors import TensorOptError
 from ..options import check_counts
+from ..search.engines import master_weights as engine_master_weights
+from ..search.engines import unsupported
 from ..space.plan import PRECISIONS, RECOMPUTE, BlockPlan, LayerStrategy, Plan, compute_dtype
 from .common import load, model_options
 from .format import binary_bytes
@@ -54,6 +57,17 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
                 else (), DTYPES[dtype], blocks, master_weights, precision, compile)
 
 
+def on_engine(plan: Plan, engine: str) -> Plan:
+    """``plan`` as ``engine`` runs it (``launch --engine``): priced with the engine's buffers and, where a precision
+    is named, the master copy the engine keeps in it (``search.engines.master_weights``, as the launcher plans);
+    one line naming what the engine cannot run."""
+    if problems := unsupported(plan, engine):
+        raise TensorOptError(f"the {engine} engine does not run {', '.join(problems)}: change those flags or drop "
+                             f"--engine {engine}")
+    keeps = engine_master_weights(engine, plan.precision) if plan.precision else plan.master_weights
+    return dataclasses.replace(plan, engine=engine, master_weights=keeps)
+
+
 @click.command()
 @click.option("--model", required=True, help=MODEL_HELP)
 @click.option("--gpus", type=int, required=True)
@@ -79,9 +93,14 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
               help="price blocks compiled with torch.compile (memory-bound ops fused inside each block copy, as "
                    "`launch --compile` and Megatron-LM's fused kernels run them; the ops outside blocks eager) or "
                    "eager PyTorch, one kernel per op (what the torch engine runs without --compile)")
+@click.option("--engine", type=click.Choice(["torch", "deepspeed"]), default=None,
+              help="price the plan as this engine of `tensoropt launch --engine` runs it: deepspeed adds its own "
+                   "buffers (reduce bucket, ZeRO 3's gathered and prefetched weights), and with --precision each "
+                   "engine keeps its own master copy (as launch plans it); a plan the engine cannot run is refused "
+                   "(default: no engine, priced as the torch engine runs it)")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
-             recompute, sequence_parallel, dtype, master_weights, precision, compile_, as_json):
+             recompute, sequence_parallel, dtype, master_weights, precision, compile_, engine, as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
     check_counts(devices=gpus, global_batch=global_batch)
     if precision:
@@ -91,6 +110,8 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
                       global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_)
+    if engine:
+        plan = on_engine(plan, engine)
     result = estimate_plan(cost, plan)
     report = {"iteration_time_s": result.iteration_time_s, "peak_memory_bytes": int(result.peak_memory_bytes),
               "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},
@@ -102,7 +123,8 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
     if as_json:
         click.echo(json.dumps(report))
         return
-    title = f"{loaded.graph.name}: {plan.summary()} on {gpus} x {loaded.profile.name}"
+    title = f"{loaded.graph.name}: {plan.summary()} on {gpus} x {loaded.profile.name}" + \
+        (f" ({engine} engine)" if engine else "")
     table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")

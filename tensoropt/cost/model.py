@@ -46,6 +46,7 @@ from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
+from .deepspeed_memory import largest_tied_parameter
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .memory import memory_rows
 from .pipeline_memory import in_flight
@@ -89,6 +90,7 @@ class ModelCost:
         # CPU and on the fused and capturable paths, a host scalar on CUDA's default foreach path: bytes either way)
         self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers) + 4 * len(graph.params)
         self.largest_parameter = max((meta.numel for _, meta in graph.params), default=0)   # elements
+        self.largest_tied_parameter = largest_tied_parameter(graph)                             # elements
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 

@@ -59,6 +59,14 @@ def _tensors(value: object, depth: int) -> Iterator[torch.Tensor]:
             yield from _tensors(v, depth + 1)
 
 
+def host_gradients(partitions: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The ``.grad`` of an offloading optimizer's host partitions: ZeRO 3 gives each float32 partition a host
+    gradient buffer at initialisation and keeps it (``stage3.py`` ``initialize_optimizer_states``:
+    ``fp32_partitioned_groups_flat[i].grad``, allocated on the offload device and never set to None under
+    offload). It is held by no attribute of its own, so it would otherwise be counted as device memory."""
+    return [p.grad for p in partitions if isinstance(p.grad, torch.Tensor) and not p.grad.is_meta]
+
+
 def deepspeed_tensors(model: nn.Module, optimizer: object) -> dict[str, list[torch.Tensor]]:
     """{role: tensors} held by a DeepSpeed ``optimizer`` (not the torch optimizer it wraps, whose states
     ``memory_check.register_model`` names, unless it steps on the host: ``offloaded``) and ZeRO 3's parameter
@@ -72,9 +80,11 @@ def deepspeed_tensors(model: nn.Module, optimizer: object) -> dict[str, list[tor
     inner = getattr(optimizer, "optimizer", None)
     if offloading and isinstance(getattr(inner, "state", None), dict):     # the torch optimizer steps on the host
         found.setdefault("offloaded", []).extend(t for s in inner.state.values() for t in _tensors(s, 1))
+    if offloading:      # the host partitions' float32 gradients, which the host's step reads (``host_gradients``)
+        found.setdefault("offloaded", []).extend(host_gradients(found.get("offloaded", [])))
     partitions = [p.ds_tensor for p in model.parameters() if isinstance(getattr(p, "ds_tensor", None), torch.Tensor)]
     found.setdefault("parameters", []).extend(partitions)
     return found
 
 
-__all__ = ["deepspeed_tensors", "role_of"]
+__all__ = ["deepspeed_tensors", "host_gradients", "role_of"]
