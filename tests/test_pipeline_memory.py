@@ -8,12 +8,21 @@ import pytest
 
 import tensoropt
 from tensoropt.cost.model import ModelCost, estimate
-from tensoropt.cost.pipeline_memory import held_first_bytes, held_last_bytes, p2p_buffer_bytes
+from tensoropt.cost.pipeline_memory import (
+    fsdp_stage_bytes,
+    gradients_divisor,
+    held_first_bytes,
+    held_last_bytes,
+    p2p_buffer_bytes,
+    relayed_table_bytes,
+)
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 GPT = {"family": "gpt", "hidden_size": 64, "num_layers": 8, "num_attention_heads": 4,
        "ffn_hidden_size": 256, "seq_length": 64, "vocab_size": 256}
+LLAMA = {"family": "llama", "hidden_size": 64, "num_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "ffn_hidden_size": 128, "seq_length": 32, "vocab_size": 128}
 
 
 def test_buffer_sets_and_held_sends_per_device():
@@ -45,3 +54,43 @@ def test_more_micro_batches_cost_their_messages_and_nothing_else(write_json, vir
                    for b in (8, 16)]
     sets = (2 * virtual - 1) * (2 if virtual > 1 else 1)
     assert activations[1] - activations[0] == sets * 4 * 2 * 64 * 64 * 2
+
+
+def test_relayed_rotary_tables_keep_the_products_partners(write_json):
+    """A Llama copy multiplies q and k by the rotary tables, which a later stage receives as messages requiring
+    gradients: q as gathered from the fused qkv output (a copy), rotate_half(q), the qkv output k views, and
+    rotate_half(k) are then saved, none of them otherwise (bf16, 32 positions, 4 heads of 16, 2 key/value heads).
+    A GPT with learned positions relays no table."""
+    seq, heads, kv, head_dim, bf16 = 32, 4, 2, 16, 2
+    graph = tensoropt.capture(write_json("l.json", LLAMA)).graph
+    (block,) = tensoropt.fold(graph).blocks
+    q, qkv, k = heads * seq * head_dim * bf16, seq * (heads + 2 * kv) * head_dim * bf16, kv * seq * head_dim * bf16
+    assert relayed_table_bytes(block.ops) == q + q + qkv + k
+    gpt = tensoropt.capture(write_json("g.json", GPT)).graph
+    assert relayed_table_bytes(tensoropt.fold(gpt).blocks[0].ops) == 0
+
+
+def test_zero2_and_zero3_stages_shard_their_gradients():
+    """The torch engine's ZeRO 2/3 stages reduce-scatter every micro-batch (the relay is no FSDP2 root); ZeRO 0/1
+    stages accumulate whole gradients until the last backward."""
+    assert [int(gradients_divisor(2, zero, 4)) for zero in (0, 1, 2, 3)] == [1, 1, 4, 4]
+    assert [int(gradients_divisor(1, zero, 4)) for zero in (0, 1, 2, 3)] == [1, 1, 4, 4]
+
+
+def test_fsdp_stage_terms():
+    """ZeRO 3: the root unit's loose parameters gathered, one unit prefetched beside the loss's backward, and in a
+    copy's backward its unit, the next one and two units' gradients; ZeRO 2 only the two units' gradients; bf16
+    (2 bytes a parameter gathered and reduced), 10 parameters a unit, 7 loose."""
+    held, at_loss, in_copy = fsdp_stage_bytes([1, 2, 3], 2, 2, 10, 7)
+    assert list(held) == [0, 0, 14] and list(at_loss) == [0, 0, 20] and list(in_copy) == [0, 40, 80]
+
+
+def test_stage_gradients_priced_as_the_engine_reduces(write_json):
+    """An estimate of a pp2 plan: ZeRO 3's gradients are a 1/dp shard of ZeRO 1's whole ones."""
+    graph = tensoropt.capture(write_json("m.json", GPT)).graph
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(8, 8, load_profile("h100-80gb")))
+    ((block, _),) = model.blocks
+    grads = {zero: estimate(model, Plan(devices=8, dp=4, tp=1, pp=2, micro_batch=1, global_batch=16, zero=zero,
+                                        blocks=(BlockPlan(block.name, ((LayerStrategy("full"), 4),)),))
+                            ).memory_breakdown["gradients_bytes"] for zero in (1, 3)}
+    assert grads[3] * 4 == pytest.approx(grads[1])

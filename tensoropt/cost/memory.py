@@ -11,12 +11,14 @@ import numpy as np
 
 from .deepspeed_memory import extra_bytes
 from .pipeline_memory import (
+    fsdp_stage_bytes,
     gradients_divisor,
     held_first_bytes,
     held_last_bytes,
     in_flight,
     in_flight_last,
     p2p_buffer_bytes,
+    relayed_fraction,
 )
 from .rows import PlanRows
 from .torch_memory import fsdp_held_bytes
@@ -36,15 +38,25 @@ def _only(mask: np.ndarray, outputs: int, term, *args) -> list[np.ndarray]:
     return out
 
 
-def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes) -> np.ndarray:
+def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes, at_loss_bytes=0.0
+                      ) -> np.ndarray:
     """The activations a device keeps at its peak: its copies' and loose ops' saved tensors of the micro-batches in
     flight, and a pipeline stage's messages (sent, held and receive buffers) and loose ops' backward working set
-    (a stage's loose ops' backward, the loss's first, and its copies' recomputation run at different times)."""
+    (a stage's loose ops' backward, the loss's first, and its copies' recomputation run at different times:
+    ``transient_bytes`` is the copies' backward working set, ``at_loss_bytes`` what FSDP2 holds beside the
+    loss's)."""
     carried = model.carried_bytes
-    back_first, back_last = (np.maximum(b - transient_bytes, 0.0) for b in (r.first_back, r.last_back))
-    acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
+    # the last stage runs the loss's backward: at least its float32 logit-sized gradients (``loss_gradient_bytes``:
+    # three of a rank's share under the vocabulary-parallel loss, more than one op's inputs and outputs)
+    back_first, back_last = (np.maximum(b - transient_bytes, 0.0)
+                             for b in (r.first_back, np.maximum(r.last_back, r.loss_grads) + at_loss_bytes))
+    # a stage after the first receives the model's tables as messages that require gradients: its copies keep
+    # more (``pipeline_memory.relayed_fraction``); device 0 holds such stages when interleaved
+    relayed = relayed_fraction(cost for _, cost in model.blocks)
+    copies_first = activation_bytes * (1 + np.where(r.piped & (r.v > 1), relayed, 0.0))
+    acts_first = in_flight(r.pp, r.m, r.v) * (copies_first + r.first_acts) + np.where(
         r.piped, held_first_bytes(r.pp, r.v, r.m, r.mb, carried) + back_first, 0.0)
-    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + r.last_acts
+    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes * (1 + relayed) + r.last_acts
                          + held_last_bytes(r.pp, r.v, r.m, r.mb, carried) + back_last, acts_first)
     return np.maximum(acts_first, acts_last) + p2p_buffer_bytes(r.pp, r.v, r.m, r.mb, carried)
 
@@ -58,18 +70,22 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     weights = r.weight * params / np.where(r.zero == 3, r.dp, 1)
     grads = r.grad * params / gradients_divisor(r.pp, r.zero, r.dp)
     optimizer = np.where(r.offload, 0.0, r.optimizer_bytes * params / np.where(r.zero >= 1, r.dp, 1))
-    activations = activations_bytes(model, r, activation_bytes, transient)
     # FSDP2's and DDP's terms are the torch engine's flat plans'. A pipeline stage prices the loss's backward with
-    # its loose ops (``activations_bytes``), and its gradients are ``pipeline_memory``'s (its schedule defers the
-    # reduction to the last micro-batch); FSDP2's per-unit terms were measured on whole models, and adding them to a
-    # stage over-prices the simulated stages (ZeRO 3 pp2 +31%), so they price flat plans only (open: how the two
-    # combine)
+    # its loose ops (``activations_bytes``); on a ZeRO 2/3 stage FSDP2's units run every micro-batch as in a flat
+    # plan, and what they hold beside the loss's backward and beside a copy's is ``pipeline_memory``'s
+    staged = r.piped & ~r.deepspeed & (r.zero >= 2)
+    stage_params, at_loss, in_copy = _only(staged, 3, fsdp_stage_bytes, r.zero, r.gathered, r.grad, r.unit_params,
+                                           r.loose_params)
+    stage_working = transient + in_copy
+    activations = activations_bytes(model, r, activation_bytes, np.where(r.piped, stage_working, transient), at_loss)
     flat_torch = ~r.deepspeed & ~r.piped
     held_params, torch_grads, torch_working = _only(flat_torch, 3, fsdp_held_bytes, r.zero, r.gathered, r.grad,
                                                     r.unit_params, r.loose_params, r.loss_grads, transient, grads,
                                                     r.m, r.dp)
     grads = np.where(flat_torch, torch_grads, grads)
-    working = np.where(flat_torch, torch_working, np.maximum(transient, np.where(r.piped, 0.0, r.loss_grads)))
+    working = np.where(flat_torch, torch_working,
+                       np.where(r.piped, stage_working, np.maximum(transient, r.loss_grads)))
+    held_params = held_params + stage_params
     deepspeed_bytes, = _only(r.deepspeed, 1, extra_bytes, r.zero, r.offload, params, r.dp, r.weight, r.grad,
                              r.master, r.moment, r.partition_copy, grads, activations, model.largest_parameter,
                              transient, np.where(r.piped, 0.0, r.loss_grads), model.largest_tied_parameter)

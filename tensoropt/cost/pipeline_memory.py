@@ -30,6 +30,8 @@ Beside the buffers, a stage keeps what it sent (``held_*_bytes``):
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..graph.ir import Op
@@ -47,6 +49,48 @@ def backward_working_bytes(op: Op) -> float:
     return float(outputs + inputs)
 
 
+def relayed_table_bytes(ops: tuple[Op, ...]) -> float:
+    """Bytes per sample that one block copy saves beyond its own ``saved_bytes`` on a stage that receives the
+    model's tables (a buffer read outside the block's own modules, e.g. rotary embeddings' cos and sin) as
+    messages. The traced split computes such a table once, on the first stage that reads it, and relays it
+    (``runtime.pipeline_split.Wiring``); a floating-point message requires a gradient on the stage that receives
+    it (``pipeline_split._meta_message``, as torch's traced stages take it), so an op that multiplies an
+    activation by the table saves the activation for the table's gradient (``mul``'s backward), which it does not
+    when the table is a plain buffer. Each partner's producer is counted once, and not when its output is saved
+    anyway. A buffer of the block's own modules (named under the op's top-level module, ``layers.``) is the
+    stage's own, not a message: not counted."""
+    extra: dict[int, float] = {}
+    for op in ops:
+        own = op.module_path.split(".")[0] + "."
+        tables = [k for k, r in enumerate(op.sources) if r.kind == "buffer" and "float" in op.inputs[k].dtype
+                  and not r.name.startswith(own)]
+        if not tables or not op.requires_grad:
+            continue
+        for k, r in enumerate(op.sources):
+            if k not in tables and r.kind == "local" and "float" in op.inputs[k].dtype:
+                producer = ops[r.index]
+                if not producer.saved_bytes:
+                    extra[r.index] = float(sum(m.nbytes for m in producer.outputs))
+    return sum(extra.values())
+
+
+_RELAYED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # BlockCost -> its relayed_fraction
+
+
+def relayed_fraction(block_costs) -> float:
+    """The largest, over the blocks (``cost.layer.BlockCost``), of ``relayed_table_bytes`` of a copy over the
+    bytes it saves (its ``saved_bytes``): what a stage that receives the tables keeps beyond the copies' priced
+    activations, as a share of them (a copy that recomputes everything keeps only its input, and this share of
+    it, a little more than it holds)."""
+    out = 0.0
+    for cost in block_costs:
+        if cost not in _RELAYED:
+            saved = sum(op.saved_bytes for op in cost.ops)
+            _RELAYED[cost] = relayed_table_bytes(cost.ops) / saved if saved else 0.0
+        out = max(out, _RELAYED[cost])
+    return out
+
+
 def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
     """Bytes of the receive buffers of pipeline device 0 (and of device ``p - 1``: the same count), numbers or
     per-plan arrays; 0 without a pipeline (module doc)."""
@@ -56,14 +100,32 @@ def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byt
 
 
 def gradients_divisor(pp, zero, dp):
-    """What a stage's gradients are divided by: FSDP2 in a pipeline stage reduces them only after the step's last
-    micro-batch (``stage.py backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)`` in every backward;
-    ``perform_reduce_grad`` once all have run), so under ZeRO 2 and 3 as under 1 every micro-batch's gradients
-    accumulate whole; unpiped, ZeRO 2 and 3 keep a shard (``dp``). (The same backward runs with
-    ``set_reshard_after_backward(False)``, but the next micro-batch's forward reshards a ZeRO 3 stage's weights
-    again (``reshard_after_forward=True``), so they are not kept whole at the peaks: not priced.)"""
+    """What a device's gradients are divided by: ZeRO 2 and 3 keep a shard (``dp``), in a pipeline stage too; ZeRO
+    0 and 1 keep them whole. The torch engine makes a ZeRO 2/3 stage's copies and stage module FSDP2 units inside
+    the relay, which is no ``FSDPModule`` itself (``runtime.data_parallel.data_parallel_stage``), so the pipeline
+    stage does not defer their reduction (``stage.py backward_maybe_with_nosync`` does for an ``FSDPModule``
+    only): FSDP2 reduce-scatters every micro-batch's gradients and accumulates the shards, as the simulated ZeRO 3
+    stage shows (only sharded gradients at its peak). Under ZeRO 1 the relay is the FSDP2 root, and the stage
+    defers the reduction to its last backward: the micro-batches' gradients accumulate whole."""
     pp, zero, dp = np.asarray(pp), np.asarray(zero), np.asarray(dp)
-    return np.where((zero >= 2) & (pp == 1), dp, 1)
+    return np.where(zero >= 2, dp, 1)
+
+
+def fsdp_stage_bytes(zero, gathered, grad, unit_params, root_params):
+    """(held parameter bytes, extra bytes at the loss's backward, extra bytes during a copy's backward) that FSDP2
+    holds on a ZeRO 2/3 pipeline stage beside its sharded states (arrays, one entry per plan; ``gathered`` /
+    ``grad``: bytes per parameter; ``unit_params``: the largest copy's elements; ``root_params``: the stage's loose
+    ops' elements). The stage's FSDP2 units run their own hooks every micro-batch (``gradients_divisor``), as in
+    a flat plan (``cost.torch_memory`` says why each is held): under ZeRO 3 the stage module, the root unit,
+    keeps its own (loose ops') parameters gathered from its forward to its backward, and prefetches the last
+    copy's all-gather when its backward starts (the loss's backward, on the last stage); a copy's backward holds
+    its unit gathered, the next unit's all-gather output and two units' gradients (unsharded, and the
+    reduce-scatter input), under ZeRO 2 the two units' gradients (its parameters stay gathered: whole already)."""
+    zero, gathered, grad = np.asarray(zero), np.asarray(gathered), np.asarray(grad)
+    zero3 = zero == 3
+    unit, unit_grads = gathered * unit_params, 2 * grad * unit_params
+    return (np.where(zero3, gathered * root_params, 0.0), np.where(zero3, unit, 0.0),
+            np.where(zero3, 2 * unit + unit_grads, np.where(zero == 2, unit_grads, 0.0)))
 
 
 def in_flight(pp, micro_batches, virtual_stages):
@@ -100,5 +162,5 @@ def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byte
     return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
 
 
-__all__ = ["backward_working_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes", "in_flight",
-           "in_flight_last", "p2p_buffer_bytes"]
+__all__ = ["backward_working_bytes", "fsdp_stage_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes",
+           "in_flight", "in_flight_last", "p2p_buffer_bytes", "relayed_fraction", "relayed_table_bytes"]
