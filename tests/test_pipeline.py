@@ -12,7 +12,7 @@ from workers import GPT_SCRIPT, dry_run_plan, launched_with_plan, losses_alone
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.pipeline_split import Relay, split_spec, stage_wiring
+from tensoropt.runtime.pipeline_split import Relay, message_gradients, split_spec, stage_messages, stage_wiring
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 # the tests that start workers are slow and share the "multiprocess" xdist group; the two in-process ones are neither
@@ -88,6 +88,42 @@ def test_four_relayed_stages_compute_the_model():
     for s, wiring in enumerate(wirings):
         values = Relay(pipe.get_stage_module(s), wiring)(*values, **{k: inputs[k] for k in wiring.model_inputs})
     torch.testing.assert_close(values, expected)
+
+
+def test_only_messages_a_gradient_flows_through_require_one():
+    """A rope model's first stage makes the rotary tables and the mask from buffers and positions, and relays
+    them: a later stage receives them without requiring a gradient (else its products would save their partners
+    and send gradients back for nothing); the stream requires one. Run so, the stages give the model's gradients."""
+    from torch.distributed.pipelining import pipeline
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
+                                       seq_length=16, vocab_size=64, position="rope", norm="rmsnorm",
+                                       tie_embeddings=False))
+    inputs = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+    pipe = pipeline(model, mb_args=(), mb_kwargs=inputs, split_spec=split_spec(model, _plan(2, 2)))
+    wiring = stage_wiring(pipe.split_gm.graph, 1)
+    received, _ = stage_messages(pipe, 1)
+    needs = message_gradients(pipe)
+    assert len(received) >= 3 and [needs[name] for name in wiring.receives] == [m.requires_grad for m in received]
+    streams = [m for m in received if m.requires_grad]
+    assert len(streams) == 1 and streams[0].shape == (2, 16, 32)      # the hidden stream only
+    assert any(m.is_floating_point() and not m.requires_grad for m in received)   # cos / sin
+    # as the schedule runs them: stage 1 on leaves made from the messages, the stream's gradient sent back to
+    # stage 0 only; the model's parameters get the gradients of the model run whole
+    model(**inputs).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    wirings = [stage_wiring(pipe.split_gm.graph, s) for s in range(2)]
+    stages = [Relay(pipe.get_stage_module(s), w) for s, w in enumerate(wirings)]
+    sent = stages[0](input_ids=inputs["input_ids"])
+    leaves = [m.detach().requires_grad_(needs[name]) for m, name in zip(sent, wirings[1].receives)]
+    stages[1](*leaves, labels=inputs["labels"]).backward()
+    torch.autograd.backward([m for m, leaf in zip(sent, leaves) if leaf.requires_grad],
+                            [leaf.grad for leaf in leaves if leaf.requires_grad])
+    got = {n: p.grad for s in range(2) for n, p in pipe.get_stage_module(s).named_parameters()}
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name])
 
 
 def test_a_plan_the_model_cannot_be_cut_into_is_refused():

@@ -14,7 +14,6 @@ from tensoropt.cost.pipeline_memory import (
     held_first_bytes,
     held_last_bytes,
     p2p_buffer_bytes,
-    relayed_table_bytes,
 )
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -54,20 +53,6 @@ def test_more_micro_batches_cost_their_messages_and_nothing_else(write_json, vir
                    for b in (8, 16)]
     sets = (2 * virtual - 1) * (2 if virtual > 1 else 1)
     assert activations[1] - activations[0] == sets * 4 * 2 * 64 * 64 * 2
-
-
-def test_relayed_rotary_tables_keep_the_products_partners(write_json):
-    """A Llama copy multiplies q and k by the rotary tables, which a later stage receives as messages requiring
-    gradients: q as gathered from the fused qkv output (a copy), rotate_half(q), the qkv output k views, and
-    rotate_half(k) are then saved, none of them otherwise (bf16, 32 positions, 4 heads of 16, 2 key/value heads).
-    A GPT with learned positions relays no table."""
-    seq, heads, kv, head_dim, bf16 = 32, 4, 2, 16, 2
-    graph = tensoropt.capture(write_json("l.json", LLAMA)).graph
-    (block,) = tensoropt.fold(graph).blocks
-    q, qkv, k = heads * seq * head_dim * bf16, seq * (heads + 2 * kv) * head_dim * bf16, kv * seq * head_dim * bf16
-    assert relayed_table_bytes(block.ops) == q + q + qkv + k
-    gpt = tensoropt.capture(write_json("g.json", GPT)).graph
-    assert relayed_table_bytes(tensoropt.fold(gpt).blocks[0].ops) == 0
 
 
 def test_zero2_and_zero3_stages_shard_their_gradients():

@@ -18,7 +18,6 @@ from .pipeline_memory import (
     in_flight,
     in_flight_last,
     p2p_buffer_bytes,
-    relayed_fraction,
 )
 from .rows import PlanRows
 from .torch_memory import fsdp_held_bytes
@@ -50,13 +49,9 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     # three of a rank's share under the vocabulary-parallel loss, more than one op's inputs and outputs)
     back_first, back_last = (np.maximum(b - transient_bytes, 0.0)
                              for b in (r.first_back, np.maximum(r.last_back, r.loss_grads) + at_loss_bytes))
-    # a stage after the first receives the model's tables as messages that require gradients: its copies keep
-    # more (``pipeline_memory.relayed_fraction``); device 0 holds such stages when interleaved
-    relayed = relayed_fraction(cost for _, cost in model.blocks)
-    copies_first = activation_bytes * (1 + np.where(r.piped & (r.v > 1), relayed, 0.0))
-    acts_first = in_flight(r.pp, r.m, r.v) * (copies_first + r.first_acts) + np.where(
+    acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
         r.piped, held_first_bytes(r.pp, r.v, r.m, r.mb, carried) + back_first, 0.0)
-    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes * (1 + relayed) + r.last_acts
+    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + r.last_acts
                          + held_last_bytes(r.pp, r.v, r.m, r.mb, carried) + back_last, acts_first)
     return np.maximum(acts_first, acts_last) + p2p_buffer_bytes(r.pp, r.v, r.m, r.mb, carried)
 

@@ -30,8 +30,6 @@ Beside the buffers, a stage keeps what it sent (``held_*_bytes``):
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from ..graph.ir import Op
@@ -47,48 +45,6 @@ def backward_working_bytes(op: Op) -> float:
     outputs = sum(m.nbytes for m in op.outputs if "float" in m.dtype)
     inputs = sum(m.nbytes for m, r in zip(op.inputs, op.sources) if "float" in m.dtype and r.kind != "param")
     return float(outputs + inputs)
-
-
-def relayed_table_bytes(ops: tuple[Op, ...]) -> float:
-    """Bytes per sample that one block copy saves beyond its own ``saved_bytes`` on a stage that receives the
-    model's tables (a buffer read outside the block's own modules, e.g. rotary embeddings' cos and sin) as
-    messages. The traced split computes such a table once, on the first stage that reads it, and relays it
-    (``runtime.pipeline_split.Wiring``); a floating-point message requires a gradient on the stage that receives
-    it (``pipeline_split._meta_message``, as torch's traced stages take it), so an op that multiplies an
-    activation by the table saves the activation for the table's gradient (``mul``'s backward), which it does not
-    when the table is a plain buffer. Each partner's producer is counted once, and not when its output is saved
-    anyway. A buffer of the block's own modules (named under the op's top-level module, ``layers.``) is the
-    stage's own, not a message: not counted."""
-    extra: dict[int, float] = {}
-    for op in ops:
-        own = op.module_path.split(".")[0] + "."
-        tables = [k for k, r in enumerate(op.sources) if r.kind == "buffer" and "float" in op.inputs[k].dtype
-                  and not r.name.startswith(own)]
-        if not tables or not op.requires_grad:
-            continue
-        for k, r in enumerate(op.sources):
-            if k not in tables and r.kind == "local" and "float" in op.inputs[k].dtype:
-                producer = ops[r.index]
-                if not producer.saved_bytes:
-                    extra[r.index] = float(sum(m.nbytes for m in producer.outputs))
-    return sum(extra.values())
-
-
-_RELAYED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # BlockCost -> its relayed_fraction
-
-
-def relayed_fraction(block_costs) -> float:
-    """The largest, over the blocks (``cost.layer.BlockCost``), of ``relayed_table_bytes`` of a copy over the
-    bytes it saves (its ``saved_bytes``): what a stage that receives the tables keeps beyond the copies' priced
-    activations, as a share of them (a copy that recomputes everything keeps only its input, and this share of
-    it, a little more than it holds)."""
-    out = 0.0
-    for cost in block_costs:
-        if cost not in _RELAYED:
-            saved = sum(op.saved_bytes for op in cost.ops)
-            _RELAYED[cost] = relayed_table_bytes(cost.ops) / saved if saved else 0.0
-        out = max(out, _RELAYED[cost])
-    return out
 
 
 def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
@@ -163,4 +119,4 @@ def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byte
 
 
 __all__ = ["backward_working_bytes", "fsdp_stage_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes",
-           "in_flight", "in_flight_last", "p2p_buffer_bytes", "relayed_fraction", "relayed_table_bytes"]
+           "in_flight", "in_flight_last", "p2p_buffer_bytes"]
