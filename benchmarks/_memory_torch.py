@@ -8,6 +8,11 @@ the prediction is the library's own pricing and the peak is what the engine hold
 a Llama-3-8B-like model on 8 devices for every family, LLaMA-2 70B on 64 for the plans the planner chooses there.
 ``--quick`` keeps the 8B dimensions with 4 layers.
 
+The simulated peaks are stored in ``results/memory_torch.json`` (each with the commit it was simulated at): they
+depend on the runtime, not on the prices, so ``rows()`` re-prices them with the current cost model in a minute or
+two, and simulates only a case not stored there; ``rows(simulate=True)`` (``memory_accuracy.py --simulate
+_memory_torch``) simulates every case again, as a change to the runtime needs (the 70B plans take minutes each).
+
 ``actual_bytes`` is rank 0's simulated peak of tensor bytes (``memory_tracker.StepMemory``); rank 0 holds the
 largest share (the loose ops' parameters, the first vocabulary shard) in every plan here.
 """

@@ -16,7 +16,8 @@ Providers whose peaks are stored (``_memory_torch``: results/memory_torch.json; 
 results/memory_deepspeed.json) re-price them with the current cost model, in a minute or two: the peaks depend on
 the runtime, not on the prices. ``--simulate PROVIDER ...`` simulates (or measures) those providers' rows again
 and stores them: after a change to the runtime. ``--check`` exits non-zero when a row misses the target;
-``--quick`` runs each provider's small cases (~2 min for the torch rows). Results: ``results/memory_accuracy.json`` and ``.md`` (not written for ``--family``).
+``--quick`` runs each provider's small cases (~2 min for the torch rows). Results: ``results/memory_accuracy.json``
+and ``.md`` (not written for ``--family``).
 """
 
 from __future__ import annotations
