@@ -65,10 +65,10 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     # stage over-prices the simulated stages (ZeRO 3 pp2 +31%), so they price flat plans only (open: how the two
     # combine)
     flat_torch = ~r.deepspeed & ~r.piped
-    held_params, torch_grads, torch_working = _only(flat_torch, 3, fsdp_held_bytes, r.zero, r.gathered, r.grad,
-                                                    r.unit_params, r.loose_params, r.loss_grads, transient, grads,
-                                                    r.m, r.dp)
-    grads = np.where(flat_torch, torch_grads, grads)
+    held_params, torch_grads, torch_working, torch_acts = _only(
+        flat_torch, 4, fsdp_held_bytes, r.zero, r.gathered, r.grad, r.unit_params, r.loose_params, r.loss_grads,
+        transient, grads, r.m, r.dp, activations, r.head_acts, r.copy_peak, r.tail_params, model.largest_parameter)
+    grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
     working = np.where(flat_torch, torch_working, np.maximum(transient, np.where(r.piped, 0.0, r.loss_grads)))
     deepspeed_bytes, = _only(r.deepspeed, 1, extra_bytes, r.zero, r.offload, params, r.dp, r.weight, r.grad,
                              r.master, r.moment, r.partition_copy, grads, activations, model.largest_parameter)
