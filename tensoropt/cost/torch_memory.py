@@ -16,7 +16,9 @@ as the fake-tensor simulation of the step shows, ``runtime.memory_check``):
   them (the gradient dtype).
 
 So ZeRO 3 holds ``gathered`` bytes of the root and one unit as parameters, and one unit's gathered bytes and two
-units' gradient bytes as working set. ZeRO 1 and 2 keep every unit gathered through the step (``weight`` is
+units' gradients (one in the gathered dtype, one in the reduce dtype) as working set, and under ZeRO 2-3 the
+root's unsharded gradients that the loss's backward makes (the final norm's and head's), reduced only in the
+root's post-backward at the end of the backward. ZeRO 1 and 2 keep every unit gathered through the step (``weight`` is
 whole already) and reduce whole gradients (``grad`` whole under ZeRO 1; ZeRO 2's reduce-scatter input is one
 unit's, in the working set as under ZeRO 3).
 
@@ -25,6 +27,10 @@ tensors the size of the logits, beside all the activations kept: ``log_softmax_b
 ``nll_loss_backward`` make float32 logit-sized gradients, two live at once with the vocabulary replicated;
 under the vocabulary-parallel loss (``torch.distributed.tensor.parallel.loss_parallel``, its
 ``_nll_loss_and_log_softmax_backward``) three of the rank's share. ``loss_gradient_bytes`` prices them.
+
+With one micro-batch (the optimizer's ``zero_grad`` leaves no gradient before the backward) FSDP2's gradient
+shards grow as the copies' activations are freed, so the backward's peak is at one of its ends, not their sum
+(``fsdp_held_bytes``).
 """
 
 from __future__ import annotations
