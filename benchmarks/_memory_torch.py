@@ -8,23 +8,32 @@ the prediction is the library's own pricing and the peak is what the engine hold
 a Llama-3-8B-like model on 8 devices for every family, LLaMA-2 70B on 64 for the plans the planner chooses there.
 ``--quick`` keeps the 8B dimensions with 4 layers.
 
+The simulated peaks are stored in ``results/memory_torch.json`` (each with the commit it was simulated at): they
+depend on the runtime, not on the prices, so ``rows()`` re-prices them with the current cost model in a minute or
+two, and simulates only a case not stored there; ``rows(simulate=True)`` (``memory_accuracy.py --simulate
+_memory_torch``) simulates every case again, as a change to the runtime needs (the 70B plans take minutes each).
+
 ``actual_bytes`` is rank 0's simulated peak of tensor bytes (``memory_tracker.StepMemory``); rank 0 holds the
 largest share (the loose ops' parameters, the first vocabulary shard) in every plan here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan  # noqa: E402
+
 SCRIPT = "examples/train_llama_large.py"
 # Llama 3 8B (Meta 2024: 32 layers, hidden 4096, 32 heads in 8 key/value groups, SwiGLU 14336, vocabulary
 # 128256), 4096 tokens
@@ -106,42 +115,131 @@ def check_memory(launch_args: list[str], script_args: list[str], plan: Plan, cac
         return json.loads(out.read_text())
 
 
-def _row(family: str, model: str, plan: Plan, check: dict) -> dict:
-    simulated, predicted = check["simulated"], check["predicted"]
-    return {"family": family, "model": model, "plan": plan.summary(), "precision": plan.precision,
-            "how": "simulated", "actual_of": "rank 0",
-            "predicted_tensor_bytes": int(predicted["tensor_bytes"]), "actual_bytes": int(simulated["peak_bytes"]),
-            "predicted": predicted, "actual": simulated}
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
 
 
-def rows(quick: bool = False, family: str | None = None) -> list[dict]:
-    """One row per case (module doc); ``family``: only that family's cases."""
+@dataclass(frozen=True)
+class Case:
+    """One row's plan and the launch that simulates it: what ``memory_torch.json`` stores beside its peak."""
+
+    family: str
+    model: str
+    devices: int
+    dp: int
+    tp: int
+    zero: int
+    micro_batch: int
+    global_batch: int
+    precision: str
+    chain: str
+    layers: int
+    launch_args: tuple[str, ...]
+    script_args: tuple[str, ...]
+
+    @property
+    def plan(self) -> Plan:
+        return plan_of(self.devices, self.dp, self.tp, self.zero, self.micro_batch, self.global_batch,
+                       self.precision, self.chain, self.layers)
+
+    @property
+    def all_script_args(self) -> list[str]:
+        return [*self.script_args, *_dtype_args(self.precision), "--global-batch", str(self.global_batch)]
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.family, self.model, self.plan.summary(), self.precision
+
+
+def cases(quick: bool = False, family: str | None = None) -> list[Case]:
+    """The rows' cases (module doc); ``family``: only that family's."""
     layers = 4 if quick else 32
     model_8b = "llama3-8b-like" + (" (4 layers)" if quick else "")
-    script_8b = LLAMA3_8B[:1] + [str(layers)] + LLAMA3_8B[2:]
-    todo = [(c, model_8b, ON_8, script_8b, layers) for c in CASES_8B]
+    script_8b = tuple(LLAMA3_8B[:1] + [str(layers)] + LLAMA3_8B[2:])
+    todo = [Case(c[0], model_8b, *c[1:], layers, tuple(ON_8), script_8b) for c in CASES_8B]
     if not quick:
-        todo += [(c, "llama2-70b", ON_64, [], 80) for c in CASES_70B]
-    todo = [t for t in todo if not family or t[0][0] == family]
-    with tempfile.TemporaryDirectory() as cache_dir, ThreadPoolExecutor(WORKERS) as pool:
-        return list(pool.map(lambda t: _case(*t, cache_dir), todo))
+        todo += [Case(c[0], "llama2-70b", *c[1:], 80, tuple(ON_64), ()) for c in CASES_70B]
+    return [c for c in todo if not family or c.family == family]
+
+
+def _devices(launch_args: tuple[str, ...]):
+    """The devices ``tensoropt launch`` plans for with these arguments (``--device cuda --dry-run``): (devices,
+    devices per node)."""
+    from launcher.devices import detect
+    args = dict(zip(launch_args[::2], launch_args[1::2]))
+    per_node, nodes = int(args["--gpus"]), int(args.get("--nnodes", 1))
+    devices = detect(args["--device"], per_node, None, args.get("--profile"), dry_run=True)
+    return dataclasses.replace(devices, count=per_node * nodes), per_node
+
+
+def predicted(case: Case) -> dict:
+    """The cost model's breakdown of the case's plan as ``launch --plan --dry-run --check-memory`` prices it
+    (``launcher.memory.predicted_breakdown``; the graph captured in the plan's precision, cached)."""
+    from launcher.capture import capture_script
+    from launcher.launch import cost_model, planned_precision, price
+    from launcher.memory import predicted_breakdown
+    from tensoropt.search.engines import choose_engine
+    devices, per_node = _devices(case.launch_args)
+    graph = capture_script(str(REPO / SCRIPT), case.all_script_args, precision=case.precision)
+    engine = choose_engine(planned_precision(case.plan, "torch", case.precision))
+    point = price(graph, devices, per_node, case.plan, engine, case.precision)
+    return predicted_breakdown(cost_model(graph, devices, per_node), point, devices.profile.runtime_overhead_bytes)
+
+
+def _row(case: Case, simulated: dict, prediction: dict, commit: str) -> dict:
+    return {"family": case.family, "model": case.model, "plan": case.plan.summary(), "precision": case.precision,
+            "how": "simulated", "actual_of": "rank 0", "simulated_at": commit,
+            "predicted_tensor_bytes": int(prediction["tensor_bytes"]), "actual_bytes": int(simulated["peak_bytes"]),
+            "predicted": prediction, "actual": simulated}
+
+
+def simulated(case: Case, cache_dir: str) -> dict:
+    """The case's row, simulated now (a ``launch --check-memory`` subprocess; minutes for the 70B plans)."""
+    check = check_memory(list(case.launch_args), case.all_script_args, case.plan, cache_dir)
+    row = _row(case, check["simulated"], check["predicted"], _commit())
+    print(f"  {case.family:22s} {case.model:26s} {row['plan']:52s} {_ratio(row):+7.1%}", file=sys.stderr, flush=True)
+    return row
+
+
+def stored() -> dict[tuple, dict]:
+    """The simulations in ``results/memory_torch.json`` by (family, model, plan, precision)."""
+    if not STORE.exists():
+        return {}
+    return {(r["family"], r["model"], r["plan"], r["precision"]): r for r in json.loads(STORE.read_text())["rows"]}
+
+
+def store(new_rows: list[dict]) -> None:
+    """Add or replace these rows' simulations in ``results/memory_torch.json`` (the peaks, not the prices)."""
+    keep = stored() | {(r["family"], r["model"], r["plan"], r["precision"]): r for r in new_rows}
+    kept = [{k: v for k, v in r.items() if k not in ("predicted", "predicted_tensor_bytes")} for r in keep.values()]
+    STORE.write_text(json.dumps({"script": SCRIPT, "rows": kept}, indent=1) + "\n")
+
+
+def rows(quick: bool = False, family: str | None = None, simulate: bool = False) -> list[dict]:
+    """One row per case (module doc): the peaks stored in ``results/memory_torch.json`` (they depend on the
+    runtime, not on the prices), re-priced with the current cost model; a case not stored there, or every case
+    with ``simulate``, is simulated now and stored."""
+    todo, have = cases(quick, family), stored()
+    missing = [c for c in todo if simulate or c.key not in have]
+    if missing:
+        with tempfile.TemporaryDirectory() as cache_dir, ThreadPoolExecutor(WORKERS) as pool:
+            fresh = list(pool.map(lambda c: simulated(c, cache_dir), missing))
+        store(fresh)
+        have |= {c.key: r for c, r in zip(missing, fresh)}
+    out = []
+    for case in todo:
+        row = have[case.key]
+        out.append(_row(case, row["actual"], predicted(case), row["simulated_at"]))
+    return out
 
 
 WORKERS = 2          # simulations at once (each its own process)
-
-
-def _case(case: tuple, model: str, launch: list[str], script_args: list[str], layers: int, cache_dir: str) -> dict:
-    name, devices, dp, tp, zero, mb, gb, precision, chain = case
-    plan = plan_of(devices, dp, tp, zero, mb, gb, precision, chain, layers)
-    check = check_memory(launch, [*script_args, *_dtype_args(precision), "--global-batch", str(gb)], plan,
-                         cache_dir)
-    row = _row(name, model, plan, check)
-    print(f"  {name:22s} {model:26s} {plan.summary():52s} {_ratio(row):+7.1%}", file=sys.stderr, flush=True)
-    return row
+STORE = REPO / "benchmarks" / "results" / "memory_torch.json"
 
 
 def _ratio(row: dict) -> float:
     return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
 
 
-__all__ = ["CASES_70B", "CASES_8B", "plan_of", "rows"]
+__all__ = ["CASES_70B", "CASES_8B", "Case", "cases", "plan_of", "predicted", "rows", "simulated", "stored"]

@@ -10,10 +10,14 @@ Providers (each ``rows(quick=False) -> list[dict]``, imported when present, so t
 ``_memory_torch`` (DDP, FSDP2 ZeRO 1-3, TP with and without SP, recomputation, precisions),
 ``_memory_deepspeed`` (DeepSpeed ZeRO 0-3 and offload), ``_memory_pipeline`` (a pipeline stage in 1F1B).
 
-    python benchmarks/memory_accuracy.py [--quick [PROVIDER ...]] [--family NAME] [--check]
+    python benchmarks/memory_accuracy.py [--quick [PROVIDER ...]] [--simulate PROVIDER ...] [--family NAME] [--check]
 
-``--check`` exits non-zero when a row misses the target; ``--quick`` runs each provider's small cases (~2 min
-for the torch rows). Results: ``results/memory_accuracy.json`` and ``.md`` (not written for ``--family``).
+Providers whose peaks are stored (``_memory_torch``: results/memory_torch.json; ``_memory_deepspeed``:
+results/memory_deepspeed.json) re-price them with the current cost model, in a minute or two: the peaks depend on
+the runtime, not on the prices. ``--simulate PROVIDER ...`` simulates (or measures) those providers' rows again
+and stores them: after a change to the runtime. ``--check`` exits non-zero when a row misses the target;
+``--quick`` runs each provider's small cases (~2 min for the torch rows). Results: ``results/memory_accuracy.json``
+and ``.md`` (not written for ``--family``).
 """
 
 from __future__ import annotations
@@ -55,13 +59,18 @@ def meets(row: dict) -> bool:
     return 0 <= error(row) <= UPPER
 
 
-def collect(quick: bool | set[str], family: str | None) -> list[dict]:
-    """Every provider's rows; ``quick``: all providers' small cases, or the set of providers to run small."""
+def collect(quick: bool | set[str], family: str | None, fresh: frozenset[str] = frozenset()) -> list[dict]:
+    """Every provider's rows; ``quick``: all providers' small cases, or the set of providers to run small;
+    ``fresh``: the providers whose stored simulations or measurements are made again (``rows(simulate=True)`` or
+    ``rows(measure=True)``) rather than re-priced."""
     rows = []
     for name, rows_of in providers().items():
         kwargs = {"quick": quick is True or (isinstance(quick, set) and name in quick)}
-        if family and "family" in inspect.signature(rows_of).parameters:
+        accepts = inspect.signature(rows_of).parameters
+        if family and "family" in accepts:
             kwargs["family"] = family                         # a provider that can skip the other families' runs
+        if name in fresh:
+            kwargs |= {flag: True for flag in ("simulate", "measure") if flag in accepts}
         print(f"{name}:", file=sys.stderr, flush=True)
         rows += [r for r in rows_of(**kwargs) if not family or r["family"] == family]
     return rows
@@ -91,13 +100,17 @@ def main() -> None:
     parser.add_argument("--quick", nargs="*", metavar="PROVIDER",
                         help="small cases: of every provider, or of the providers named (e.g. _memory_pipeline)")
     parser.add_argument("--family", help="only this family's rows (results not written)")
+    parser.add_argument("--simulate", nargs="+", default=[], metavar="PROVIDER",
+                        help="simulate (or measure) these providers' rows again instead of re-pricing their stored "
+                             "peaks (results/memory_torch.json, memory_deepspeed.json); needed after a runtime change")
     parser.add_argument("--check", action="store_true", help="exit non-zero when a row misses the target")
     args = parser.parse_args()
-    unknown = set(args.quick or ()) - set(PROVIDERS)
+    unknown = (set(args.quick or ()) | set(args.simulate)) - set(PROVIDERS)
     if unknown:
-        raise SystemExit(f"memory_accuracy: --quick names no provider {sorted(unknown)}: use {', '.join(PROVIDERS)}")
+        raise SystemExit(f"memory_accuracy: --quick/--simulate name no provider {sorted(unknown)}: use "
+                         f"{', '.join(PROVIDERS)}")
     quick = True if args.quick == [] else set(args.quick or ())
-    rows = collect(quick, args.family)
+    rows = collect(quick, args.family, frozenset(args.simulate))
     text = table(rows)
     print(text)
     missed = [r for r in rows if not meets(r)]

@@ -1,6 +1,7 @@
 """Sequence parallelism in the torch engine (``runtime.sequence_parallel``): which blocks the planner offers it to,
 and real torchrun runs over gloo on CPU, compared with the same script run alone (float32, rtol 2e-5)."""
 
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -106,6 +107,30 @@ def _with(plan: Plan, *strategies: tuple[str, bool, int], **changes) -> Plan:
     (block,) = plan.blocks
     chain = tuple((LayerStrategy(r, sp), n) for r, sp, n in strategies)
     return dataclasses.replace(plan, blocks=(BlockPlan(block.block, chain),), **changes)
+
+
+def test_a_saved_gathered_input_is_kept_as_its_own_share_on_fake_tensors_too():
+    """A copy without recomputation keeps each gathered input autograd saves as the share it was gathered from,
+    found by storage. Fake tensors (the memory simulation's) all have data pointer 0: compared by pointer, the
+    MLP's gathered input was packed as the attention's share, so the simulated step held one share per copy less
+    than a real run."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tensoropt.runtime.sequence_parallel import _GatherOnce, _Share
+    for mode in (FakeTensorMode(), contextlib.nullcontext()):
+        with mode:
+            attn_share, mlp_share = torch.empty(1, 4, 8), torch.empty(1, 4, 8)
+            attn_whole, mlp_whole = torch.empty(1, 8, 8), torch.empty(1, 8, 8)
+            gathers = _GatherOnce(mesh=None)
+            gathers.done = {1: (attn_share, SimpleNamespace(_local_tensor=attn_whole)),
+                            2: (mlp_share, SimpleNamespace(_local_tensor=mlp_whole))}
+            packed = [gathers.pack(t) for t in (attn_whole, mlp_whole, mlp_whole.view(8, 8), torch.empty(1, 8, 8))]
+        assert all(isinstance(p, _Share) for p in packed[:3])
+        assert packed[0].share is attn_share and packed[1].share is mlp_share
+        assert packed[2].share is mlp_share                                      # a contiguous view of it
+        assert not isinstance(packed[3], _Share)                                 # another tensor of its size
 
 
 @pytest.mark.slow

@@ -74,10 +74,10 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     stage_working = transient + in_copy
     activations = activations_bytes(model, r, activation_bytes, np.where(r.piped, stage_working, transient), at_loss)
     flat_torch = ~r.deepspeed & ~r.piped
-    held_params, torch_grads, torch_working = _only(flat_torch, 3, fsdp_held_bytes, r.zero, r.gathered, r.grad,
-                                                    r.unit_params, r.loose_params, r.loss_grads, transient, grads,
-                                                    r.m, r.dp)
-    grads = np.where(flat_torch, torch_grads, grads)
+    held_params, torch_grads, torch_working, torch_acts = _only(
+        flat_torch, 4, fsdp_held_bytes, r.zero, r.gathered, r.grad, r.unit_params, r.loose_params, r.loss_grads,
+        transient, grads, r.m, r.dp, activations, r.head_acts, r.copy_peak, r.tail_params, model.largest_parameter)
+    grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
     working = np.where(flat_torch, torch_working,
                        np.where(r.piped, stage_working, np.maximum(transient, r.loss_grads)))
     held_params = held_params + stage_params

@@ -10,7 +10,7 @@ import numpy as np
 
 from .deepspeed_memory import master_and_moment_bytes
 from .states import state_bytes
-from .torch_memory import largest_copy_parameters, logits_elements, loss_gradient_bytes
+from .torch_memory import largest_copy_parameters, logits_elements, loss_gradient_bytes, one_copy_peak_bytes
 
 if TYPE_CHECKING:
     from .model import Context, ModelCost
@@ -47,6 +47,9 @@ class PlanRows:
     last_back: np.ndarray
     unit_params: np.ndarray        # elements of the largest block copy on one device (one FSDP2 unit)
     loss_grads: np.ndarray         # the loss backward's float32 logit-sized gradients, bytes
+    copy_peak: np.ndarray          # the most one block copy keeps and recomputes in its backward, bytes
+    head_acts: np.ndarray          # kept activations of the loose ops before the blocks (the embedding's), bytes
+    tail_params: np.ndarray        # elements of the loose ops after the blocks (the final norm and head)
 
     @property
     def piped(self) -> np.ndarray:
@@ -61,10 +64,15 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     ints, floats = [], []
     logits = logits_elements(model)
     largest_copy: dict = {}           # the largest copy's parameters per (tp, branches): many contexts share them
+    copy_peak: dict = {}              # and its backward's most per (tp, branches, micro-batch)
     for c in ctxs:
         if (c.tp, c.tp_branches) not in largest_copy:
             largest_copy[c.tp, c.tp_branches] = largest_copy_parameters(model, c.tp, c.tp_branches)
+        if (c.tp, c.tp_branches, c.micro_batch) not in copy_peak:
+            copy_peak[c.tp, c.tp_branches, c.micro_batch] = one_copy_peak_bytes(model, c.tp, c.tp_branches,
+                                                                                c.micro_batch)
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
+        head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them
         state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
         cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
@@ -73,7 +81,8 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
                      state.partition_copy))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                       largest_copy[c.tp, c.tp_branches], loss_gradient_bytes(model, c.tp, c.micro_batch, logits)))
+                       largest_copy[c.tp, c.tp_branches], loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
+                       copy_peak[c.tp, c.tp_branches, c.micro_batch], head.activation_bytes, tail.parameters))
     columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
     names = [f.name for f in fields(PlanRows)]
     assert len(names) == len(columns) and len(ints[0]) == _INTS

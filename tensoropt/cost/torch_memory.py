@@ -16,7 +16,9 @@ as the fake-tensor simulation of the step shows, ``runtime.memory_check``):
   them (the gradient dtype).
 
 So ZeRO 3 holds ``gathered`` bytes of the root and one unit as parameters, and one unit's gathered bytes and two
-units' gradient bytes as working set. ZeRO 1 and 2 keep every unit gathered through the step (``weight`` is
+units' gradients (one in the gathered dtype, one in the reduce dtype) as working set, and under ZeRO 2-3 the
+root's unsharded gradients that the loss's backward makes (the final norm's and head's), reduced only in the
+root's post-backward at the end of the backward. ZeRO 1 and 2 keep every unit gathered through the step (``weight`` is
 whole already) and reduce whole gradients (``grad`` whole under ZeRO 1; ZeRO 2's reduce-scatter input is one
 unit's, in the working set as under ZeRO 3).
 
@@ -25,6 +27,10 @@ tensors the size of the logits, beside all the activations kept: ``log_softmax_b
 ``nll_loss_backward`` make float32 logit-sized gradients, two live at once with the vocabulary replicated;
 under the vocabulary-parallel loss (``torch.distributed.tensor.parallel.loss_parallel``, its
 ``_nll_loss_and_log_softmax_backward``) three of the rank's share. ``loss_gradient_bytes`` prices them.
+
+With one micro-batch (the optimizer's ``zero_grad`` leaves no gradient before the backward) FSDP2's gradient
+shards grow as the copies' activations are freed, so the backward's peak is at one of its ends, not their sum
+(``fsdp_held_bytes``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,16 @@ def largest_copy_parameters(model, tp: int, tp_branches: tuple[str, ...]) -> flo
                default=0.0)
 
 
+def one_copy_peak_bytes(model, tp: int, tp_branches: tuple[str, ...], micro_batch: int) -> float:
+    """The most one block copy holds of its own in its backward on one device: its kept activations and what it
+    recomputes, at most its input checkpoint and every tensor its forward saves (full recomputation; no
+    recomputation keeps those tensors, selective keeps some and recomputes the rest, and sequence parallelism
+    keeps less of them): the working set at the end of a one-micro-batch backward (``fsdp_held_bytes``), when the
+    first copy's backward runs whatever its strategy."""
+    return max((c.activation_bytes + c.transient_bytes for _, cost in model.blocks
+                for c in (cost.layer(LayerStrategy("full"), tp, tp_branches, micro_batch),)), default=0.0)
+
+
 FLOAT32 = 4
 
 
@@ -53,43 +69,76 @@ def logits_elements(model) -> float:
                      default=0))
 
 
+INT64 = 8
+LOSS_SCALARS_BYTES = 2 * FLOAT32      # the loss and ``nll_loss``'s total weight, float32 scalars
+
+
 def loss_gradient_bytes(model, tp: int, micro_batch: int, logits: float | None = None) -> float:
-    """The loss backward's float32 logit-sized gradients (module doc) of one micro-batch on one device;
-    ``logits``: ``logits_elements(model)`` when the caller has it (the search prices thousands of contexts)."""
+    """The loss backward's float32 logit-sized gradients (module doc) of one micro-batch on one device, beside
+    what the step keeps from its forward outside the graph's activations: the token ids and the targets, int64
+    one per token (shifted slices of the batch, which the embedding's and ``cross_entropy``'s flattening may
+    copy; ``embedding`` and ``nll_loss`` save them), and the loss's scalars; ``logits``: ``logits_elements(model)``
+    when the caller has it (the search prices thousands of contexts)."""
     split = tp > 1 and not model.vocab.why_not(tp)
-    return (logits_elements(model) if logits is None else logits) * micro_batch * FLOAT32 * (3 / tp if split else 2)
+    logits = logits_elements(model) if logits is None else logits
+    tokens = logits / model.vocab.vocab if model.vocab.vocab else 0.0
+    targets = (2 * tokens * micro_batch * INT64 + LOSS_SCALARS_BYTES) if logits else 0.0
+    return logits * micro_batch * FLOAT32 * (3 / tp if split else 2) + targets
 
 
 def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
-                    micro_batches, data_parallel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(parameter bytes, gradient bytes, working-set bytes) beside the sharded states and the kept activations
-    at the larger of the backward's two peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``:
-    bytes per parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements;
-    ``root_params``: the loose ops' elements on the stage; ``loss_grads``: ``loss_gradient_bytes``;
-    ``layer_transient``: the largest working set of one copy's backward (``cost.layer``: recomputed
-    activations); ``gradients``: the gradient bytes ZeRO leaves on the device once the step's backward is done.
+                    micro_batches, data_parallel, activations, head_acts, copy_peak, tail_params,
+                    largest_parameter=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(parameter bytes, gradient bytes, working-set bytes, activation bytes) beside the sharded states at the
+    largest of the backward's peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``: bytes per
+    parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements; ``root_params``:
+    the loose ops' elements on the stage; ``loss_grads``: ``loss_gradient_bytes``; ``layer_transient``: the
+    largest working set of one copy's backward (``cost.layer``: recomputed activations); ``gradients``: the
+    gradient bytes ZeRO leaves on the device once the step's backward is done; ``activations``: the kept
+    activations of the step's micro-batch in flight; ``head_acts``: those of the loose ops before the blocks;
+    ``copy_peak``: ``one_copy_peak_bytes``; ``tail_params``: the elements of the loose ops after the blocks;
+    ``largest_parameter``: the model's largest parameter's elements.
 
     - the loss's backward: its gradients, and under ZeRO 3 the flat all-gather output of the last unit, which
       the root's pre-backward prefetches. FSDP2's gradients (ZeRO 1-3) do not exist yet in a step of one
       micro-batch: the optimizer's ``zero_grad`` sets them to None (torch's default) and FSDP2 makes each unit's
       in its post-backward. DDP's bucket is allocated with the wrapper and kept.
     - a block copy's backward: its recomputed activations, and under ZeRO 3 the unit gathered, the next unit's
-      flat all-gather output and two units' gradients (unsharded, and the reduce-scatter input), under ZeRO 2
-      the two units' gradients.
+      flat all-gather output and two units' gradients (unsharded as autograd makes them, in the gathered dtype,
+      and the reduce-scatter input in the reduce dtype: ``MixedPrecisionPolicy``), under ZeRO 2 the two units'
+      gradients. Under ZeRO 2-3 the root's gradients made by the loss's backward (the final norm's and head's,
+      unsharded, in the gathered dtype) wait for the root's post-backward at the end of the backward, beside
+      every copy's. DDP makes a parameter's fresh gradient before it copies it into its bucket (or, under
+      ``no_sync``, adds it to ``.grad``), beside all the others: at most the largest parameter's (the embedding's,
+      made last, when the activations are freed), priced with each copy's backward.
+    - with one micro-batch under ZeRO 1-3 the blocks' backward starts with every copy's kept activations and no
+      gradient shard, and ends (the first copy's backward) with every gradient shard, the first copy's own
+      (``copy_peak``) and the embedding's activations: each copy's backward frees its activations and makes its
+      gradient shards, so the peak is at one of the two ends, not their sum. With more micro-batches the
+      gradients of the earlier ones are held throughout.
     - DDP with gradient accumulation: the micro-batches before the last run under ``no_sync`` and accumulate
       into ``.grad`` tensors of their own beside the bucket (``gradient_as_bucket_view`` views the bucket only
       once a synchronising backward copies them in), so the gradients are held twice during the last backward.
-    The root's gathered parameters (ZeRO 3) are held through both."""
+    The root's gathered parameters (ZeRO 3) are held through all."""
     zero3, zero2 = zero == 3, zero == 2
     unit = gathered * unit_params
-    grads = 2 * grad * unit_params
+    grads = (gathered + grad) * unit_params     # autograd's in the gathered dtype, the reduce-scatter's input
     gradients = gradients * np.where((zero == 0) & (micro_batches > 1) & (data_parallel > 1), 2, 1)
     at_loss = loss_grads + np.where(zero3, unit, 0.0)
-    grads_at_loss = np.where((zero >= 1) & (micro_batches == 1), 0.0, gradients)
-    in_block = layer_transient + np.where(zero3, 2 * unit + grads, np.where(zero2, grads, 0.0))
-    loss_first = at_loss + grads_at_loss >= in_block + gradients
-    return (np.where(zero3, gathered * root_params, 0.0), np.where(loss_first, grads_at_loss, gradients),
-            np.where(loss_first, at_loss, in_block))
+    one_micro_batch = (zero >= 1) & (micro_batches == 1)
+    grads_at_loss = np.where(one_micro_batch, 0.0, gradients)
+    units = np.where(zero3, 2 * unit + grads, np.where(zero2, grads, 0.0)) + \
+        np.where(zero >= 2, gathered * tail_params, 0.0) + np.where(zero == 0, grad * largest_parameter, 0.0)
+    in_block = layer_transient + units
+    at_end = head_acts + copy_peak + units
+    moments = np.stack([activations + at_loss + grads_at_loss,           # the loss's backward
+                        activations + in_block + grads_at_loss,          # the last copy's backward
+                        np.where(one_micro_batch, at_end + gradients, 0.0)])    # the first copy's (one micro-batch)
+    which = np.argmax(moments, axis=0)
+    pick = lambda *options: np.choose(which, options)  # noqa: E731
+    return (np.where(zero3, gathered * root_params, 0.0), pick(grads_at_loss, grads_at_loss, gradients),
+            pick(at_loss, in_block, units), pick(activations, activations, head_acts + copy_peak))
 
 
-__all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_gradient_bytes"]
+__all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_gradient_bytes",
+           "one_copy_peak_bytes"]

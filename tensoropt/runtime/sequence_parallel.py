@@ -125,7 +125,7 @@ class _GatherOnce:
         local = t._local_tensor if isinstance(t, DTensor) else t
         for share, whole in self.done.values():
             w = whole._local_tensor
-            if local.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and local.is_contiguous() \
+            if _same_storage(local, w) and local.is_contiguous() \
                     and local.storage_offset() == w.storage_offset() and local.numel() == w.numel():
                 return _Share(share, t.shape, isinstance(t, DTensor), self.mesh)
         return t
@@ -143,6 +143,14 @@ class _GatherOnce:
             whole = self.done[key][1]
             return (whole.to_local() if local else whole, *args[1:])
         return gather
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view one storage: the storage objects themselves are compared, not their data
+    pointers, which are 0 for every fake tensor (``runtime.memory_check``'s simulation), where comparing them
+    packed any saved tensor of a gathered input's size as the first gathered share of the copy (the MLP's input
+    as the attention's: one share per copy missing from the simulated peak)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 class _Share:
@@ -252,8 +260,7 @@ def _leave(name: str, stays_sharded: bool, gathers: _GatherOnce, relay: dict):
 def _same_values(handed: torch.Tensor | None, x: torch.Tensor) -> bool:
     """Whether ``x`` is the share a copy handed on, or a view of it (FSDP2 hooks the outputs of the modules it
     wraps through a view)."""
-    return handed is not None and handed.shape == x.shape and \
-        handed.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return handed is not None and handed.shape == x.shape and _same_storage(handed, x)
 
 
 __all__ = ["apply_sequence_parallel", "sequence_parallel_copies"]
