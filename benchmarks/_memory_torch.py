@@ -88,6 +88,8 @@ CASES_8B = [
     ("precision-32-true", 8, 8, 1, 3, 1, 8, "32-true", "full"),
     ("precision-bf16-mixed", 8, 8, 1, 3, 1, 8, "bf16-mixed", "full"),
     ("precision-bf16-true", 8, 8, 1, 3, 1, 8, "bf16-true", "full"),
+    ("precision-32-true", 8, 8, 1, 3, 2, 16, "32-true", "none"),
+    ("precision-bf16-mixed", 8, 8, 1, 3, 2, 16, "bf16-mixed", "none"),
 ]
 # LLaMA-2 70B on 64: the plan the planner chose with --engine torch (README, --check-memory), and ZeRO 3 with SP
 # and no recomputation (priced on the h200-141gb profile: it needs more than 80 GiB)
