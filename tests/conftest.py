@@ -20,6 +20,36 @@ ISOLATED = {"TENSOROPT_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-cache
 os.environ.update(ISOLATED)
 
 
+# The tests that start worker processes are marked xdist_group("multiprocess"): under `pytest -n 2 --dist loadgroup`
+# (pyproject's addopts) the tests of one group run in one process, one after another, so that what a module's tests
+# share there (a script-alone reference, a dry run, workers.launched_once) is made once. Here each module's marked
+# tests become a group of their own, except the modules that read one another's launches through
+# workers.launched_once, which share one: one serial group of every module was the suite's critical path, while
+# many groups, the largest first, keep both xdist processes busy to the end (two launches, four workers, may then
+# train at once, as the quick tests already ran beside launches).
+SHARED_LAUNCHES = frozenset({"test_launch.py", "test_precision.py", "test_memory_check.py"})
+
+
+@pytest.hookimpl(wrapper=True)       # around xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items):
+    """Give each module's "multiprocess" tests a group of their own (see above); then let xdist name the groups.
+
+    xdist 3.8 tells its scheduler an item's group by appending "@group" to ``item._nodeid``; pytest 9.2 keeps the
+    node id in ``item._id`` and ignores that field, so each test was scheduled alone and no group held
+    (pytest-dev/pytest-xdist#1386): the suffix is carried over where xdist wrote one and pytest did not see it."""
+    for item in items:
+        name = "launched_once" if item.path.name in SHARED_LAUNCHES else item.path.stem
+        group = pytest.mark.xdist_group(f"workers-{name}").mark
+        for node in item.listchain():       # the mark sits on the test function or on its module (pytestmark)
+            node.own_markers[:] = [group if m.name == "xdist_group" and m.args == ("multiprocess",) else m
+                                   for m in node.own_markers]
+    yield
+    for item in items:
+        legacy = item.__dict__.get("_nodeid")
+        if isinstance(legacy, str) and "@" in legacy and legacy != item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(legacy)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache():
     """The test session's capture cache (see ISOLATED), removed at the end."""
@@ -44,7 +74,7 @@ SMALL_GPT = {"family": "gpt", "hidden_size": 64, "num_layers": 4, "num_attention
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The loss trajectory of examples/train_gpt.py run alone (one process, no plan): what every
-    launched plan of it must reproduce; run once per test process (the modules that use it sit in the
-    "multiprocess" xdist group, so one process runs them). test_elastic overrides it with final parameters."""
+    launched plan of it must reproduce; run once per test process (under ``pytest -n 2``, at most twice).
+    test_elastic overrides it with final parameters."""
     from workers import GPT_SCRIPT, losses_alone
     return losses_alone(GPT_SCRIPT, tmp_path_factory.mktemp("ref") / "losses.json")

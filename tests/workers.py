@@ -100,8 +100,8 @@ def launched_once(plan: Plan, tmp_path, script: str = GPT_SCRIPT, *script_args: 
     process for one (plan, script, arguments, engine): tests that assert different things of the same launch share
     it instead of launching it again (tests/test_memory_check.py reads the memory of runs whose losses
     tests/test_launch.py and tests/test_precision.py check). Each caller still launches it when run alone. Callers
-    sit in the "multiprocess" xdist group, so under ``pytest -n 2`` one process runs them all and the sharing holds
-    there too. A path in ``script_args`` would make every launch unique: pass only values."""
+    share one xdist group (tests/conftest.py: SHARED_LAUNCHES), so under ``pytest -n 2`` one process runs them all
+    and the sharing holds there too. A path in ``script_args`` would make every launch unique: pass only values."""
     key = json.dumps([plan.to_json(), str(script), [str(a) for a in script_args], engine], sort_keys=True)
     if key not in _LAUNCHED:
         _LAUNCHED[key] = launched_with_plan(plan, tmp_path, plan.devices, script, *script_args, engine=engine,
