@@ -208,8 +208,9 @@ def test_estimate_prices_the_engine_it_is_told(model):
     plain, torch_, deepspeed = (reports[e]["memory_breakdown"] for e in ("", "torch", "deepspeed"))
     assert torch_ == plain and reports["torch"]["plan"]["engine"] == "torch"
     assert reports["deepspeed"]["plan"]["engine"] == "deepspeed" and "engine" not in reports[""]["plan"]
-    states = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes")
-    assert all(deepspeed[k] == plain[k] for k in states)
+    # the same states; the gradients and activations at the peak are each engine's moment's (one micro-batch: the
+    # torch engine's FSDP2 makes gradients during the backward, cost.torch_memory)
+    assert all(deepspeed[k] == plain[k] for k in ("parameters_bytes", "optimizer_bytes"))
     params = plain["parameters_bytes"] / 2                                           # bf16 weights
     assert deepspeed["other_bytes"] - plain["other_bytes"] >= 2 * params            # the bf16 reduce bucket at least
     code, out = est("--engine", "deepspeed", tp=2)

@@ -79,12 +79,13 @@ def test_priced_bytes_per_precision_for_a_known_parameter_count(small_gpt):
     assert _states(model, _plan("bf16-mixed")) == (4 * p, 4 * p, 8 * p, base + 2 * p)     # torch DDP + autocast
     ds = _plan("bf16-mixed", master_weights=True)
     assert _states(model, ds) == (2 * p, 2 * p, 12 * p, base)
-    # FSDP2 ZeRO 2-3 hold gathered units and gradient buffers beyond the states (cost.torch_memory): in ``other``
-    for plan, states in ((_plan("bf16-mixed", zero=3), (4 * p / 2, 4 * p / 2, 8 * p / 2)),
-                         (_plan("bf16-mixed", zero=2), (2 * p, 4 * p / 2, 12 * p / 2)),
-                         (_plan("32-true", zero=3), (4 * p / 2, 4 * p / 2, 8 * p / 2))):
-        *held, other = _states(model, plan)
-        assert tuple(held) == states and other > base
+    # FSDP2 ZeRO 2-3 hold gathered units and gradient buffers beyond the states (cost.torch_memory): in ``other``;
+    # with one micro-batch the peak may come before FSDP2 has made any gradient shard (the backward's start)
+    for plan, (weights, grads, optimizer) in ((_plan("bf16-mixed", zero=3), (4 * p / 2, 4 * p / 2, 8 * p / 2)),
+                                              (_plan("bf16-mixed", zero=2), (2 * p, 4 * p / 2, 12 * p / 2)),
+                                              (_plan("32-true", zero=3), (4 * p / 2, 4 * p / 2, 8 * p / 2))):
+        held_weights, held_grads, held_optimizer, other = _states(model, plan)
+        assert (held_weights, held_optimizer) == (weights, optimizer) and held_grads in (0.0, grads) and other > base
 
 
 def test_compute_is_priced_in_the_precision_the_capture_ran_in(small_gpt):
