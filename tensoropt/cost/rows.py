@@ -63,26 +63,33 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     """The arrays of plan i under context ``ctxs[which[i]]`` (each context's numbers computed once)."""
     ints, floats = [], []
     logits = logits_elements(model)
-    largest_copy: dict = {}           # the largest copy's parameters per (tp, branches): many contexts share them
-    copy_peak: dict = {}              # and its backward's most per (tp, branches, micro-batch)
+    # what many contexts share, computed once: per (tp, branches), per (tp, branches, micro-batch), per precision
+    largest_copy: dict = {}
+    copy_peak: dict = {}
+    loss_grads: dict = {}
+    states: dict = {}
     for c in ctxs:
-        if (c.tp, c.tp_branches) not in largest_copy:
-            largest_copy[c.tp, c.tp_branches] = largest_copy_parameters(model, c.tp, c.tp_branches)
-        if (c.tp, c.tp_branches, c.micro_batch) not in copy_peak:
-            copy_peak[c.tp, c.tp_branches, c.micro_batch] = one_copy_peak_bytes(model, c.tp, c.tp_branches,
-                                                                                c.micro_batch)
+        tp_key, mb_key = (c.tp, c.tp_branches), (c.tp, c.tp_branches, c.micro_batch)
+        if tp_key not in largest_copy:
+            largest_copy[tp_key] = largest_copy_parameters(model, c.tp, c.tp_branches)
+        if mb_key not in copy_peak:
+            copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
+            loss_grads[mb_key] = loss_gradient_bytes(model, c.tp, c.micro_batch, logits)
+        state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine)
+        if state_key not in states:
+            state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
+            cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
+            states[state_key] = (state.weight, state.gathered_bytes, state.grad, state.adam_moved,
+                                 state.optimizer_bytes(c.zero), cast, c.engine == "deepspeed",
+                                 *master_and_moment_bytes(state.optimizer, state.partition_copy), state.partition_copy)
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
         head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them
-        state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
-        cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
-                     state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero),
-                     cast, c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
-                     state.partition_copy))
+                     *states[state_key]))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                       largest_copy[c.tp, c.tp_branches], loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
-                       copy_peak[c.tp, c.tp_branches, c.micro_batch], head.activation_bytes, tail.parameters))
+                       largest_copy[tp_key], loss_grads[mb_key], copy_peak[mb_key], head.activation_bytes,
+                       tail.parameters))
     columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
     names = [f.name for f in fields(PlanRows)]
     assert len(names) == len(columns) and len(ints[0]) == _INTS
