@@ -9,6 +9,7 @@ import pytest
 import tensoropt
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.pipeline_memory import (
+    copy_backward_bytes,
     fsdp_stage_bytes,
     gradients_divisor,
     held_first_bytes,
@@ -79,3 +80,27 @@ def test_stage_gradients_priced_as_the_engine_reduces(write_json):
                                         blocks=(BlockPlan(block.name, ((LayerStrategy("full"), 4),)),))
                             ).memory_breakdown["gradients_bytes"] for zero in (1, 3)}
     assert grads[3] * 4 == pytest.approx(grads[1])
+
+
+def test_copy_backward_gradients_on_a_stage(write_json):
+    """The largest op backward of a Llama copy (hidden 64, ffn 128, 32 positions; the capture's linears in bf16):
+    the gated MLP's product makes two 32 x 128 bf16 gradients from one (24 KiB a sample); with accumulated
+    gradients the up/gate projection's backward is larger: its output's gradient (8 KiB), its input's (4 KiB)
+    and the 128 x 64 weight's fresh gradient (grad_bytes a parameter). Tensor parallelism over the MLP halves
+    those, leaving a float32 norm op's 16 KiB + 128 B the largest. An estimate of a pp2 ZeRO 0/1 plan without
+    recomputation carries exactly the fresh version (float32 gradients) in its working set."""
+    graph = tensoropt.capture(write_json("m.json", LLAMA)).graph
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(4, 4, load_profile("h100-80gb")))
+    product, projection, weight = 3 * 32 * 128 * 2, 32 * 128 * 2 + 32 * 64 * 2, 128 * 64
+    assert copy_backward_bytes(model, 1, (), 1, 2) == (product, projection + 2 * weight)
+    assert copy_backward_bytes(model, 1, (), 2, 4) == (2 * product, 2 * projection + 4 * weight)
+    assert copy_backward_bytes(model, 2, ("attn", "mlp"), 1, 2) == (2 * 32 * 64 * 4 + 32 * 4,) * 2
+    ((block, _),) = model.blocks
+    fixed = model.cluster.profile.runtime_overhead_bytes + model.buffer_bytes
+
+    def working(zero: int, pp: int) -> float:
+        plan = Plan(devices=2 * pp, dp=2, tp=1, pp=pp, micro_batch=1, global_batch=8, zero=zero, dtype="float32",
+                    master_weights=False, precision="32-true",
+                    blocks=(BlockPlan(block.name, ((LayerStrategy("none"), 4 // pp),)),))
+        return estimate(model, plan).memory_breakdown["other_bytes"] - fixed
+    assert working(0, 2) == working(1, 2) == projection + 4 * weight

@@ -56,6 +56,15 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     return np.maximum(acts_first, acts_last) + p2p_buffer_bytes(r.pp, r.v, r.m, r.mb, carried)
 
 
+def stage_copy_backward_bytes(r: PlanRows) -> np.ndarray:
+    """What a pipeline stage's copy backward holds beside its kept and recomputed activations
+    (``pipeline_memory.copy_backward_bytes``): the largest op's gradients, with its parameters' fresh gradients
+    where the stage accumulates whole ones over micro-batches (ZeRO 0/1; a ZeRO 2/3 stage's fresh gradients are
+    FSDP2's unit gradients, ``fsdp_stage_bytes``); 0 without a pipeline."""
+    accumulating = (gradients_divisor(r.pp, r.zero, r.dp) == 1) & (r.m > 1)
+    return np.where(r.piped, np.where(accumulating, r.copy_back_fresh, r.copy_back), 0.0)
+
+
 def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes, params: np.ndarray
                 ) -> dict[str, np.ndarray]:
     """Peak bytes per device and its parts (``parameters``, ``gradients``, ``optimizer``, ``activations``,
@@ -71,7 +80,7 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     staged = r.piped & ~r.deepspeed & (r.zero >= 2)
     stage_params, at_loss, in_copy = _only(staged, 3, fsdp_stage_bytes, r.zero, r.gathered, r.grad, r.unit_params,
                                            r.loose_params)
-    stage_working = transient + in_copy
+    stage_working = transient + in_copy + stage_copy_backward_bytes(r)
     activations = activations_bytes(model, r, activation_bytes, np.where(r.piped, stage_working, transient), at_loss)
     flat_torch = ~r.deepspeed & ~r.piped
     held_params, torch_grads, torch_working, torch_acts = _only(
@@ -92,4 +101,4 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
             "other_bytes": other}
 
 
-__all__ = ["activations_bytes", "memory_rows"]
+__all__ = ["activations_bytes", "memory_rows", "stage_copy_backward_bytes"]

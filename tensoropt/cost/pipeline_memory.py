@@ -47,6 +47,28 @@ def backward_working_bytes(op: Op) -> float:
     return float(outputs + inputs)
 
 
+def copy_backward_bytes(model, tp: int, tp_branches: tuple[str, ...], micro_batch: int, grad_bytes: float
+                        ) -> tuple[float, float]:
+    """(gradients of one op's backward, the same with its parameters' fresh gradients) of the block copy's op that
+    holds the most, on one device at ``micro_batch`` samples (``model`` a ``cost.model.ModelCost``; ``grad_bytes``:
+    bytes of a parameter's gradient). A stage's peak can fall inside a copy's backward rather than the loss's:
+    stage 0, which has no loss, in 1F1B runs each later micro-batch's backward with the earlier ones' outputs in
+    flight (``in_flight``) and their gradients accumulated whole under ZeRO 0/1 (``gradients_divisor``). The
+    op's backward holds its outputs' gradients and makes its activation inputs' (``backward_working_bytes``: a
+    gated MLP's product makes two hidden-by-ffn gradients from one), and for a parameter that has a ``.grad``
+    already it makes a fresh gradient that autograd adds in place and then frees (``torch/csrc/autograd/
+    functions/accumulate_grad.h``, ``accumulateGrad`` case 2.3: ``variable_grad += new_grad``; only the first
+    micro-batch's is stolen as the ``.grad``, case 1.1). The op's shard is as the copy's ops without sequence
+    parallelism (a bound: sequence parallelism divides the stream's ops further)."""
+    plain = fresh = 0.0
+    for _, cost in model.blocks:
+        shard = cost.shards(tp, tp_branches, False)
+        gradients = cost.backward_bytes * micro_batch / shard
+        plain = max(plain, float(gradients.max(initial=0.0)))
+        fresh = max(fresh, float((gradients + grad_bytes * cost.params / shard).max(initial=0.0)))
+    return plain, fresh
+
+
 def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
     """Bytes of the receive buffers of pipeline device 0 (and of device ``p - 1``: the same count), numbers or
     per-plan arrays; 0 without a pipeline (module doc)."""
@@ -118,5 +140,5 @@ def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_byte
     return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
 
 
-__all__ = ["backward_working_bytes", "fsdp_stage_bytes", "gradients_divisor", "held_first_bytes", "held_last_bytes",
-           "in_flight", "in_flight_last", "p2p_buffer_bytes"]
+__all__ = ["backward_working_bytes", "copy_backward_bytes", "fsdp_stage_bytes", "gradients_divisor",
+           "held_first_bytes", "held_last_bytes", "in_flight", "in_flight_last", "p2p_buffer_bytes"]

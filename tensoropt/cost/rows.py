@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .deepspeed_memory import master_and_moment_bytes
+from .pipeline_memory import copy_backward_bytes
 from .states import state_bytes
 from .torch_memory import largest_copy_parameters, logits_elements, loss_gradient_bytes, one_copy_peak_bytes
 
@@ -50,6 +51,8 @@ class PlanRows:
     copy_peak: np.ndarray          # the most one block copy keeps and recomputes in its backward, bytes
     head_acts: np.ndarray          # kept activations of the loose ops before the blocks (the embedding's), bytes
     tail_params: np.ndarray        # elements of the loose ops after the blocks (the final norm and head)
+    copy_back: np.ndarray          # the largest op backward's gradients in a block copy, bytes (``pipeline_memory``)
+    copy_back_fresh: np.ndarray    # the same with its parameters' fresh gradients (accumulating micro-batches)
 
     @property
     def piped(self) -> np.ndarray:
@@ -68,6 +71,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     copy_peak: dict = {}
     loss_grads: dict = {}
     states: dict = {}
+    copy_back: dict = {}              # the copy's largest op backward per (tp, branches, micro-batch, gradient bytes)
     for c in ctxs:
         tp_key, mb_key = (c.tp, c.tp_branches), (c.tp, c.tp_branches, c.micro_batch)
         if tp_key not in largest_copy:
@@ -84,12 +88,15 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
                                  *master_and_moment_bytes(state.optimizer, state.partition_copy), state.partition_copy)
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
         head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them
+        back_key = (c.tp, c.tp_branches, c.micro_batch, states[state_key][2])
+        if back_key not in copy_back:
+            copy_back[back_key] = copy_backward_bytes(model, *back_key)
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
                      *states[state_key]))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
                        largest_copy[tp_key], loss_grads[mb_key], copy_peak[mb_key], head.activation_bytes,
-                       tail.parameters))
+                       tail.parameters, *copy_back[back_key]))
     columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
     names = [f.name for f in fields(PlanRows)]
     assert len(names) == len(columns) and len(ints[0]) == _INTS
