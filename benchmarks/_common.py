@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: machine description and result files."""
+"""Helpers shared by the benchmark scripts: machine description, result files, and the simulated memory check."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import json
 import os
 import platform
 import subprocess
+import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def machine() -> dict:
@@ -35,3 +38,25 @@ def write_results(name: str, rows: list[dict], table_md: str, notes: str = "", e
     header = (f"Machine: {info['cpu']}, {info['cores']} cores; Python {info['python']}, torch {info['torch']}; "
               f"{info['date']}, commit {info['commit']}.\n\n")
     (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{header}{table_md}\n{notes}")
+
+
+def check_memory(script: str, launch_args: list[str], script_args: list[str], plan, cache_dir: str,
+                 env: dict[str, str] | None = None, timeout_s: float = 900) -> dict:
+    """What ``tensoropt launch SCRIPT LAUNCH_ARGS --plan PLAN --precision ITS_PRECISION --dry-run --check-memory``
+    wrote (``memory_check.json``: simulated and predicted) for ``plan`` (a ``tensoropt.space.plan.Plan``), run in a
+    subprocess from the repository root with the capture cache in ``cache_dir`` and ``env`` added; a failed launch
+    exits naming the plan, with its last line."""
+    env = {**os.environ, "TENSOROPT_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", **(env or {}),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file = Path(tmp) / "given.json"
+        plan_file.write_text(json.dumps(plan.to_json()))
+        result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", script, *launch_args, "--plan",
+                                 str(plan_file), "--precision", plan.precision, "--dry-run", "--check-memory",
+                                 "--run-dir", str(Path(tmp) / "run"), "--", *script_args],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        out = Path(tmp) / "run" / "memory_check.json"
+        if result.returncode or not out.exists():
+            tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SystemExit(f"check-memory of {plan.summary()} failed: {tail}")
+        return json.loads(out.read_text())

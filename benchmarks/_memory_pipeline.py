@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks._common import machine, write_results  # noqa: E402
+from benchmarks._common import check_memory, machine, write_results  # noqa: E402
 from launcher.capture import capture_script  # noqa: E402
 from launcher.devices import detect  # noqa: E402
 from launcher.launch import cost_model, price  # noqa: E402
@@ -76,25 +75,6 @@ def plan_of(pp: int, virtual: int, dp: int, tp: int, zero: int, micro_batch: int
                 global_batch=GLOBAL_BATCH, zero=zero, tp_branches=("attn", "mlp") if tp > 1 else (),
                 precision=precision, dtype="float32" if precision == "32-true" else "bfloat16", master_weights=False,
                 blocks=(BlockPlan("layers.*", ((LayerStrategy(recompute), layers // pp),)),))
-
-
-def check_memory(script_args: list[str], plan: Plan, cache_dir: str, rank: int) -> dict:
-    """What ``launch --dry-run --check-memory`` wrote for ``rank`` (``memory_check.json``: simulated and
-    predicted)."""
-    env = {**os.environ, "TENSOROPT_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", "TENSOROPT_SIMULATE_RANK": str(rank),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_file = Path(tmp) / "given.json"
-        plan_file.write_text(json.dumps(plan.to_json()))
-        result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, *ON_8, "--plan", str(plan_file),
-                                 "--precision", plan.precision, "--dry-run", "--check-memory", "--run-dir",
-                                 str(Path(tmp) / "run"), "--", *script_args],
-                                cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-        out = Path(tmp) / "run" / "memory_check.json"
-        if result.returncode or not out.exists():
-            tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise SystemExit(f"_memory_pipeline: {plan.summary()} failed: {tail}")
-        return json.loads(out.read_text())
 
 
 def last_stage_rank(plan: Plan) -> int:
@@ -145,7 +125,8 @@ def simulated(case: tuple, layers: int, model: str, cache_dir: str) -> dict:
     rank's) and the commit they were simulated at."""
     name, pp, virtual, dp, tp, zero, mb, recompute, precision = case
     plan = plan_of(pp, virtual, dp, tp, zero, mb, recompute, precision, layers)
-    checks = [check_memory(script_args(layers, precision), plan, cache_dir, rank)
+    checks = [check_memory(SCRIPT, ON_8, script_args(layers, precision), plan, cache_dir,
+                           {"TENSOROPT_SIMULATE_RANK": str(rank)}, timeout_s=1800)
               for rank in (0, last_stage_rank(plan))]
     return _row(name, model, plan, checks) | {"case": list(case), "layers": layers,
                                                  "simulated_at": machine()["commit"]}

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks._common import check_memory, machine  # noqa: E402
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan  # noqa: E402
 
 SCRIPT = "examples/train_llama_large.py"
@@ -98,29 +97,6 @@ CASES_70B = [
     ("tp2-sp", 64, 32, 2, 3, 1, 64, "bf16-true", "none+sp"),
     ("precision-bf16-mixed", 64, 32, 2, 3, 2, 64, "bf16-mixed", "25/80 none+sp,full+sp"),   # the README's check
 ]
-
-
-def check_memory(launch_args: list[str], script_args: list[str], plan: Plan, cache_dir: str) -> dict:
-    """What ``launch --dry-run --check-memory`` wrote (``memory_check.json``: simulated and predicted)."""
-    env = {**os.environ, "TENSOROPT_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_file = Path(tmp) / "given.json"
-        plan_file.write_text(json.dumps(plan.to_json()))
-        result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, *launch_args, "--plan",
-                                 str(plan_file), "--precision", plan.precision, "--dry-run", "--check-memory",
-                                 "--run-dir", str(Path(tmp) / "run"), "--", *script_args],
-                                cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        out = Path(tmp) / "run" / "memory_check.json"
-        if result.returncode or not out.exists():
-            tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise SystemExit(f"_memory_torch: {plan.summary()} failed: {tail}")
-        return json.loads(out.read_text())
-
-
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
 
 
 @dataclass(frozen=True)
@@ -199,8 +175,8 @@ def _row(case: Case, simulated: dict, prediction: dict, commit: str) -> dict:
 
 def simulated(case: Case, cache_dir: str) -> dict:
     """The case's row, simulated now (a ``launch --check-memory`` subprocess; minutes for the 70B plans)."""
-    check = check_memory(list(case.launch_args), case.all_script_args, case.plan, cache_dir)
-    row = _row(case, check["simulated"], check["predicted"], _commit())
+    check = check_memory(SCRIPT, list(case.launch_args), list(case.all_script_args), case.plan, cache_dir)
+    row = _row(case, check["simulated"], check["predicted"], machine()["commit"])
     print(f"  {case.family:22s} {case.model:26s} {row['plan']:52s} {_ratio(row):+7.1%}", file=sys.stderr, flush=True)
     return row
 
