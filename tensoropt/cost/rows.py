@@ -83,16 +83,18 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
         if state_key not in states:
             state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
             cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
-            states[state_key] = (state.weight, state.gathered_bytes, state.grad, state.adam_moved,
-                                 state.optimizer_bytes(c.zero), cast, c.engine == "deepspeed",
-                                 *master_and_moment_bytes(state.optimizer, state.partition_copy), state.partition_copy)
+            states[state_key] = state.grad, (
+                state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero), cast,
+                c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
+                state.partition_copy)
+        grad_bytes, state_ints = states[state_key]
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
         head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them
-        back_key = (c.tp, c.tp_branches, c.micro_batch, states[state_key][2])
+        back_key = (*mb_key, grad_bytes)
         if back_key not in copy_back:
             copy_back[back_key] = copy_backward_bytes(model, *back_key)
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
-                     *states[state_key]))
+                     *state_ints))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
                        largest_copy[tp_key], loss_grads[mb_key], copy_peak[mb_key], head.activation_bytes,
