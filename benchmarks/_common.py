@@ -60,3 +60,8 @@ def check_memory(script: str, launch_args: list[str], script_args: list[str], pl
             tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise SystemExit(f"check-memory of {plan.summary()} failed: {tail}")
         return json.loads(out.read_text())
+
+
+def memory_error(row: dict) -> float:
+    """predicted / actual - 1 of a memory row's tensor bytes (``memory_accuracy.py``'s target is 0 to +5%)."""
+    return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1

@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks._common import check_memory, machine, write_results  # noqa: E402
+from benchmarks._common import check_memory, machine, memory_error, write_results  # noqa: E402
 from launcher.capture import capture_script  # noqa: E402
 from launcher.devices import detect  # noqa: E402
 from launcher.launch import cost_model, price  # noqa: E402
@@ -150,13 +150,9 @@ def rows(quick: bool = False, family: str | None = None, simulate: bool = False)
                 continue
             found = stored.get((case, layers))
             out.append(priced(found) if found else simulated(case, layers, model, cache_dir))
-            print(f"  {case[0]:26s} {model:26s} {out[-1]['plan']:46s} {_ratio(out[-1]):+7.1%}"
+            print(f"  {case[0]:26s} {model:26s} {out[-1]['plan']:46s} {memory_error(out[-1]):+7.1%}"
                   f"{'' if found else ' (simulated)'}", file=sys.stderr, flush=True)
     return out
-
-
-def _ratio(row: dict) -> float:
-    return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
 
 
 def table(rows_: list[dict]) -> str:
@@ -166,7 +162,7 @@ def table(rows_: list[dict]) -> str:
     for row in rows_:
         lines.append(f"| {row['family']} | {row['plan']} | {row['precision']} | {row['actual']['rank']} | "
                      f"{row['actual_bytes'] / 2**30:.3f} | {row['predicted_tensor_bytes'] / 2**30:.3f} | "
-                     f"{_ratio(row):+.1%} |")
+                     f"{memory_error(row):+.1%} |")
     return "\n".join(lines) + "\n"
 
 

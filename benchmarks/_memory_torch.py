@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import check_memory, machine  # noqa: E402
+from benchmarks._common import check_memory, machine, memory_error  # noqa: E402
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan  # noqa: E402
 
 SCRIPT = "examples/train_llama_large.py"
@@ -177,7 +177,8 @@ def simulated(case: Case, cache_dir: str) -> dict:
     """The case's row, simulated now (a ``launch --check-memory`` subprocess; minutes for the 70B plans)."""
     check = check_memory(SCRIPT, list(case.launch_args), list(case.all_script_args), case.plan, cache_dir)
     row = _row(case, check["simulated"], check["predicted"], machine()["commit"])
-    print(f"  {case.family:22s} {case.model:26s} {row['plan']:52s} {_ratio(row):+7.1%}", file=sys.stderr, flush=True)
+    print(f"  {case.family:22s} {case.model:26s} {row['plan']:52s} {memory_error(row):+7.1%}", file=sys.stderr,
+          flush=True)
     return row
 
 
@@ -215,10 +216,6 @@ def rows(quick: bool = False, family: str | None = None, simulate: bool = False)
 
 WORKERS = 2          # simulations at once (each its own process)
 STORE = REPO / "benchmarks" / "results" / "memory_torch.json"
-
-
-def _ratio(row: dict) -> float:
-    return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
 
 
 __all__ = ["CASES_70B", "CASES_8B", "Case", "cases", "plan_of", "predicted", "rows", "simulated", "stored"]

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import memory_error as error  # noqa: E402
 from _common import write_results  # noqa: E402
 
 PROVIDERS = ("_memory_torch", "_memory_deepspeed", "_memory_pipeline")
@@ -48,11 +49,6 @@ def providers() -> dict[str, Callable]:
             continue
         out[name] = module.rows
     return out
-
-
-def error(row: dict) -> float:
-    """predicted / actual - 1 of a row's tensor bytes."""
-    return row["predicted_tensor_bytes"] / row["actual_bytes"] - 1
 
 
 def meets(row: dict) -> bool:
