@@ -86,7 +86,8 @@ def predicted(plan: Plan, precision: str) -> tuple[int, dict]:
     """(tensor bytes, breakdown) the cost model gives the plan on DeepSpeed, as ``tensoropt launch`` prices it."""
     devices = detect("cpu", DEVICES, None)
     graph = capture_script(SCRIPT, SCRIPT_ARGS, precision=precision)
-    result = estimate(cost_model(graph, devices, DEVICES), planned_precision(plan, "deepspeed", precision))
+    plan = planned_precision(plan, "deepspeed", precision)
+    result = estimate(cost_model(graph, devices, DEVICES, plan), plan)
     overhead = devices.profile.runtime_overhead_bytes
     return int(result.peak_memory_bytes - overhead), result.memory_breakdown | {"runtime_overhead_bytes": overhead}
 

@@ -110,7 +110,8 @@ def predicted(plan: Plan, layers: int) -> dict:
     devices = detect("cuda", plan.devices, None, None, dry_run=True)
     graph = capture_script(SCRIPT, script_args(layers, plan.precision), precision=plan.precision)
     point = price(graph, devices, plan.devices, plan, "torch", plan.precision)
-    return predicted_breakdown(cost_model(graph, devices, plan.devices), point, devices.profile.runtime_overhead_bytes)
+    return predicted_breakdown(cost_model(graph, devices, plan.devices, point.plan), point,
+                               devices.profile.runtime_overhead_bytes)
 
 
 def priced(row: dict) -> dict:

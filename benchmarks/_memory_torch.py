@@ -163,7 +163,8 @@ def predicted(case: Case) -> dict:
     graph = capture_script(str(REPO / SCRIPT), case.all_script_args, precision=case.precision)
     engine = choose_engine(planned_precision(case.plan, "torch", case.precision))
     point = price(graph, devices, per_node, case.plan, engine, case.precision)
-    return predicted_breakdown(cost_model(graph, devices, per_node), point, devices.profile.runtime_overhead_bytes)
+    return predicted_breakdown(cost_model(graph, devices, per_node, point.plan), point,
+                               devices.profile.runtime_overhead_bytes)
 
 
 def _row(case: Case, simulated: dict, prediction: dict, commit: str) -> dict:

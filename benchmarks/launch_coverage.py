@@ -56,7 +56,9 @@ def frontier_fastest(preset: str, per_node: int, nodes: int, global_batch: int, 
     sys.path.insert(0, str(REPO))
     from launcher.capture import capture_script
     from launcher.devices import detect
-    from launcher.launch import cost_model
+    from launcher.launch import cluster
+    from tensoropt.cost.model import ModelCost
+    from tensoropt.planning import by_graph, folded
     from tensoropt.search.ft import SearchSpace, search
     from tensoropt.space.plan import Plan
 
@@ -65,10 +67,11 @@ def frontier_fastest(preset: str, per_node: int, nodes: int, global_batch: int, 
     devices = detect("cuda", per_node, None, None, dry_run=True)
     devices = dataclasses.replace(devices, count=per_node * nodes)
     plan = Plan.from_json(chosen)
-    model = cost_model(graph, devices, per_node)
     points = []
     for space, keep in by_engine(SearchSpace(global_batch=global_batch), plan):
-        points += [p for p in search(model, devices.count, space).points if keep(p.plan)]
+        for priced, part in by_graph(graph, space.engine, space, devices.count):     # bf16-mixed: as engines run it
+            model = ModelCost(priced, folded(priced), cluster(devices, per_node))
+            points += [p for p in search(model, devices.count, part).points if keep(p.plan)]
     fits = [p for p in points if p.peak_memory_bytes <= devices.memory_bytes]
     return min(fits, key=lambda p: p.iteration_time_s), len(points)
 

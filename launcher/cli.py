@@ -146,8 +146,8 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
     if check_memory:
-        simulate_and_compare(script, list(script_args), plan_file, engine, L.cost_model(graph, devices, per_node),
-                             point, devices, click.echo)
+        simulate_and_compare(script, list(script_args), plan_file, engine,
+                             L.cost_model(graph, devices, per_node, point.plan), point, devices, click.echo)
     if dry_run:
         return
     store = publish(master_addr, master_port, json.loads(plan_file.read_text())) if shared and node_rank == 0 else None

@@ -21,7 +21,7 @@ from tensoropt.runtime import PLAN_ENV
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.runtime.precision import PRECISION_ENV, checked, of_plan
 from tensoropt.runtime.precision import words as precision_words
-from tensoropt.search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights
+from tensoropt.search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights, priced_graph
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan, compute_dtype
@@ -97,7 +97,11 @@ def planned_precision(plan: Plan, engine: str, precision: str) -> Plan:
                                master_weights=master_weights(engine, precision), engine=engine)
 
 
-def cost_model(graph: OpGraph, devices: Devices, per_node: int) -> ModelCost:
+def cost_model(graph: OpGraph, devices: Devices, per_node: int, plan: Plan | None = None) -> ModelCost:
+    """The cost model of this model on these devices; for ``plan`` (its engine, ZeRO stage and precision set, as
+    ``planned_precision`` sets them), of the graph its engine runs (``search.engines.priced_graph``)."""
+    if plan is not None:
+        graph = priced_graph(graph, plan.engine, plan.zero, plan.pp, plan.precision)
     return ModelCost(graph, folded(graph), cluster(devices, per_node))
 
 
@@ -111,7 +115,7 @@ def price(graph: OpGraph, devices: Devices, per_node: int, plan: Plan, engine: s
     ``engine``."""
     plan = planned_precision(plan, engine, precision or default_precision(graph))
     try:
-        result = estimate(cost_model(graph, devices, per_node), plan)
+        result = estimate(cost_model(graph, devices, per_node, plan), plan)
     except (KeyError, ValueError, IndexError) as exc:
         raise TensorOptError(f"plan {plan.summary()} does not fit this model: {exc}") from exc
     return FrontierPoint(plan, result.iteration_time_s, result.peak_memory_bytes)

@@ -20,7 +20,7 @@ from .space.tp_check import check_tensor_parallel, with_tp_checks
 from .space.vocab import check_vocab_modules, with_vocab_check
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
-CAPTURE_VERSION = 9
+CAPTURE_VERSION = 10
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ API give the same answer from the same work.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 
@@ -23,14 +24,15 @@ from .errors import TensorOptError
 from .frontier import Frontier
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
-from .search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights, unsupported
+from .graph.precision import bf16_weights_graph
+from .search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights, priced_graph, unsupported
 from .search.ft import FrontierPoint, SearchSpace, search
 from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
-from .space.plan import compute_dtype
+from .space.plan import compute_dtype, divisors
 from .units import parse_bytes
 
-_LAST_FOLDED: tuple[OpGraph, FoldedGraph] | None = None
+_FOLDED: list[tuple[OpGraph, FoldedGraph]] = []       # the graphs folded last, newest first
 
 
 class NoPlanError(TensorOptError):
@@ -47,11 +49,13 @@ class NoPlanFitsError(TensorOptError):
 
 
 def folded(graph: OpGraph) -> FoldedGraph:
-    """``fold(graph)``, computed once for the graph planned last (a launch prices and searches the same graph)."""
-    global _LAST_FOLDED
-    if _LAST_FOLDED is None or _LAST_FOLDED[0] is not graph:
-        _LAST_FOLDED = (graph, fold(graph))
-    return _LAST_FOLDED[1]
+    """``fold(graph)``, computed once for each of the two graphs planned last (a launch prices and searches the
+    same graph, and in bf16-mixed the one captured with bf16 weights beside it: ``search.engines.priced_graph``)."""
+    for seen, done in _FOLDED:
+        if seen is graph:
+            return done
+    _FOLDED[:] = [(graph, fold(graph)), *_FOLDED[:1]]
+    return _FOLDED[0][1]
 
 
 def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequence[Cluster], *,
@@ -84,10 +88,13 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     start = time.perf_counter()                             # search_seconds: the search alone, as before
     candidates: list[tuple[FrontierPoint, str]] = []        # in ENGINES order: of two equal points the first is kept
     for cluster in clusters:
-        cost = ModelCost(graph, folding, cluster, compiled=compile)
+        costs: dict[int, ModelCost] = {}
         for engine, space in _spaces(graph, global_batch, engines, precision, pipeline, limits, compile):
-            points = search(cost, cluster.num_devices, space, doubling=fold_blocks).points
-            candidates += [(p, engine) for p in points if not engine or not unsupported(p.plan, engine)]
+            for priced, part in by_graph(graph, engine, space, cluster.num_devices):
+                cost = costs.get(id(priced)) or ModelCost(priced, folded(priced), cluster, compiled=compile)
+                costs[id(priced)] = cost
+                points = search(cost, cluster.num_devices, part, doubling=fold_blocks).points
+                candidates += [(p, engine) for p in points if not engine or not unsupported(p.plan, engine)]
     if not candidates:
         raise NoPlanError(f"no plan splits global batch {global_batch} over {[c.num_devices for c in clusters]} "
                           "devices" + (f" within {limits.flags()}" if limits else ""))
@@ -140,6 +147,25 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
     return spaces
 
 
+def by_graph(graph: OpGraph, engine: str, space: SearchSpace, devices: int) -> list[tuple[OpGraph, SearchSpace]]:
+    """``space`` split by the graph that prices its plans (``search.engines.priced_graph``): in bf16-mixed, the
+    plans whose engine computes with bf16 weights (FSDP2's ZeRO 1-3 without pipeline stages, DeepSpeed) are
+    searched on the graph captured so, the others on ``graph``. A graph without that capture prices the whole
+    space. Pipeline depths are told apart only as one stage or more (of ``devices``' divisors)."""
+    if bf16_weights_graph(graph) is None:
+        return [(graph, space)]
+    depths = space.pipeline_stages or tuple(divisors(devices))
+    cells: dict[tuple[int, tuple[int, ...]], tuple[OpGraph, list[int]]] = {}
+    for stages in ((1,) if 1 in depths else (), tuple(d for d in depths if d > 1)):
+        for zero in space.zero_stages if stages else ():
+            priced = priced_graph(graph, engine, zero, stages[0], space.precision)
+            cells.setdefault((id(priced), stages), (priced, []))[1].append(zero)
+    if len({key[0] for key in cells}) < 2:        # one graph prices them all: one search
+        return [(next(iter(cells.values()))[0] if cells else graph, space)]
+    return [(priced, dataclasses.replace(space, zero_stages=tuple(zeros), pipeline_stages=stages))
+            for (_, stages), (priced, zeros) in cells.items()]
+
+
 def _bytes(budget: float | str) -> float:
     if isinstance(budget, str):
         return parse_bytes(budget, "budget")
@@ -148,4 +174,4 @@ def _bytes(budget: float | str) -> float:
     return float(budget)
 
 
-__all__ = ["NoPlanError", "NoPlanFitsError", "folded", "plan"]
+__all__ = ["NoPlanError", "NoPlanFitsError", "by_graph", "folded", "plan"]

@@ -40,6 +40,8 @@ CASES = {
     "ddp-accumulation": (_plan(((NONE, 4),), micro_batch=2), WIDER),
     "fsdp2-zero3-full": (_plan(((FULL, 4),), zero=3, micro_batch=4), ()),
     "tp2-zero3-mixed-sp": (_plan(((NONE_SP, 1), (FULL_SP, 3)), dp=1, tp=2, zero=3, micro_batch=4), ()),
+    # FSDP2 computes bf16-mixed with bf16 weights: priced with the capture that has them (search.engines.priced_graph)
+    "fsdp2-zero3-bf16-mixed": (_plan(((NONE, 4),), zero=3, micro_batch=4, precision="bf16-mixed"), WIDER),
 }
 
 

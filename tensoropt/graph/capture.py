@@ -112,7 +112,8 @@ class _Tracer(TorchDispatchMode):
         super().__init__()
         self.watch_autocast = watch_autocast    # note an autocast the forward enters (it has no effect on meta)
         # under autocast a product reads its weight's bf16 copy: recorded as reading the parameter (in bf16),
-        # as the strategy space finds linears by the parameters they read
+        # as the strategy space finds linears by the parameters they read. A buffer's cast is the model's own
+        # (rotary tables cast to the stream's dtype, ``.to(x.dtype)``): a tensor made every forward, recorded
         self.casts_are_params = not watch_autocast
         self.autocast_seen: torch.dtype | None = None
         self.origin: dict[int, Ref] = dict(state_refs)
@@ -138,7 +139,7 @@ class _Tracer(TorchDispatchMode):
             return out
         name = func.overloadpacket.__name__
         if func.is_view or name in ALIAS_OPS or (self.casts_are_params and name == "_to_copy" and in_tensors
-                                                 and self.ref(in_tensors[0]).kind in ("param", "buffer")):
+                                                 and self.ref(in_tensors[0]).kind == "param"):
             base = self.ref(in_tensors[0]) if in_tensors else Ref("const")
             for t in out_tensors:
                 self.origin[id(t)] = base

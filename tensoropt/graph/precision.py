@@ -10,17 +10,29 @@ same dtype (``cuda_autocast_on_cpu``): the capture never runs on a GPU, and on a
 torch would otherwise switch a CUDA autocast off. The two devices' autocast lists agree on what matters for
 cost (matrix products, convolutions and attention in the lower precision, reductions such as softmax and
 losses in float32); they differ on a few rarer ops.
+
+In bf16-mixed the engines differ in what the autocast computes with. DDP and one process keep float32 weights:
+autocast casts each weight per op, and the embedding's output and the residual stream between ops stay float32.
+FSDP2 (``param_dtype=bf16``) and DeepSpeed's bf16 mode compute with bf16 weights: the stream is bf16 and no
+per-op weight copy is made. The launcher captures both (``with_bf16_weights``), and each plan is priced with the
+one its engine runs (``search.engines.priced_graph``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from torch.amp.autocast_mode import autocast
 
+from .ir import OpGraph
+
 AUTOCAST_DEVICES = ("cpu", "cuda")
+BF16_WEIGHTS_META = "bf16_weights_graph"     # graph metadata: the model captured with bf16 weights (JSON)
 
 
 def active_autocast() -> torch.dtype | None:
@@ -52,3 +64,22 @@ def cuda_autocast_on_cpu() -> Iterator[None]:
         yield
     finally:
         autocast.__init__ = original
+
+
+def with_bf16_weights(graph: OpGraph, bf16_weights: OpGraph) -> OpGraph:
+    """``graph`` (bf16-mixed: float32 weights under a bf16 autocast) carrying ``bf16_weights``, the same model
+    captured with its weights cast to bf16 under the same autocast, as FSDP2 and DeepSpeed run it. Kept in the
+    metadata so that the graph cache, the launcher and every caller that passes a graph keep both."""
+    meta = dict(graph.metadata) | {BF16_WEIGHTS_META: json.dumps(bf16_weights.to_json())}
+    return replace(graph, metadata=tuple(sorted(meta.items())))
+
+
+def bf16_weights_graph(graph: OpGraph) -> OpGraph | None:
+    """The graph ``with_bf16_weights`` attached, None for a graph captured without one."""
+    text = graph.meta(BF16_WEIGHTS_META)
+    return _parsed(text) if text else None
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str) -> OpGraph:
+    return OpGraph.from_json(json.loads(text))

@@ -148,9 +148,11 @@ def _capture_mode(model: nn.Module, optimizer_fn, example_inputs, global_batch) 
 def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int, precision: str | None = None) -> None:
     """Capture the model and write its graph; in ``precision`` (the launcher's ``TENSOROPT_PRECISION``) as the
     engines run it: cast to its weight dtype, and for bf16-mixed traced under a bf16 autocast (the graph's
-    ``precision`` meta then tells the launcher the autocast is the engine's, not the script's)."""
+    ``precision`` meta then tells the launcher the autocast is the engine's, not the script's). In bf16-mixed, or
+    under the script's own bf16 autocast, the graph also carries the model traced with bf16 weights, as FSDP2
+    and DeepSpeed compute (``graph.precision.with_bf16_weights``)."""
     from ..graph.cache import write_json_atomic
-    from ..graph.capture import trace_module
+    from ..graph.precision import active_autocast, with_bf16_weights
     from ..models import example_shape
     from ..space.tp_check import check_tensor_parallel, with_tp_checks
     from ..space.vocab import check_vocab_modules, with_vocab_check
@@ -159,14 +161,40 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
             "sources": json.dumps(_user_sources())} | ({"precision": precision} if precision else {}) | (
         {"meta_built": "1"} if has_meta_tensors(model) else {})      # informational (runtime.pipeline_trace)
     cast_model(model, precision)
+    graph = _traced(model, inputs, meta, precision)
+    checks = check_tensor_parallel(model, inputs, graph), check_vocab_modules(model, graph)
+    graph = with_vocab_check(with_tp_checks(graph, checks[0]), checks[1])
+    if precision == "bf16-mixed" or (precision is None and active_autocast() == torch.bfloat16):
+        with _weights_in_bf16(model):       # as FSDP2 and DeepSpeed compute (graph.precision)
+            bf16 = _traced(model, inputs, meta, precision)
+        graph = with_bf16_weights(graph, with_vocab_check(with_tp_checks(bf16, checks[0]), checks[1]))
+    write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
+
+
+@contextlib.contextmanager
+def _weights_in_bf16(model: nn.Module):
+    """Within: the model's floating-point parameters in bf16, as FSDP2's ``param_dtype`` gathers them (buffers
+    stay: FSDP2 casts parameters only); after, the very tensors they were, so nothing is rounded."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    kept = [p.data for p in params]
+    for param in params:
+        param.data = param.data.to(torch.bfloat16)
+    try:
+        yield
+    finally:
+        for param, data in zip(params, kept):
+            param.data = data
+
+
+def _traced(model: nn.Module, inputs: tuple | Mapping, meta: dict, precision: str | None):
+    """The model's graph as the engines run it in ``precision``: bf16-mixed under a bf16 autocast (on GPUs,
+    CUDA's: see precision.py)."""
+    from ..graph.capture import trace_module
     with contextlib.ExitStack() as scope:
-        if precision == "bf16-mixed":       # as the engines run it: on GPUs, CUDA's autocast (see precision.py)
+        if precision == "bf16-mixed":
             scope.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
             scope.enter_context(cuda_attention_policy())
-        graph = trace_module(model, inputs, type(model).__name__, meta, require_loss=True)
-    graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
-    graph = with_vocab_check(graph, check_vocab_modules(model, graph))
-    write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
+        return trace_module(model, inputs, type(model).__name__, meta, require_loss=True)
 
 
 @dataclass

@@ -13,6 +13,8 @@ which names the engine that runs it. Plain data on a ``Plan``: no GPU.
 from __future__ import annotations
 
 from ..errors import TensorOptError
+from ..graph.ir import OpGraph
+from ..graph.precision import bf16_weights_graph
 from ..space.plan import Plan
 from ..space.run_plan import ENGINES
 
@@ -78,6 +80,25 @@ def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
     return engine == "deepspeed" and precision == "bf16-mixed"
 
 
+def computes_with_bf16_weights(engine: str, zero: int, pp: int, precision: str | None) -> bool:
+    """Whether ``engine`` runs a bf16-mixed plan with bf16 weights in its forward and backward, so with a bf16
+    residual stream and no per-op weight casts: FSDP2 (the torch engine's ZeRO 1-3) gathers them in
+    ``param_dtype=bf16`` (``runtime.precision.fsdp_kwargs``), and DeepSpeed's bf16 mode casts the module to bf16.
+    DDP and one process (ZeRO 0) compute with the float32 weights that the autocast casts per op, so the stream
+    stays float32 (``graph.precision``); so do pipeline stages whatever their ZeRO stage, traced from the float32
+    model under the autocast with its casts and message dtypes fixed in the graph (``runtime.pipeline_trace``)."""
+    return precision == "bf16-mixed" and (engine == "deepspeed" or (zero >= 1 and pp == 1))
+
+
+def priced_graph(graph: OpGraph, engine: str, zero: int, pp: int, precision: str | None) -> OpGraph:
+    """The graph that prices a plan of ``engine`` (torch when "") at ``zero`` with ``pp`` stages in ``precision``:
+    the one captured with bf16 weights where that engine computes with them (``computes_with_bf16_weights``) and
+    the capture has it, else ``graph``."""
+    if computes_with_bf16_weights(engine or "torch", zero, pp, precision):
+        return bf16_weights_graph(graph) or graph
+    return graph
+
+
 def choose_engine(plan: Plan, requested: str | None = None) -> str:
     """The engine that runs a plan: ``requested`` if it can, else torch, else DeepSpeed."""
     for engine in [requested] if requested else ENGINES:
@@ -88,4 +109,5 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
                          "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
-__all__ = ["COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine", "master_weights", "unsupported"]
+__all__ = ["COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine", "computes_with_bf16_weights",
+           "master_weights", "priced_graph", "unsupported"]
