@@ -95,7 +95,7 @@ CASES_8B = [
 CASES_70B = [
     ("fsdp2-zero3", 64, 32, 2, 3, 2, 64, "bf16-true", "25/80 none+sp,full+sp"),
     ("tp2-sp", 64, 32, 2, 3, 1, 64, "bf16-true", "none+sp"),
-    ("precision-bf16-mixed", 64, 32, 2, 3, 2, 64, "bf16-mixed", "25/80 none+sp,full+sp"),   # the README's check
+    ("precision-bf16-mixed", 64, 32, 2, 3, 2, 64, "bf16-mixed", "25/80 none+sp,full+sp"),  # README's, before
 ]
 
 
