@@ -20,6 +20,7 @@ from tensoropt.cost.deepspeed_memory import (
 )
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.cost.torch_memory import loss_forward_bytes, loss_gradient_bytes
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.runtime.deepspeed_tensors import host_gradients, role_of
 from tensoropt.search.ft import SearchSpace, search
@@ -132,9 +133,23 @@ def test_zero3_forward_holds_the_prefetched_weights_twice():
     # a recomputed block's forward makes its activations: only the loss's gradients beyond them are left out
     assert _extra(3, small, activations=held, transient=np.array([4e5]), loss_gradients=np.array([1e6])) == \
         pytest.approx(3 * 2 * small - 6e5)
+    # the loss's forward holds its float32 logits (the copy log_softmax reads) beside what it saves: the larger of
+    # that and a recomputed block's working set is held (a bf16 stream made the block's the smaller)
+    assert _extra(3, small, activations=held, transient=np.array([4e5]), loss_gradients=np.array([1e6]),
+                  loss_forward=np.array([5e5])) == pytest.approx(3 * 2 * small - 5e5)
     # a model larger than the reduce bucket reduces (and flattens) a full bucket within the backward
     huge = 2 * REDUCE_BUCKET_DEFAULT
     assert _extra(3, huge, activations=held) == pytest.approx(2 * 2 * REDUCE_BUCKET_DEFAULT + 2 * huge)
+
+
+def test_the_loss_forward_holds_one_float32_logits_the_backward_two(write_json):
+    """Per micro-batch of 2 on TINY_GPT (sequence 64, vocabulary 256): the forward's float32 logits, the backward's
+    two logit-sized float32 gradients, each beside the token ids and targets (int64) and the loss's two scalars."""
+    model = _model(write_json)
+    logits = 2 * 64 * 256
+    targets = 2 * 2 * 64 * 8 + 2 * 4
+    assert loss_forward_bytes(model, 1, 2) == 4 * logits + targets
+    assert loss_gradient_bytes(model, 1, 2) == 2 * 4 * logits + targets
 
 
 def test_a_tied_weights_gradients_are_held_three_times_at_the_end_of_the_backward(write_json):

@@ -97,7 +97,7 @@ def zero3_gathered(params, weight_bytes):
     return np.minimum(1e9, params) * weight_bytes
 
 
-def zero3_forward_bytes(zero, params, grad_bytes, weight_bytes, transient=0.0, loss_gradients=0.0):
+def zero3_forward_bytes(zero, params, grad_bytes, weight_bytes, transient=0.0, loss_gradients=0.0, loss_forward=0.0):
     """ZeRO 3's forward peak beyond the states, activations and working set priced, which can pass its backward's:
     the bucket (allocated at initialisation) and the gathered weights held twice while a prefetch is in use. The
     coordinator prefetches up to ``stage3_prefetch_bucket_size`` elements in one coalesced all-gather
@@ -105,12 +105,13 @@ def zero3_forward_bytes(zero, params, grad_bytes, weight_bytes, transient=0.0, l
     gathered out into a tensor of its own (``AllGatherCoalescedHandle.wait``: ``torch.cat`` of the ranks' parts),
     and the flat lives on with the handle until the last of those parameters is fetched. The forward holds no
     loss gradients yet (priced in the working set beside the backward's activations): of that working set it holds
-    a recomputed block's ``transient`` (a checkpointed block's forward makes its activations, then drops them).
+    a recomputed block's ``transient`` (a checkpointed block's forward makes its activations, then drops them) or
+    the loss forward's float32 logits, ``loss_forward`` (``cost.torch_memory.loss_forward_bytes``), the larger.
     Measured: the peak of every ZeRO 3 run of ``benchmarks/_memory_deepspeed.py`` is in a forward, with both
     copies of the prefetched weights live."""
     prefetched = np.minimum(PREFETCH_BUCKET_DEFAULT, np.maximum(1, params)) * weight_bytes
     held = reduce_bucket(params) * grad_bytes + zero3_gathered(params, weight_bytes) + prefetched
-    not_yet = np.maximum(transient, loss_gradients) - transient
+    not_yet = np.maximum(transient, loss_gradients) - np.maximum(transient, loss_forward)
     return np.where(zero == 3, held - not_yet, 0.0)
 
 
@@ -171,7 +172,8 @@ def offloaded_gradient_bytes(zero, offload, grads):
 
 
 def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_bytes, moment_bytes, partition_copy,
-                grads, activations, largest_parameter=0, transient=0.0, loss_gradients=0.0, largest_tied=0):
+                grads, activations, largest_parameter=0, transient=0.0, loss_gradients=0.0, largest_tied=0,
+                loss_forward=0.0):
     """DeepSpeed's peak beyond cost.model's weights, gradients, optimizer states, activations and working set
     (the larger of a recomputed block's ``transient`` and the loss's ``loss_gradients``): the largest of what the
     forward (ZeRO 3) or the backward adds, what the end of the backward adds for a tied weight of
@@ -180,7 +182,8 @@ def extra_bytes(zero, offload, params, dp, weight_bytes, grad_bytes, master_byte
     step = np.where(offload, 0.0, step_bytes(zero, params, dp, grad_bytes, master_bytes, moment_bytes, grads))
     later = np.maximum(after_backward_bytes(zero, params, dp, grad_bytes, largest_parameter, offload), step)
     during = np.maximum(in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter),
-                        zero3_forward_bytes(zero, params, grad_bytes, weight_bytes, transient, loss_gradients))
+                        zero3_forward_bytes(zero, params, grad_bytes, weight_bytes, transient, loss_gradients,
+                                            loss_forward))
     working = np.maximum(transient, loss_gradients)
     during = np.maximum(during, tied_gradient_bytes(zero, params, grad_bytes, largest_tied) - activations - working)
     peak = np.maximum(0.0, np.maximum(during, later - activations))

@@ -92,7 +92,8 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     held_params = held_params + stage_params
     deepspeed_bytes, = _only(r.deepspeed, 1, extra_bytes, r.zero, r.offload, params, r.dp, r.weight, r.grad,
                              r.master, r.moment, r.partition_copy, grads, activations, model.largest_parameter,
-                             transient, np.where(r.piped, 0.0, r.loss_grads), model.largest_tied_parameter)
+                             transient, np.where(r.piped, 0.0, r.loss_grads), model.largest_tied_parameter,
+                             np.where(r.piped, 0.0, r.loss_forward))
     # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
     other = working + held_params + prof.runtime_overhead_bytes + r.cast_copy * params + model.buffer_bytes + \
         deepspeed_bytes

@@ -11,7 +11,13 @@ import numpy as np
 from .deepspeed_memory import master_and_moment_bytes
 from .pipeline_memory import copy_backward_bytes
 from .states import state_bytes
-from .torch_memory import largest_copy_parameters, logits_elements, loss_gradient_bytes, one_copy_peak_bytes
+from .torch_memory import (
+    largest_copy_parameters,
+    logits_elements,
+    loss_forward_bytes,
+    loss_gradient_bytes,
+    one_copy_peak_bytes,
+)
 
 if TYPE_CHECKING:
     from .model import Context, ModelCost
@@ -48,6 +54,7 @@ class PlanRows:
     last_back: np.ndarray
     unit_params: np.ndarray        # elements of the largest block copy on one device (one FSDP2 unit)
     loss_grads: np.ndarray         # the loss backward's float32 logit-sized gradients, bytes
+    loss_forward: np.ndarray       # the loss forward's float32 logits beside what it saves, bytes
     copy_peak: np.ndarray          # the most one block copy keeps and recomputes in its backward, bytes
     head_acts: np.ndarray          # kept activations of the loose ops before the blocks (the embedding's), bytes
     tail_params: np.ndarray        # elements of the loose ops after the blocks (the final norm and head)
@@ -78,7 +85,8 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
             largest_copy[tp_key] = largest_copy_parameters(model, c.tp, c.tp_branches)
         if mb_key not in copy_peak:
             copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
-            loss_grads[mb_key] = loss_gradient_bytes(model, c.tp, c.micro_batch, logits)
+            loss_grads[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
+                                  loss_forward_bytes(model, c.tp, c.micro_batch, logits))
         state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine)
         if state_key not in states:
             state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
@@ -97,7 +105,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
                      *state_ints))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                       largest_copy[tp_key], loss_grads[mb_key], copy_peak[mb_key], head.activation_bytes,
+                       largest_copy[tp_key], *loss_grads[mb_key], copy_peak[mb_key], head.activation_bytes,
                        tail.parameters, *copy_back[back_key]))
     columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
     names = [f.name for f in fields(PlanRows)]

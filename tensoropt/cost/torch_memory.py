@@ -81,9 +81,24 @@ def loss_gradient_bytes(model, tp: int, micro_batch: int, logits: float | None =
     when the caller has it (the search prices thousands of contexts)."""
     split = tp > 1 and not model.vocab.why_not(tp)
     logits = logits_elements(model) if logits is None else logits
+    return logits * micro_batch * FLOAT32 * (3 / tp if split else 2) + _targets_bytes(model, micro_batch, logits)
+
+
+def _targets_bytes(model, micro_batch: int, logits: float) -> float:
+    """The token ids and targets (int64, one per token) and the loss's scalars of one micro-batch."""
     tokens = logits / model.vocab.vocab if model.vocab.vocab else 0.0
-    targets = (2 * tokens * micro_batch * INT64 + LOSS_SCALARS_BYTES) if logits else 0.0
-    return logits * micro_batch * FLOAT32 * (3 / tp if split else 2) + targets
+    return (2 * tokens * micro_batch * INT64 + LOSS_SCALARS_BYTES) if logits else 0.0
+
+
+def loss_forward_bytes(model, tp: int, micro_batch: int, logits: float | None = None) -> float:
+    """The loss forward's working set of one micro-batch on one device beside the activations it saves: the float32
+    logits ``log_softmax`` reads (the upcast copy of bf16 logits, or the float32 product itself), which nothing
+    saves, while its output (saved) is made, a rank's share under the vocabulary-parallel loss; and the token ids and
+    targets, as in ``loss_gradient_bytes``. A forward's peak where the engine holds more in the forward than in the
+    backward (DeepSpeed ZeRO 3's prefetch: ``cost.deepspeed_memory.zero3_forward_bytes``)."""
+    split = tp > 1 and not model.vocab.why_not(tp)
+    logits = logits_elements(model) if logits is None else logits
+    return logits * micro_batch * FLOAT32 / (tp if split else 1) + _targets_bytes(model, micro_batch, logits)
 
 
 def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
@@ -140,5 +155,5 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
             pick(at_loss, in_block, units), pick(activations, activations, head_acts + copy_peak))
 
 
-__all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_gradient_bytes",
+__all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_forward_bytes", "loss_gradient_bytes",
            "one_copy_peak_bytes"]
