@@ -43,7 +43,6 @@ from ..space.plan import Plan
 from ..space.run_plan import RunPlan
 from .deepspeed_tensors import deepspeed_tensors
 from .memory_tracker import StepMemory
-from .tp_guard import unchecked
 
 MEMORY_OUT_ENV, SIMULATE_ENV = "TENSOROPT_MEMORY_OUT", "TENSOROPT_SIMULATE_MEMORY"
 RANK_ENV = "TENSOROPT_SIMULATE_RANK"     # the rank simulated (default 0): a pipeline's last stage is another
@@ -350,6 +349,7 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs, 
             raise TensorOptError(f"{RANK_ENV}={rank} is not a rank of the plan's {plan.devices} devices")
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.devices)
     device = torch.device("cpu")
+    from .tp_guard import unchecked  # here: DTensor's import (sympy) is not every launcher process's to pay
     with _outside_capture(), _real_meshes(), _bucketed_ddp(), _pipeline_on_fake_group(), unchecked(), \
             FakeTensorMode(allow_non_fake_inputs=True):
         on_cpu = dataclasses.replace(run_plan, device="cpu")

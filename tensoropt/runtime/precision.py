@@ -32,7 +32,6 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..errors import TensorOptError
 from ..space.plan import PRECISIONS, Plan
@@ -73,6 +72,7 @@ def fsdp_kwargs(precision: str | None) -> dict:
     """``fully_shard`` arguments for ``precision``: bf16-mixed gathers bf16, reduces float32."""
     if precision != "bf16-mixed":
         return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # here: the launcher imports this module too
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
