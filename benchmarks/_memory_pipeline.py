@@ -63,6 +63,8 @@ CASES = [
     ("pipeline-interleaved", 4, 2, 2, 1, 1, 1, "full", "bf16-true"),
     ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 1, 1, "full", "bf16-mixed"),
     ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 1, 1, "none", "bf16-mixed"),
+    ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 3, 1, "none", "bf16-mixed"),    # FSDP2's bf16 units on a stage
+    ("pipeline-1f1b-bf16-mixed", 2, 1, 4, 1, 2, 1, "none", "bf16-mixed"),
     ("pipeline-1f1b-32-true", 2, 1, 4, 1, 1, 1, "full", "32-true"),
     ("pipeline-1f1b-32-true", 2, 1, 4, 1, 1, 1, "none", "32-true"),
 ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph.ir import Op
+from .torch_memory import unit_backward_bytes
 
 
 def backward_working_bytes(op: Op) -> float:
@@ -97,13 +98,12 @@ def fsdp_stage_bytes(zero, gathered, grad, unit_params, root_params):
     a flat plan (``cost.torch_memory`` says why each is held): under ZeRO 3 the stage module, the root unit,
     keeps its own (loose ops') parameters gathered from its forward to its backward, and prefetches the last
     copy's all-gather when its backward starts (the loss's backward, on the last stage); a copy's backward holds
-    its unit gathered, the next unit's all-gather output and two units' gradients (unsharded, and the
-    reduce-scatter input), under ZeRO 2 the two units' gradients (its parameters stay gathered: whole already)."""
+    what it holds in a flat plan (``unit_backward_bytes``; under ZeRO 2 the parameters stay gathered: whole
+    already). Simulated bf16-mixed ZeRO 2 and 3 stages (``benchmarks/_memory_pipeline.py``) agree."""
     zero, gathered, grad = np.asarray(zero), np.asarray(gathered), np.asarray(grad)
     zero3 = zero == 3
-    unit, unit_grads = gathered * unit_params, 2 * grad * unit_params
-    return (np.where(zero3, gathered * root_params, 0.0), np.where(zero3, unit, 0.0),
-            np.where(zero3, 2 * unit + unit_grads, np.where(zero == 2, unit_grads, 0.0)))
+    return (np.where(zero3, gathered * root_params, 0.0), np.where(zero3, gathered * unit_params, 0.0),
+            unit_backward_bytes(zero, gathered, grad, unit_params))
 
 
 def in_flight(pp, micro_batches, virtual_stages):

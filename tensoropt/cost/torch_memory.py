@@ -101,6 +101,16 @@ def loss_forward_bytes(model, tp: int, micro_batch: int, logits: float | None = 
     return logits * micro_batch * FLOAT32 / (tp if split else 1) + _targets_bytes(model, micro_batch, logits)
 
 
+def unit_backward_bytes(zero, gathered, grad, unit_params):
+    """What FSDP2 holds beside a block copy's backward, in a flat plan and on a pipeline stage alike (arrays, one
+    entry per plan): under ZeRO 3 the unit gathered, the next unit's flat all-gather output and two units'
+    gradients, under ZeRO 2 the two units' gradients. A unit's gradients are the unsharded one autograd makes, in
+    the gathered dtype, and the reduce-scatter's input, in the reduce dtype (``MixedPrecisionPolicy``:
+    ``gathered`` and ``grad`` bytes per parameter); ``unit_params``: the largest block copy's elements."""
+    unit, grads = gathered * unit_params, (gathered + grad) * unit_params
+    return np.where(zero == 3, 2 * unit + grads, np.where(zero == 2, grads, 0.0))
+
+
 def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
                     micro_batches, data_parallel, activations, head_acts, copy_peak, tail_params,
                     largest_parameter=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -135,14 +145,13 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
       into ``.grad`` tensors of their own beside the bucket (``gradient_as_bucket_view`` views the bucket only
       once a synchronising backward copies them in), so the gradients are held twice during the last backward.
     The root's gathered parameters (ZeRO 3) are held through all."""
-    zero3, zero2 = zero == 3, zero == 2
+    zero3 = zero == 3
     unit = gathered * unit_params
-    grads = (gathered + grad) * unit_params     # autograd's in the gathered dtype, the reduce-scatter's input
     gradients = gradients * np.where((zero == 0) & (micro_batches > 1) & (data_parallel > 1), 2, 1)
     at_loss = loss_grads + np.where(zero3, unit, 0.0)
     one_micro_batch = (zero >= 1) & (micro_batches == 1)
     grads_at_loss = np.where(one_micro_batch, 0.0, gradients)
-    units = np.where(zero3, 2 * unit + grads, np.where(zero2, grads, 0.0)) + \
+    units = unit_backward_bytes(zero, gathered, grad, unit_params) + \
         np.where(zero >= 2, gathered * tail_params, 0.0) + np.where(zero == 0, grad * largest_parameter, 0.0)
     in_block = layer_transient + units
     at_end = head_acts + copy_peak + units
@@ -156,4 +165,4 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
 
 
 __all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_forward_bytes", "loss_gradient_bytes",
-           "one_copy_peak_bytes"]
+           "one_copy_peak_bytes", "unit_backward_bytes"]
