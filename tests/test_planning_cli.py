@@ -118,7 +118,7 @@ def test_recomputation_trades_time_for_memory_in_estimates(model):
 BAD = {
     "tp does not divide": (["--tp", 3, "--pp", 1], "--tp 3 x --pp 1 must divide --gpus 8"),
     "pp does not divide layers": (["--tp", 1, "--pp", 4], "--pp 4 must divide the 6 repeated layers"),
-    "zero 3 with pipeline": (["--tp", 1, "--pp", 2, "--zero", 3], "does not combine with --pp 2"),
+    "offload without zero": (["--tp", 1, "--pp", 1, "--offload"], "--offload moves ZeRO's optimizer partitions"),
     "unknown profile": (["--tp", 1, "--pp", 1, "--device", "tpu-v9"], "unknown device profile 'tpu-v9'"),
 }
 
@@ -215,3 +215,20 @@ def test_estimate_prices_the_engine_it_is_told(model):
     assert deepspeed["other_bytes"] - plain["other_bytes"] >= 2 * params            # the bf16 reduce bucket at least
     code, out = est("--engine", "deepspeed", tp=2)
     assert code == 1 and "the deepspeed engine does not run tensor parallelism" in out and out.count("\n") == 1, out
+
+
+def test_estimate_prices_offload_and_zero_3_stages(model):
+    """``--offload`` keeps no optimizer state on the device (DeepSpeed runs it; the torch engine refuses it in one
+    line), and ZeRO 3 pipeline stages, which the torch engine runs and the search offers, shard the stage's states
+    over dp (refused until now, as DeepSpeed's pipelines refuse ZeRO 2/3)."""
+    def est(*extra, pp=1, zero=3):
+        return run("estimate", "--model", model, "--gpus", 2 * pp, "--tp", 1, "--pp", pp, "--global-batch", 4,
+                   "--micro-batch", 1, "--zero", zero, "--precision", "bf16-mixed", "--json", *extra)
+    kept, offloaded = (json.loads(est("--engine", "deepspeed", *flag)[1]) for flag in ((), ("--offload",)))
+    assert kept["memory_breakdown"]["optimizer_bytes"] > 0 and offloaded["memory_breakdown"]["optimizer_bytes"] == 0
+    assert offloaded["plan"]["offload"] and offloaded["peak_memory_bytes"] < kept["peak_memory_bytes"]
+    code, out = est("--engine", "torch", "--offload")
+    assert code == 1 and "the torch engine does not run optimizer offload" in out and out.count("\n") == 1, out
+    staged = {zero: json.loads(est(pp=2, zero=zero)[1]) for zero in (0, 3)}
+    assert staged[3]["plan"]["zero"] == 3 and staged[3]["plan"]["pp"] == 2
+    assert staged[3]["memory_breakdown"]["optimizer_bytes"] == staged[0]["memory_breakdown"]["optimizer_bytes"] / 2

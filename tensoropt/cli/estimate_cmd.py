@@ -25,7 +25,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
                global_batch: int, recompute: str, sequence_parallel: bool, dtype: str,
-               master_weights: bool = True, precision: str = "", compile: bool = False) -> Plan:
+               master_weights: bool = True, precision: str = "", compile: bool = False, offload: bool = False) -> Plan:
     """The plan the flags describe, or one line naming every operand that does not fit."""
     problems = []
     if gpus % (tp * pp):
@@ -40,8 +40,8 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
         problems.append(f"--pp {pp} must divide the {model_cost.max_pp} repeated layers")
     if global_batch % (dp * micro_batch):
         problems.append(f"--global-batch {global_batch} must be a multiple of dp {dp} x --micro-batch {micro_batch}")
-    if pp > 1 and zero > 1:
-        problems.append(f"--zero {zero} does not combine with --pp {pp} (DeepSpeed allows ZeRO 0-1 with pipelines)")
+    if offload and zero == 0:
+        problems.append("--offload moves ZeRO's optimizer partitions to the host: add --zero 1, 2 or 3")
     copies = model_cost.max_pp // pp if model_cost.max_pp % pp == 0 else 1
     if virtual > 1 and (pp == 1 or copies % virtual or (global_batch // max(1, dp * micro_batch)) % pp):
         problems.append(f"--virtual-stages {virtual} needs --pp > 1, must divide the {copies} layers per stage, "
@@ -53,7 +53,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
         raise TensorOptError("; ".join(problems))
     strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
     blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
-    return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, False, model_cost.branch_names if tp > 1
+    return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, offload, model_cost.branch_names if tp > 1
                 else (), DTYPES[dtype], blocks, master_weights, precision, compile)
 
 
@@ -76,6 +76,9 @@ def on_engine(plan: Plan, engine: str) -> Plan:
 @click.option("--pp", type=click.IntRange(min=1), required=True, help="pipeline stages")
 @click.option("--virtual-stages", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--offload", is_flag=True,
+              help="ZeRO-Offload: the optimizer's states and step on the host (ZeRO 1-3; of the engines, DeepSpeed "
+                   "runs it: add --engine deepspeed to price its buffers)")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--global-batch", type=click.IntRange(min=1), required=True)
 @click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True)
@@ -99,8 +102,8 @@ def on_engine(plan: Plan, engine: str) -> Plan:
                    "engine keeps its own master copy (as launch plans it); a plan the engine cannot run is refused "
                    "(default: no engine, priced as the torch engine runs it)")
 @click.option("--json", "as_json", is_flag=True)
-def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, micro_batch, global_batch,
-             recompute, sequence_parallel, dtype, master_weights, precision, compile_, engine, as_json):
+def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, offload, micro_batch,
+             global_batch, recompute, sequence_parallel, dtype, master_weights, precision, compile_, engine, as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
     check_counts(devices=gpus, global_batch=global_batch)
     if precision:
@@ -109,7 +112,8 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
     loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" else None)
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
-                      global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_)
+                      global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_,
+                      offload)
     if engine:
         plan = on_engine(plan, engine)
     result = estimate_plan(cost, plan)
