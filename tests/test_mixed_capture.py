@@ -42,6 +42,15 @@ def test_bf16_mixed_is_captured_with_float32_and_with_bf16_weights(mixed):
         assert bf16_weights_graph(capture_script(SCRIPT, TINY, use_cache=False, precision=precision)) is None
 
 
+def test_a_script_under_its_own_bf16_autocast_is_captured_with_bf16_weights_too():
+    """nanoGPT's ``with ctx:`` around the step: captured in its own autocast (float32 weights), and again with the
+    weights FSDP2 and DeepSpeed would compute with."""
+    graph = capture_script(str(EXAMPLES / "train_nanogpt.py"), [], use_cache=False)
+    bf16 = bf16_weights_graph(graph)
+    assert graph.meta("autocast") == "bfloat16" and bf16 is not None
+    assert (_stream_dtype(graph), _stream_dtype(bf16)) == ("float32", "bfloat16")
+
+
 def _plan(zero: int, pp: int = 1) -> Plan:
     return Plan(devices=4, dp=4 // pp, tp=1, pp=pp, micro_batch=1, global_batch=8, zero=zero,
                 blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 4 // pp),)),))

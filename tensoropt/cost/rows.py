@@ -76,7 +76,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     # what many contexts share, computed once: per (tp, branches), per (tp, branches, micro-batch), per precision
     largest_copy: dict = {}
     copy_peak: dict = {}
-    loss_grads: dict = {}
+    loss_bytes: dict = {}             # (backward, forward) working sets of the loss per micro-batch key
     states: dict = {}
     copy_back: dict = {}              # the copy's largest op backward per (tp, branches, micro-batch, gradient bytes)
     for c in ctxs:
@@ -85,7 +85,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
             largest_copy[tp_key] = largest_copy_parameters(model, c.tp, c.tp_branches)
         if mb_key not in copy_peak:
             copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
-            loss_grads[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
+            loss_bytes[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
                                   loss_forward_bytes(model, c.tp, c.micro_batch, logits))
         state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine)
         if state_key not in states:
@@ -105,7 +105,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
                      *state_ints))
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                       largest_copy[tp_key], *loss_grads[mb_key], copy_peak[mb_key], head.activation_bytes,
+                       largest_copy[tp_key], *loss_bytes[mb_key], copy_peak[mb_key], head.activation_bytes,
                        tail.parameters, *copy_back[back_key]))
     columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
     names = [f.name for f in fields(PlanRows)]
