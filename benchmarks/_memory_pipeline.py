@@ -44,7 +44,7 @@ SCRIPT = "examples/train_llama_large.py"
 # 128256), 4096 tokens
 LLAMA3_8B = {"--layers": 32, "--hidden": 4096, "--heads": 32, "--kv-heads": 8, "--ffn": 14336, "--vocab": 128256,
              "--seq-len": 4096}
-ON_8 = ["--device", "cuda", "--gpus", "8"]
+ON_8 = ["--device", "cuda", "--gpus", "8", "--profile", "h200-141gb"]     # 32-true without recomputation: ~93 GiB
 GLOBAL_BATCH = 16
 
 # (family, pp, virtual stages, dp, tp, zero, micro-batch, recompute, precision)
@@ -152,10 +152,20 @@ def rows(quick: bool = False, family: str | None = None, simulate: bool = False)
             if family and case[0] != family:
                 continue
             found = stored.get((case, layers))
-            out.append(priced(found) if found else simulated(case, layers, model, cache_dir))
+            out.append(priced(found) if found else _kept(simulated(case, layers, model, cache_dir)))
             print(f"  {case[0]:26s} {model:26s} {out[-1]['plan']:46s} {memory_error(out[-1]):+7.1%}"
                   f"{'' if found else ' (simulated)'}", file=sys.stderr, flush=True)
     return out
+
+
+def _kept(row: dict) -> dict:
+    """``row``, just simulated, stored at once in ``results/memory_pipeline.json`` (beside the rows there), so that
+    a long run that stops later keeps what it simulated (the 32-layer rows take ~1-2 minutes each)."""
+    data = json.loads(STORED.read_text()) if STORED.exists() else {"rows": []}
+    key = (tuple(row["case"]), row["layers"])
+    data["rows"] = [r for r in data["rows"] if (tuple(r["case"]), r["layers"]) != key] + [row]
+    STORED.write_text(json.dumps(data, indent=1) + "\n")
+    return row
 
 
 def table(rows_: list[dict]) -> str:
