@@ -15,6 +15,7 @@ from tensoropt.cost.pipeline_memory import (
     held_first_bytes,
     held_last_bytes,
     p2p_buffer_bytes,
+    table_gradient_elements,
 )
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -104,3 +105,16 @@ def test_copy_backward_gradients_on_a_stage(write_json):
                     blocks=(BlockPlan(block.name, ((LayerStrategy("none"), 4 // pp),)),))
         return estimate(model, plan).memory_breakdown["other_bytes"] - fixed
     assert working(0, 2) == working(1, 2) == projection + 4 * weight
+
+
+def test_the_first_stage_holds_the_whole_tables_gradient_under_the_vocabulary_split(write_json):
+    """DTensor's embedding backward makes the whole table's gradient on every tensor-parallel rank (Partial, then
+    reduced to the rank's vocabulary shard): the first stage's embedding backward holds vocab x hidden elements in
+    the weights' dtype. Without the split, or without stages, nothing beyond the states."""
+    graph = tensoropt.capture(write_json("m.json", LLAMA)).graph
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(4, 4, load_profile("h100-80gb")))
+    first, _ = model.loose(2, 1, 2)
+    table = LLAMA["vocab_size"] * LLAMA["hidden_size"]
+    assert first.table_grad_elements == table
+    assert table_gradient_elements(2, True, table) == table
+    assert table_gradient_elements(2, False, table) == 0 == table_gradient_elements(1, True, table)
