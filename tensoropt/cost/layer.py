@@ -214,7 +214,7 @@ class LooseOps:
 
     def split(self, tp: int) -> bool:
         """Whether the vocabulary is split over ``tp`` ranks (as the runtime decides: ``VocabLayout.why_not``)."""
-        return tp > 1 and not self.layout.why_not(tp)
+        return self.layout.split(tp)
 
     def cost(self, tp: int, micro_batch: int) -> LooseCost:
         if not self.ops:

@@ -80,7 +80,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     loss_bytes: dict = {}             # (backward, forward) working sets of the loss per micro-batch key
     states: dict = {}
     copy_back: dict = {}              # the copy's largest op backward per (tp, branches, micro-batch, gradient bytes)
-    vocab_split = {tp: tp > 1 and not model.vocab.why_not(tp) for tp in {c.tp for c in ctxs}}
+    vocab_split = {tp: model.vocab.split(tp) for tp in {c.tp for c in ctxs}}
     for c in ctxs:
         tp_key, mb_key = (c.tp, c.tp_branches), (c.tp, c.tp_branches, c.micro_batch)
         if tp_key not in largest_copy:

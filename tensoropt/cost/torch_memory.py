@@ -79,7 +79,7 @@ def loss_gradient_bytes(model, tp: int, micro_batch: int, logits: float | None =
     one per token (shifted slices of the batch, which the embedding's and ``cross_entropy``'s flattening may
     copy; ``embedding`` and ``nll_loss`` save them), and the loss's scalars; ``logits``: ``logits_elements(model)``
     when the caller has it (the search prices thousands of contexts)."""
-    split = tp > 1 and not model.vocab.why_not(tp)
+    split = model.vocab.split(tp)
     logits = logits_elements(model) if logits is None else logits
     return logits * micro_batch * FLOAT32 * (3 / tp if split else 2) + _targets_bytes(model, micro_batch, logits)
 
@@ -96,7 +96,7 @@ def loss_forward_bytes(model, tp: int, micro_batch: int, logits: float | None = 
     saves, while its output (saved) is made, a rank's share under the vocabulary-parallel loss; and the token ids and
     targets, as in ``loss_gradient_bytes``. A forward's peak where the engine holds more in the forward than in the
     backward (DeepSpeed ZeRO 3's prefetch: ``cost.deepspeed_memory.zero3_forward_bytes``)."""
-    split = tp > 1 and not model.vocab.why_not(tp)
+    split = model.vocab.split(tp)
     logits = logits_elements(model) if logits is None else logits
     return logits * micro_batch * FLOAT32 / (tp if split else 1) + _targets_bytes(model, micro_batch, logits)
 

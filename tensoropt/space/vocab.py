@@ -51,6 +51,10 @@ class VocabLayout:
             return f"tp {tp} does not divide the vocabulary of {self.vocab}"
         return ""
 
+    def split(self, tp: int) -> bool:
+        """Whether the vocabulary is split over ``tp`` ranks (as the runtime decides: ``why_not``)."""
+        return tp > 1 and not self.why_not(tp)
+
     def for_tp(self, tp: int) -> dict:
         """plan.json's ``vocab_parallel`` entry for a plan of ``tp`` ranks."""
         why = self.why_not(tp)
