@@ -66,7 +66,7 @@ One H100 (eager torch / DeepSpeed): this project's own two runs of issue 12 (mai
 priced as they ran: tensoropt's gpt family at f8f685f (explicit-softmax attention at seq 2048, eager kernels), the torch
 engine with the bf16 model's own AdamW on the GPU (bf16-true) and DeepSpeed ZeRO 1 with optimizer offload (bf16 weights
 on the GPU, float32 master and AdamW states on the host). Nothing was fitted on them. The offloaded step is priced as
-DeepSpeed 0.19.8 runs it (cost.model.offload_step_s: float32 gradients to the host, torch.optim.AdamW there, a host
+DeepSpeed 0.19.8 runs it (cost.offload.offload_step_s: float32 gradients to the host, torch.optim.AdamW there, a host
 cast into a pinned 16-bit buffer and the copy back), at h100-80gb's host rate, which is derived (profiles/h100-80gb.json
 sources: 16 cores' share of a DGX H100 host's DRAM bandwidth at the AdamW/copy ratio measured on cpu-2core), not
 measured; the DeepSpeed row implies about half of that rate. The memory table compares tensors only (the profile's

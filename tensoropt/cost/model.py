@@ -19,8 +19,8 @@ gradients, fp32 master weights and Adam moments; ZeRO's K = 12; the plan's ``mas
 b + b + 2b when a model trains in its own dtype of b bytes (the plan's ``dtype``: the weights are the
 master copy, K = 2b for the two Adam moments; float32 4 + 4 + 8, a bf16 model without master weights
 2 + 2 + 4), divided over dp by stage: 1 optimizer states, 2 also gradients, 3 also weights; offload
-moves the optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021; the step priced as DeepSpeed runs
-it, ``offload_step_s``). Without master
+moves the optimizer states and step to the CPU (ZeRO-Offload, Ren et al. 2021; the step and the micro-batches'
+gradient copies to and from the host priced as DeepSpeed runs them, ``cost.offload``). Without master
 weights, under ZeRO 1 and 2 the rank's optimizer updates its own partition of the weights, a copy
 next to the full replicated weights (DeepSpeed's flat partition, FSDP2's sharded parameters under
 ``reshard_after_forward=False``): b more bytes per parameter over dp; mixed precision counts that copy
@@ -49,6 +49,7 @@ from .data_parallel import data_parallel_s
 from .deepspeed_memory import largest_tied_parameter
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .memory import memory_rows
+from .offload import gradient_copies_s, offload_step_s
 from .pipeline_memory import in_flight
 from .profile import Cluster
 from .rows import plan_rows
@@ -240,8 +241,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     dp_comm, exposed = data_parallel_s(r.dp, r.tp, r.zero, r.m, r.gathered * params, r.grad * params, stage_s,
                                         backward, cluster, model.units_per_stage(r.pp))
     opt_params = params / np.where(r.zero >= 1, r.dp, 1)
-    optimizer_s = np.where(r.offload, offload_step_s(opt_params, r.weight, prof),
-                           opt_params * r.adam_moved / prof.memory_bytes_per_s)
+    offloaded_s = offload_step_s(opt_params, r.weight, prof) + gradient_copies_s(r.zero, r.m, opt_params, r.grad, prof)
+    optimizer_s = np.where(r.offload, offloaded_s, opt_params * r.adam_moved / prof.memory_bytes_per_s)
     time_s = pipeline_s + exposed + optimizer_s
     mem = memory_rows(model, r, activation_bytes, transient_bytes, params)
     if totals_only:
@@ -253,25 +254,6 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
         "pipeline_p2p_s": np.where(r.piped, r.m * p2p, 0.0),
         "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
     }
-
-
-# host bytes per parameter of the offloaded step: torch.optim.AdamW's passes on the CPU (the script's optimizer: the
-# DeepSpeed engine sets zero_force_ds_cpu_optimizer false), eight passes over float32 tensors as counted in
-# ``torch_mixed`` (the single-tensor loop torch runs on CPU tensors makes the same passes as the foreach one)
-HOST_ADAM_BYTES = 80
-OFFLOADED_GRAD_BYTES = 4       # DeepSpeed copies each gradient partition to the host in float32 (the master dtype)
-
-
-def offload_step_s(opt_params, weight_bytes, prof):
-    """Seconds of the optimizer step under DeepSpeed's optimizer offload, which does not overlap the GPU's work
-    (ZeRO 1-2 ``step`` with ``cpu_offload``, DeepSpeed 0.19.8 ``stage_1_and_2.py``): the gradient partition goes to
-    the host in float32 (4 bytes per parameter, pinned); the host runs AdamW (``cpu_adam_params_per_s``, what
-    ``tensoropt profile`` measures with torch.optim.AdamW on the host); the updated float32 partition is cast on the
-    host into a pinned buffer of the weights' dtype (4 bytes read, ``weight_bytes`` written: host memory traffic,
-    priced against AdamW's 80 bytes at the same rate), which is copied to the device (``weight_bytes``, pinned).
-    Arrays or numbers."""
-    host_s = opt_params * (1 + (4 + weight_bytes) / HOST_ADAM_BYTES) / prof.cpu_adam_params_per_s
-    return host_s + (OFFLOADED_GRAD_BYTES + weight_bytes) * opt_params / prof.pcie_bandwidth_bytes_per_s
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
