@@ -202,3 +202,20 @@ def test_predicted_memory_bounds_a_real_deepspeed_zero3_run(tmp_path):
     from launcher.devices import detect
     predicted = written["predicted"]["peak_memory_bytes"] - detect("cpu", 2, None).profile.runtime_overhead_bytes
     assert peak <= predicted <= 1.05 * peak, (predicted, peak, np.round(predicted / peak - 1, 4))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_deepspeed_below_zero3_reduces_on_the_compute_stream(write_json, zero):
+    """The config leaves ``overlap_comm`` off below ZeRO 3 (DeepSpeed's default), where DeepSpeed issues its
+    reductions on the compute stream: its plans expose all of their data-parallel communication, which the torch
+    engine's plans hide behind the backward. ZeRO 3 overlaps as FSDP2 does."""
+    model = _model(write_json)
+    assert deepspeed_config(_plan(zero=zero), 1000)["zero_optimization"]["overlap_comm"] is (zero == 3)
+    ds = estimate(model, _plan(zero=zero, engine="deepspeed")).time_breakdown
+    torch_engine = estimate(model, _plan(zero=zero)).time_breakdown
+    assert ds["data_parallel_comm_s"] == torch_engine["data_parallel_comm_s"] > 0
+    assert torch_engine["data_parallel_exposed_s"] < torch_engine["data_parallel_comm_s"]
+    if zero < 3:
+        assert ds["data_parallel_exposed_s"] == ds["data_parallel_comm_s"]
+    else:
+        assert ds["data_parallel_exposed_s"] == torch_engine["data_parallel_exposed_s"]

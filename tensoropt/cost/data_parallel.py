@@ -13,7 +13,7 @@ from .profile import Cluster
 
 def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndarray, weight_bytes: np.ndarray,
                      grad_bytes: np.ndarray, stage_s: np.ndarray, backward_s: np.ndarray, cluster: Cluster,
-                     units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                     units: np.ndarray, serial: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(data-parallel communication seconds, the part of it not hidden behind compute), per step and plan.
 
     ZeRO 0: one all-reduce of the gradients, behind the last micro-batch's backward; ZeRO 1 the same volume as a
@@ -22,7 +22,9 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
     ZeRO 3: every micro-batch gathers the weights for its forward and again for its backward and
     reduce-scatters its gradients, unit by unit with one unit prefetched (``fsdp_exposed_s``). Hiding needs a
     device that communicates beside computing (``overlaps_communication``): where the collective runs on the
-    compute cores (gloo on a CPU), all of it is exposed. Collectives are priced per (dp, tp) group shape."""
+    compute cores (gloo on a CPU), all of it is exposed, and so is that of the ``serial`` rows, whose engine issues
+    its collectives on the compute stream (DeepSpeed below ZeRO 3: ``deepspeed_memory.overlaps_comm``).
+    Collectives are priced per (dp, tp) group shape."""
     comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
     copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
     for d, t in sorted(set(zip(dp.tolist(), tp.tolist()))):
@@ -54,7 +56,8 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
         return comm, comm
     # a collective running beside compute takes SMs and memory bandwidth from it (NCCL's kernels run on the same
     # GPU): the compute it overlaps slows by the profile's fraction of the collective's time
-    return comm, exposed + cluster.profile.overlap_slowdown * (comm - exposed)
+    exposed = exposed + cluster.profile.overlap_slowdown * (comm - exposed)
+    return comm, exposed if serial is None else np.where(serial, comm, exposed)
 
 
 def fsdp_exposed_s(gather_s, scatter_s, forward_s, backward_s, units):

@@ -20,6 +20,15 @@ ALLGATHER_BUCKET_DEFAULT = 500_000_000
 PREFETCH_BUCKET_DEFAULT = 50_000_000
 
 
+def overlaps_comm(zero):
+    """Whether DeepSpeed reduces gradients on a stream of its own, beside the backward: its default, which
+    ``bucket_sizes`` writes (``zero_optimization.overlap_comm``, on under ZeRO 3 only). Below ZeRO 3 the engine
+    issues its reductions on the compute stream (``stage_1_and_2.py``: ``reduce_ipg_grads`` and ``average_tensor``
+    use ``current_stream()`` without ``overlap_comm``; ZeRO 0 all-reduces after the backward,
+    ``engine.allreduce_gradients``), so none of them hides behind compute. Numbers or arrays."""
+    return np.asarray(zero) == 3
+
+
 def bucket_sizes(zero: int, parameters: int | None) -> dict:
     """The ``zero_optimization`` bucket sizes (elements) for a model of ``parameters`` parameters: DeepSpeed's
     defaults capped at the model's size (module doc); None (the size is not known): none written, DeepSpeed's
@@ -29,7 +38,7 @@ def bucket_sizes(zero: int, parameters: int | None) -> dict:
         return {}
     cap = max(1, int(parameters))
     sizes = {"reduce_bucket_size": min(REDUCE_BUCKET_DEFAULT, cap),
-             "allgather_bucket_size": min(ALLGATHER_BUCKET_DEFAULT, cap), "overlap_comm": zero == 3}
+             "allgather_bucket_size": min(ALLGATHER_BUCKET_DEFAULT, cap), "overlap_comm": bool(overlaps_comm(zero))}
     if zero == 3:
         sizes["stage3_prefetch_bucket_size"] = min(PREFETCH_BUCKET_DEFAULT, cap)
     return sizes

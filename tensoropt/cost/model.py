@@ -46,7 +46,7 @@ from ..space.tp_check import tp_checks
 from ..space.vocab import vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
-from .deepspeed_memory import largest_tied_parameter
+from .deepspeed_memory import largest_tied_parameter, overlaps_comm
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
 from .memory import memory_rows
 from .offload import gradient_copies_s, offload_step_s
@@ -239,7 +239,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     params = np.asarray(parameters, dtype=float) + r.loose_params
     backward = np.asarray(layer_backward_s, dtype=float)
     dp_comm, exposed = data_parallel_s(r.dp, r.tp, r.zero, r.m, r.gathered * params, r.grad * params, stage_s,
-                                        backward, cluster, model.units_per_stage(r.pp))
+                                        backward, cluster, model.units_per_stage(r.pp),
+                                        serial=r.deepspeed & ~overlaps_comm(r.zero))
     opt_params = params / np.where(r.zero >= 1, r.dp, 1)
     offloaded_s = offload_step_s(opt_params, r.weight, prof) + gradient_copies_s(r.zero, r.m, opt_params, r.grad, prof)
     optimizer_s = np.where(r.offload, offloaded_s, opt_params * r.adam_moved / prof.memory_bytes_per_s)
