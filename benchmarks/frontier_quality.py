@@ -1,5 +1,6 @@
 """Frontier quality: FT against a Megatron-style expert grid and NSGA-II (given 10x FT's time),
-all over the same space and the same cost model (profiles/a100-80gb.json).
+all over the same global choices and layer strategies and the same cost model (profiles/a100-80gb.json); FT
+groups a stage's copies into at most 16 equal groups, NSGA-II and the grid do not.
 
 Reports hypervolume (fronts normalised together, reference point 1.1), the fastest plan within
 several memory budgets, and the least memory each method reaches; plots the three fronts.

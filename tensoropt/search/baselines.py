@@ -5,7 +5,10 @@
   the rest, one recomputation setting for every layer (full or selective), sequence parallelism on,
   ZeRO 0 or 1 (distributed optimizer), micro-batch 1, 2 or 4.
 - ``nsga2``: NSGA-II (Deb et al., 2002, as implemented by pymoo) over an encoding of the whole space:
-  one gene picks the global context, six genes give the share of each layer strategy.
+  one gene picks the global context, six genes give the share of each layer strategy. Its shares give any count
+  of copies per strategy, where FT cuts a stage's copies into at most 16 equal groups (``search.ft``): NSGA-II can
+  reach mixes FT cannot express (e.g. GPT-3's ``[1xnone+sp,44xselective+sp,51xfull+sp]``, 25.04 s in 39.9 GiB,
+  between two of FT's points).
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def expert_grid(model: ModelCost, devices: int, global_batch: int) -> SearchResu
 
 def nsga2(model: ModelCost, devices: int, global_batch: int, seconds: float, seed: int = 0,
           population: int = 64) -> SearchResult:
-    """NSGA-II for ``seconds`` of wall time over the same space FT searches."""
+    """NSGA-II for ``seconds`` of wall time over FT's global contexts and layer strategies, with any count of
+    copies per strategy (module doc)."""
     from pymoo.algorithms.moo.nsga2 import NSGA2
     from pymoo.core.problem import ElementwiseProblem
     from pymoo.optimize import minimize
