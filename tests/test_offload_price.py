@@ -1,5 +1,5 @@
-"""The optimizer step under DeepSpeed's optimizer offload, priced as DeepSpeed 0.19.8 runs it (``cost.model.
-cost.offload``): float32 gradients to the host, torch's AdamW there, a host cast of the updated partition into a
+"""The optimizer step under DeepSpeed's optimizer offload, priced as DeepSpeed 0.19.8 runs it (``cost.offload``):
+float32 gradients to the host, torch's AdamW there, a host cast of the updated partition into a
 pinned buffer of the weights' dtype, and that buffer back to the device; before it, the micro-batches' running
 sum of the gradients moves between the device and the host (``cost.offload.gradient_copies``), counted here in a
 real DeepSpeed run."""
