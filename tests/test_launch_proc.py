@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from workers import ENV, GPT_SCRIPT
+from workers import ENV, GPT_SCRIPT, ctrl_c_reaches_it
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 
@@ -28,7 +28,8 @@ runpy.run_path({script!r}, run_name="__main__")
 def _launcher(tmp_path, script, *args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tensoropt", "launch", str(script), "--device", "cpu", "--gpus",
                              "2", "--engine", "torch", "--run-dir", str(tmp_path / "run"), *map(str, args)],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_reaches_it)
 
 
 def _interrupt(proc: subprocess.Popen) -> tuple[str, list, list[str]]:

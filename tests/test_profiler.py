@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import EXAMPLES
+from workers import ctrl_c_reaches_it
 
 from tensoropt.cost.profile import load_profile
 
@@ -82,7 +83,7 @@ def test_an_interrupted_run_writes_nothing(tmp_path):
     out = tmp_path / "cut.json"
     proc = subprocess.Popen([sys.executable, "-m", "tensoropt", "profile", "--device", "cpu", "--nproc", "2",
                              "--quick", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=ctrl_c_reaches_it)
     first = proc.stderr.readline()
     assert first.startswith("profiling: "), first
     proc.send_signal(signal.SIGINT)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -16,6 +17,14 @@ GPT_SCRIPT = str(EXAMPLES / "train_gpt.py")
 # tolerances: both run in 32-true (the launcher's default precision and the script alone's, see runtime.precision);
 # tests of the other precisions name theirs (tests/test_precision.py)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TENSOROPT_PRECISION": "32-true"}
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` of a process a test interrupts with SIGINT: Ctrl-C as a terminal delivers it. A suite started in
+    the background of a shell without job control (``cmd &`` in a script, as CI runners and ``nohup`` may) hands
+    every process below it SIGINT ignored, and Python keeps an ignored SIGINT ignored: the interrupt would be lost
+    and the test would measure how the suite was started, not the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def tensoropt_cli(*args, cwd, env=None) -> subprocess.CompletedProcess:
