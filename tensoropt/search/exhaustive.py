@@ -3,7 +3,8 @@
 The same global choices as ``ft.search``, but every *ordered* sequence of strategies over a stage's
 groups of copies is priced on its own through ``device_chain_sums`` (the code ``estimate`` uses: with
 virtual stages and sequence parallelism, split into the device's stages' chains), with no
-Pareto pruning before the end. Exponential in the number of copies: small models only.
+Pareto pruning before the end. The plans of one context are priced in one ``evaluate`` call, which prices each
+entry as it would price it alone (``tests/test_pricing.py``). Exponential in the number of copies: small models only.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
                                   for seq in itertools.product(options, repeat=groups)])
             ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
                           space.master_weights, space.precision, engine=space.engine)
-            for combo in itertools.product(*per_block):
-                sums = np.array([c[1] for c in combo])
-                t, b, a, p = sums[:, 0].sum(), sums[:, 1].sum(), sums[:, 2].sum(), sums[:, 4].sum()
-                x = sums[:, 3].max()
-                r = evaluate(model, ctx, [t], [b], [a], [x], [p])
-                values.append((float(r["iteration_time_s"][0]), float(r["peak_memory_bytes"][0])))
-                plans.append((ctx, [seq for seq, _ in combo]))
+            combos = list(itertools.product(*per_block))
+            sums = np.array([[c[1] for c in combo] for combo in combos])     # (combination, block, sum)
+            # one call per context: evaluate prices each entry of its arrays as it would price it alone
+            r = evaluate(model, ctx, sums[:, :, 0].sum(axis=1), sums[:, :, 1].sum(axis=1), sums[:, :, 2].sum(axis=1),
+                         sums[:, :, 3].max(axis=1), sums[:, :, 4].sum(axis=1))
+            values += zip(r["iteration_time_s"].tolist(), r["peak_memory_bytes"].tolist())
+            plans += [(ctx, [seq for seq, _ in combo]) for combo in combos]
     values = np.array(values)
     points = []
     for k in front_by_time(values):
