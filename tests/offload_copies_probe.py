@@ -5,20 +5,14 @@ gradient buffers (its running sums of the micro-batches), in units of the model'
 
 import json
 import os
-import socket
 import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tensoropt.profiler.collectives import free_port
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class HostCopies(TorchDispatchMode):
@@ -68,7 +62,7 @@ def copies(zero: int, micro_batches: int) -> float:
 
 
 def main() -> None:
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cases = [tuple(int(n) for n in arg.split(":")) for arg in sys.argv[1:]]
     print(json.dumps({f"{zero}:{m}": copies(zero, m) for zero, m in cases}))
 

@@ -67,7 +67,6 @@ class BlockCost:
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
         self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
-        self.table_elements = embedding_table_elements(ops)
         self.core = np.zeros(len(ops), dtype=bool)
         self.core[list(space.attention_core)] = True
         self._cache: dict[tuple, LayerCost] = {}
