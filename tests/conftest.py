@@ -11,12 +11,14 @@ EXAMPLES = REPO / "examples"
 
 
 # Every test, and every process a test starts, uses a fresh capture cache and an empty folder of measured
-# profiles, never the user's (~/.cache/tensoropt), and a fresh inductor cache (torch.compile's kernels: launch
-# --compile), shared by the session's compiled runs. Set when pytest loads this file, before any test module
-# copies the environment (tests/workers.py's ENV does, at import).
+# profiles, never the user's (~/.cache/tensoropt), a fresh inductor cache (torch.compile's kernels: launch
+# --compile), shared by the session's compiled runs, and a fresh folder for C++ extensions (torch's JIT builds,
+# DeepSpeed's ops), which a DeepSpeed launch must leave empty (tests/test_launch.py). Set when pytest loads this
+# file, before any test module copies the environment (tests/workers.py's ENV does, at import).
 ISOLATED = {"TENSOROPT_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-cache-"),
             "TENSOROPT_PROFILE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-profiles-"),
-            "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-inductor-")}
+            "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-inductor-"),
+            "TORCH_EXTENSIONS_DIR": tempfile.mkdtemp(prefix="tensoropt-test-extensions-")}
 os.environ.update(ISOLATED)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensoropt.profiler.collectives import free_port
-from tensoropt.runtime.deepspeed_engine import deepspeed_config
+from tensoropt.runtime.deepspeed_engine import deepspeed_config, skip_inference_all_reduce_op
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 
@@ -46,6 +46,7 @@ def copies(zero: int, micro_batches: int) -> float:
     params = sum(p.numel() for p in model.parameters())
     plan = Plan(devices=1, dp=1, tp=1, pp=1, micro_batch=2, global_batch=2 * micro_batches, zero=zero, offload=True,
                 blocks=(BlockPlan("0", ((LayerStrategy("none"), 1),)),), precision="bf16-mixed", engine="deepspeed")
+    skip_inference_all_reduce_op(deepspeed)        # as the engine does: no gcc run for an op training never calls
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=deepspeed_config(plan, params))
 

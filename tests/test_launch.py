@@ -5,10 +5,11 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES
+from conftest import EXAMPLES, ISOLATED
 from workers import ENV, GPT_SCRIPT, launched_once, losses_alone, tensoropt_cli
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -75,6 +76,9 @@ def test_two_workers_match_one_process(reference, chosen, tmp_path, engine, zero
         assert config["zero_optimization"]["stage"] == zero
         assert config["gradient_accumulation_steps"] == 4 // micro_batch
         assert ("offload_optimizer" in config["zero_optimization"]) == offload
+        # DeepSpeed compiled no C++ op on its way (its shared-memory all-reduce serves inference only: a ~60 s gcc
+        # run at a machine's first start; runtime.deepspeed_engine.skip_inference_all_reduce_op)
+        assert not list(Path(ISOLATED["TORCH_EXTENSIONS_DIR"]).iterdir())
 
 
 def test_bad_input_is_one_line(chosen, tmp_path):

@@ -121,6 +121,7 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     import torch.distributed as dist
 
     init_process_group(device)
+    skip_inference_all_reduce_op(deepspeed)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     plan, path = run_plan.plan, run_plan.deepspeed_config
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan, parameter_count(model))
@@ -140,6 +141,19 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     run = Run(rank, world, rank, world, plan.micro_batch, plan.grad_accumulation, plan.global_batch,
               run_plan, "deepspeed", _stepper(engine) if optimizer else None, device=device)
     return engine, ds_optimizer, run
+
+
+def skip_inference_all_reduce_op(deepspeed) -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce when its comm backend starts.
+
+    On the CPU accelerator DeepSpeed 0.19.8 builds that op (``deepspeed_shm_comm``, a gcc run of ~60 s on a
+    machine's first DeepSpeed start, and again whenever another install of DeepSpeed shares the extension cache)
+    for one caller only, ``inference_all_reduce`` of DeepSpeed's inference engine; training's collectives are
+    torch.distributed's (gloo), which is what the plan is priced for. DeepSpeed's registry of compatible ops is
+    one dict whose edits persist (``deepspeed.ops.__compatible_ops__``), and ``comm.torch.build_shm_op`` skips an
+    op marked incompatible there. The CUDA accelerator has no such op: nothing changes on GPUs."""
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def partition(model: nn.Module, device: torch.device, config: dict, materializer: Materializer | None) -> None:
