@@ -21,7 +21,7 @@ from tensoropt.runtime import PLAN_ENV
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
 from tensoropt.runtime.precision import PRECISION_ENV, checked, of_plan
 from tensoropt.runtime.precision import words as precision_words
-from tensoropt.search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights, priced_graph
+from tensoropt.search.engines import COMPILED_PLANS, ENGINE_SPACES, ENGINES, master_weights, priced_graph
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan, compute_dtype
@@ -156,8 +156,7 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, en
         front = _plan(graph, devices, per_node, engine, pipeline, limits, precision, fits=True, compile=compile)
     except NoPlanError:
         if compile:
-            zeros = " or ".join(map(str, COMPILE_SPACES["torch"]["zero_stages"]))
-            raise TensorOptError(f"no plan that the runtime runs with compiled blocks (data parallelism, ZeRO {zeros}) "
+            raise TensorOptError(f"no plan that the runtime runs with compiled blocks ({COMPILED_PLANS}) "
                                  f"splits global batch {global_batch} over {devices.count} devices"
                                  + (f" within {limits.flags()}" if limits else "") + ": drop --compile"
                                  + (" or relax the limits" if limits else "")) from None

@@ -88,7 +88,8 @@ def test_bad_input_is_one_line(chosen, tmp_path):
     zero1 = tmp_path / "zero1.json"
     zero1.write_text(json.dumps(dataclasses.replace(chosen, zero=1, offload=True).to_json()))
     compiled = tmp_path / "compiled.json"
-    compiled.write_text(json.dumps(dataclasses.replace(chosen, compile=True, zero=1, offload=False).to_json()))
+    compiled.write_text(json.dumps(dataclasses.replace(chosen, compile=True, offload=False, blocks=(
+        BlockPlan("layers.*", ((LayerStrategy("selective"), 4),)),)).to_json()))
     tp2 = tmp_path / "tp2.json"
     tp2.write_text(json.dumps(dataclasses.replace(chosen, dp=1, tp=2, micro_batch=8, tp_branches=("attn",)).to_json()))
     cases = [
@@ -100,7 +101,8 @@ def test_bad_input_is_one_line(chosen, tmp_path):
          "is not a plan for this model"),
         (["launch", SCRIPT, "--gpus", 2], "no GPU found on this machine"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", compiled, "--dry-run"],
-         "needs compiled blocks with ZeRO 1, which the torch engine does not apply\n"),     # the engine it names
+         # the engine it names
+         "needs compiled blocks with selective recomputation, which the torch engine does not apply\n"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", zero1, "--engine", "torch", "--dry-run"],
          "needs optimizer offload, which the torch engine does not apply"),
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", tp2, "--engine", "deepspeed", "--dry-run"],

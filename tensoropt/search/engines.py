@@ -25,15 +25,17 @@ ENGINE_SPACES = {
                       offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
 
-# with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP and FSDP2 ZeRO 3 around
-# compiled copies, plain or fully recomputed. Not tested compiled, so not offered: ZeRO 1/2 (FSDP2 told to defer
-# its reduce-scatter), selective recomputation (runtime.selective's saved-tensor hooks), tensor and sequence
-# parallelism (DTensor collectives inside the compiled region), pipeline stages (traced stage modules); DeepSpeed
-# runs its own engine eagerly
+# with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP, FSDP2 ZeRO 1-3 and tensor
+# parallelism around or inside compiled copies, plain or fully recomputed. Not offered compiled: selective
+# recomputation (dynamo fails on runtime.selective's saved-tensor hooks), sequence parallelism (dynamo refuses an SP
+# copy under checkpoint: "HOP: Unsafe side effect"), pipeline stages (a stage's copies were not seen compiled:
+# its workers report no dynamo graph), all three tried on CPU workers in torch 2.13; DeepSpeed runs its own engine
+# eagerly. A key left out allows every value.
 COMPILE_SPACES = {
-    "torch": dict(zero_stages=(0, 3), recompute=("none", "full"), sequence_parallel=False, max_virtual_stages=1,
-                  pipeline_stages=(1,), tensor_parallel=(1,)),
+    "torch": dict(recompute=("none", "full"), sequence_parallel=False, max_virtual_stages=1, pipeline_stages=(1,)),
 }
+# the same in words, for the launcher's error when no compiled plan fits the user's limits
+COMPILED_PLANS = "data and tensor parallelism, ZeRO 0-3, no or full recomputation, no pipeline or sequence parallelism"
 
 
 def unsupported(plan: Plan, engine: str) -> list[str]:
@@ -47,12 +49,14 @@ def _not_compiled(plan: Plan, engine: str) -> list[str]:
         return [f"compiled blocks (the {engine} engine runs eager PyTorch: drop --compile)"]
     space = COMPILE_SPACES[engine]
     recompute = {s.recompute for b in plan.blocks for s, _ in b.strategies}
+    sequence_parallel = any(s.sequence_parallel for b in plan.blocks for s, _ in b.strategies)
     return [f"compiled blocks with {what}" for what, needed in [
-        (f"ZeRO {plan.zero}", plan.zero not in space["zero_stages"]),
+        (f"ZeRO {plan.zero}", plan.zero not in space.get("zero_stages", (plan.zero,))),
         (f"{' and '.join(sorted(recompute - set(space['recompute'])))} recomputation",
          bool(recompute - set(space["recompute"]))),
-        ("tensor parallelism", plan.tp not in space["tensor_parallel"]),
-        ("pipeline stages", plan.pp not in space["pipeline_stages"]),
+        ("sequence parallelism", sequence_parallel and not space.get("sequence_parallel", True)),
+        ("tensor parallelism", plan.tp not in space.get("tensor_parallel", (plan.tp,))),
+        ("pipeline stages", plan.pp not in space.get("pipeline_stages", (plan.pp,))),
     ] if needed]
 
 
@@ -109,5 +113,5 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
                          "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
-__all__ = ["COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine", "computes_with_bf16_weights",
-           "master_weights", "priced_graph", "unsupported"]
+__all__ = ["COMPILED_PLANS", "COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine",
+           "computes_with_bf16_weights", "master_weights", "priced_graph", "unsupported"]
