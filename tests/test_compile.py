@@ -1,9 +1,10 @@
 """``tensoropt launch --compile`` (issue 19 part 1): every block copy under ``torch.compile`` (runtime.compile),
 planned and priced as compiled, and refused where the engines do not run it compiled (search.engines).
 
-The two launches compile for real with inductor on the CPU (g++: each distinct block's forward and backward, about
-a minute per worker on an idle 2-core machine, 3-4 minutes a launch while other work loads it, which is why there
-are only two). Their inductor cache is the test session's own
+The four launches compile for real with inductor on the CPU (g++: each distinct block's forward and backward, about
+half a minute per worker on an idle 2-core machine, a few minutes a launch while other work loads it, which is why
+there are only four; a block graph compiled once in the session is reused from the cache: the ZeRO 1 launch's takes
+~15 s). Their inductor cache is the test session's own
 (``TORCHINDUCTOR_CACHE_DIR``, conftest.ISOLATED), never the user's. Losses are compared with the eager script run
 alone at rtol 1e-4, not the suite's 2e-5: inductor fuses each block's layer norms, softmax and GELU into loops
 that sum float32 in another order than eager's kernels (measured here: 2e-7 relative after three AdamW steps on
