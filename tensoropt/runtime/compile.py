@@ -8,7 +8,8 @@ other copy reuses that graph (dynamo treats a module's parameters as graph input
 ``torch._dynamo.config.inline_inbuilt_nn_modules``), and the embedding and head, which break graphs in many
 user models, stay out of the compiled region.
 
-Order (``torch_engine.apply``), as torchtitan applies it: tensor parallelism and recomputation first, so the
+Order (``torch_engine.apply``; ``pipeline.apply_pipeline`` the same within each stage module this rank holds, the
+copies named as in the whole model), as torchtitan applies it: tensor parallelism and recomputation first, so the
 compiled region holds the checkpointed block (``torch.utils.checkpoint`` is traced as one higher-order op);
 then compilation, which wraps each copy in an ``OptimizedModule``; data parallelism last, so that DDP's
 gradient hooks and FSDP2's all-gathers and reduce-scatters (its module hooks, on the wrapper) run eagerly
@@ -30,10 +31,16 @@ from ..space.plan import Plan
 from .blocks import block_modules, replace_module
 
 
-def apply_compile(model: nn.Module, plan: Plan) -> int:
-    """Wrap every block copy of ``plan`` in ``model`` with ``torch.compile`` (module doc); the copies
-    compiled. Nothing compiles until a copy's first forward."""
-    names = block_modules(model, plan) if plan.compile else []
+def compiled_modules(model: nn.Module, plan: Plan) -> list[str]:
+    """The block copies of ``model`` that ``plan`` runs compiled: all of them, or none."""
+    return block_modules(model, plan) if plan.compile else []
+
+
+def apply_compile(model: nn.Module, plan: Plan, names: list[str] | None = None) -> int:
+    """Wrap every block copy of ``plan`` in ``model`` with ``torch.compile`` (module doc), or only ``names``
+    (a pipeline stage's copies, named as in the whole model); the copies compiled. Nothing compiles until a
+    copy's first forward."""
+    names = compiled_modules(model, plan) if names is None else names
     for name in names:
         replace_module(model, name, lambda module: torch.compile(module, fullgraph=True))
     return len(names)
@@ -51,4 +58,4 @@ def compile_report(model: object) -> dict:
             "dynamo_graphs": int(graphs)}
 
 
-__all__ = ["apply_compile", "compile_report"]
+__all__ = ["apply_compile", "compile_report", "compiled_modules"]

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from ..errors import TensorOptError
 from ..space.run_plan import RunPlan
 from .blocks import replace_module
+from .compile import apply_compile, compiled_modules
 from .data_parallel import data_parallel_stage, reshard_all
 from .device import local_tensor, to_device
 from .materialize import Materializer, place, tied_parameters
@@ -72,6 +73,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
     mine = [pp_rank + k * pp for k in range(virtual)]
     tied, recomputed = tied_parameters(model), recompute_wrappers(model, plan)
+    compiled = set(compiled_modules(model, plan))
     signature = inspect.signature(model.forward)
     if tp > 1:
         check_before_cutting(model, run_plan, mesh["tp"], device, example_inputs)
@@ -100,8 +102,10 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         if tp > 1:                                  # before recomputation wraps the copies
             shard_stage(module, run_plan, mesh["tp"], s)
             vocab_split |= shard_vocabulary(module, run_plan, mesh["tp"])
-        for name in sorted(recomputed.keys() & {n for n, _ in module.named_modules()}):
+        names = {n for n, _ in module.named_modules()}
+        for name in sorted(recomputed.keys() & names):
             replace_module(module, name, recomputed[name])
+        apply_compile(module, plan, sorted(compiled & names))      # around the recomputed copy, as torch_engine
         modules.append(module)
         wirings.append(stage_wiring(pipe.split_gm.graph, s))
         messages.append(stage_messages(pipe, s))

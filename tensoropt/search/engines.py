@@ -25,17 +25,16 @@ ENGINE_SPACES = {
                       offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
 
-# with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP, FSDP2 ZeRO 1-3 and tensor
-# parallelism around or inside compiled copies, plain or fully recomputed. Not offered compiled: selective
-# recomputation (dynamo fails on runtime.selective's saved-tensor hooks), sequence parallelism (dynamo refuses an SP
-# copy under checkpoint: "HOP: Unsafe side effect"), pipeline stages (a stage's copies were not seen compiled:
-# its workers report no dynamo graph), all three tried on CPU workers in torch 2.13; DeepSpeed runs its own engine
-# eagerly. A key left out allows every value.
+# with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP, FSDP2 ZeRO 1-3, tensor
+# parallelism and pipeline stages (interleaved too) around or inside compiled copies, plain or fully recomputed. Not
+# offered compiled: selective recomputation (dynamo fails on runtime.selective's saved-tensor hooks), sequence
+# parallelism (dynamo refuses an SP copy under checkpoint: "HOP: Unsafe side effect"), both tried on CPU workers in
+# torch 2.13; DeepSpeed runs its own engine eagerly. A key left out allows every value.
 COMPILE_SPACES = {
-    "torch": dict(recompute=("none", "full"), sequence_parallel=False, max_virtual_stages=1, pipeline_stages=(1,)),
+    "torch": dict(recompute=("none", "full"), sequence_parallel=False),
 }
 # the same in words, for the launcher's error when no compiled plan fits the user's limits
-COMPILED_PLANS = "data and tensor parallelism, ZeRO 0-3, no or full recomputation, no pipeline or sequence parallelism"
+COMPILED_PLANS = "no or full recomputation, no sequence parallelism"
 
 
 def unsupported(plan: Plan, engine: str) -> list[str]:
