@@ -28,8 +28,9 @@ ENGINE_SPACES = {
 # with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP, FSDP2 ZeRO 1-3, tensor
 # parallelism and pipeline stages (interleaved too) around or inside compiled copies, plain or fully recomputed. Not
 # offered compiled: selective recomputation (dynamo fails on runtime.selective's saved-tensor hooks), sequence
-# parallelism (dynamo refuses an SP copy under checkpoint: "HOP: Unsafe side effect"), both tried on CPU workers in
-# torch 2.13; DeepSpeed runs its own engine eagerly. A key left out allows every value.
+# parallelism (its module hooks install saved-tensor hooks too, which dynamo will not trace, and under checkpoint
+# dynamo refuses their Python state: "HOP: Unsafe side effect"), both tried on CPU workers in torch 2.13; DeepSpeed
+# runs its own engine eagerly. A key left out allows every value.
 COMPILE_SPACES = {
     "torch": dict(recompute=("none", "full"), sequence_parallel=False),
 }
