@@ -49,22 +49,25 @@ def _not_compiled(plan: Plan, engine: str) -> list[str]:
         return [f"compiled blocks (the {engine} engine runs eager PyTorch: drop --compile)"]
     space = COMPILE_SPACES[engine]
     recompute = {s.recompute for b in plan.blocks for s, _ in b.strategies}
-    sequence_parallel = any(s.sequence_parallel for b in plan.blocks for s, _ in b.strategies)
     return [f"compiled blocks with {what}" for what, needed in [
         (f"ZeRO {plan.zero}", plan.zero not in space.get("zero_stages", (plan.zero,))),
         (f"{' and '.join(sorted(recompute - set(space['recompute'])))} recomputation",
          bool(recompute - set(space["recompute"]))),
-        ("sequence parallelism", sequence_parallel and not space.get("sequence_parallel", True)),
+        ("sequence parallelism", _sequence_parallel(plan) and not space.get("sequence_parallel", True)),
         ("tensor parallelism", plan.tp not in space.get("tensor_parallel", (plan.tp,))),
         ("pipeline stages", plan.pp not in space.get("pipeline_stages", (plan.pp,))),
     ] if needed]
+
+
+def _sequence_parallel(plan: Plan) -> bool:
+    return any(s.sequence_parallel for b in plan.blocks for s, _ in b.strategies)
 
 
 def _unsupported(plan: Plan, engine: str) -> list[str]:
     if engine == "deepspeed":
         return [what for what, needed in [
             ("interleaved virtual pipeline stages", plan.virtual_stages > 1),
-            ("sequence parallelism", any(s.sequence_parallel for b in plan.blocks for s, _ in b.strategies)),
+            ("sequence parallelism", _sequence_parallel(plan)),
             ("tensor parallelism", plan.tp != 1), ("pipeline stages", plan.pp != 1),
             ("optimizer offload without ZeRO", plan.offload and plan.zero == 0),
             # DeepSpeed keeps a float32 master copy under ZeRO 0 (BF16_Optimizer): bf16 master weights need 1-3
