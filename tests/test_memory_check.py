@@ -6,6 +6,7 @@ steps with the same tracker, and compares rank 0's peak tensor bytes. The real r
 ``workers.launched_once``: where another test launches the same plan (the DDP case is tests/test_launch.py's DDP run,
 ZeRO 3 in bf16-mixed tests/test_precision.py's), the one launch serves both."""
 
+import dataclasses
 import json
 
 import pytest
@@ -116,17 +117,29 @@ def _check_against_real_run(tmp_path, plan: Plan, ranks: tuple[int, ...] = (0,))
 def test_simulated_pipeline_stages_equal_the_real_run(tmp_path):
     """Both ranks of two pipeline ranks in interleaved 1F1B (two virtual stages each, 4 micro-batches of 2; the
     first stage of each fully recomputed): rank 0 holds stages 0 and 2 (the embedding, the most micro-batches in
-    flight), rank 1 stages 1 and 3 (the head and the loss). Built with their shapes and run on a fake process group
-    whose sends hold their tensors as gloo's do, each rank's stages hold what the real run's hold (the same bytes
-    in every category here; asserted within 2%, and the activations and temporaries, where the schedule's messages
-    are, within 2% each)."""
+    flight), rank 1 stages 1 and 3 (the head and the loss). Run by the engine's executor on a fake process group,
+    each rank's stages hold what the real run's hold (the same bytes in every category here; asserted within 2%,
+    and the activations and temporaries, where the schedule's messages are, within 2% each). Twice the
+    micro-batches (8) hold no more on either rank than the step's own inputs, the 4 more micro-batches of token ids
+    and labels (1 KiB each, alive for the whole step): the executor keeps no buffer per micro-batch (torch's own
+    stages held (2v - 1) m messages: 4 x 3 x 16 KiB more on each rank here)."""
     blocks = (BlockPlan("layers.*", ((LayerStrategy("full"), 1), (LayerStrategy("none"), 1))),)
     plan = Plan(devices=2, dp=1, tp=1, pp=2, virtual_stages=2, micro_batch=2, global_batch=8, precision="32-true",
                 blocks=blocks)
-    for simulated, measured in _check_against_real_run(tmp_path, plan, ranks=(0, 1)):
+    pairs = _check_against_real_run(tmp_path, plan, ranks=(0, 1))
+    for simulated, measured in pairs:
         for key in ("peak_bytes", "activations", "temporaries"):
             assert simulated[key] == pytest.approx(measured[key], rel=RELATIVE), (measured["rank"], key)
         assert simulated["optimizer"] == measured["optimizer"]
+    more = dataclasses.replace(plan, global_batch=16)
+    path = tmp_path / "more" / "plan.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(more.to_json()))
+    common = ["--device", "cpu", "--gpus", 2, "--plan", path, "--precision", more.precision]
+    inputs_bytes = 4 * 2 * (2 * 32 * 8)           # 4 micro-batches of 2 samples: int64 ids and labels of 32 tokens
+    for rank, (simulated, _) in enumerate(pairs):
+        more_peak = _simulated(path.parent, common, rank)["simulated"]["peak_bytes"]
+        assert simulated["peak_bytes"] <= more_peak <= simulated["peak_bytes"] + inputs_bytes, rank
 
 
 @pytest.mark.slow

@@ -13,11 +13,9 @@ from .deepspeed_memory import extra_bytes
 from .pipeline_memory import (
     fsdp_stage_bytes,
     gradients_divisor,
-    held_first_bytes,
-    held_last_bytes,
     in_flight,
     in_flight_last,
-    p2p_buffer_bytes,
+    message_bytes,
 )
 from .rows import PlanRows
 from .torch_memory import fsdp_held_bytes
@@ -40,7 +38,8 @@ def _only(mask: np.ndarray, outputs: int, term, *args) -> list[np.ndarray]:
 def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes, at_loss_bytes=0.0
                       ) -> np.ndarray:
     """The activations a device keeps at its peak: its copies' and loose ops' saved tensors of the micro-batches in
-    flight, and a pipeline stage's messages (sent, held and receive buffers) and loose ops' backward working set
+    flight, and a pipeline stage's messages received early (``pipeline_memory.message_bytes``) and loose ops'
+    backward working set
     (a stage's loose ops' backward, the loss's first, and its copies' recomputation run at different times:
     ``transient_bytes`` is the copies' backward working set, ``at_loss_bytes`` what FSDP2 holds beside the
     loss's)."""
@@ -52,11 +51,12 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     back_first, back_last = (np.maximum(b - transient_bytes, 0.0)
                              for b in (r.first_back + r.gathered * r.first_table_grad,
                                        np.maximum(r.last_back, r.loss_grads) + at_loss_bytes))
+    messages_first, messages_last = message_bytes(r.pp, r.v, r.m, r.mb, carried)
     acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
-        r.piped, held_first_bytes(r.pp, r.v, r.m, r.mb, carried) + back_first, 0.0)
+        r.piped, messages_first + back_first, 0.0)
     acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + r.last_acts
-                         + held_last_bytes(r.pp, r.v, r.m, r.mb, carried) + back_last, acts_first)
-    return np.maximum(acts_first, acts_last) + p2p_buffer_bytes(r.pp, r.v, r.m, r.mb, carried)
+                         + messages_last + back_last, acts_first)
+    return np.maximum(acts_first, acts_last)
 
 
 def stage_copy_backward_bytes(r: PlanRows) -> np.ndarray:

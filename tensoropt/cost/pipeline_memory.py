@@ -1,31 +1,17 @@
 """Memory a pipeline stage holds for its messages, beside the activations its micro-batches save.
 
-``torch.distributed.pipelining`` (torch 2.13, ``stage.py``) allocates its receive buffers once, when a stage is
-set up for a step count of ``m`` micro-batches, and keeps them for the run:
+The torch engine runs the schedule ``space.pipeline_schedule`` gives with its own executor
+(``runtime.pipeline_executor``), which allocates a receive buffer when its message arrives and waits for every send
+at its boundary, and frees the storage of each stage output it has sent (its autograd history stays for the
+backward, as Megatron-LM's ``deallocate_output_tensor``). So beside the activations of the micro-batches in
+flight (``in_flight``, ``in_flight_last``; a received activation is the stage's input, saved by its first op
+like any other activation), a device holds only the messages that arrived before the compute that uses them
+(``held_messages``): counted on the schedule itself (``pipeline_schedule.held_messages``, which the tests hold
+these closed forms against).
 
-- a stage that is not the first gets one buffer per input per micro-batch (``PipelineStage.
-  _setup_forward_recv_info``: ``_make_tensor_from_meta`` for every ``chunk_id in range(num_microbatches)``);
-- a stage that is not the last gets one gradient buffer per output that requires a gradient per micro-batch
-  (``_PipelineStageBase._setup_backward_recv_info`` -> ``PipelineStage._create_grad_recv_info``).
-
-The stream between stages is the block's carried state (``space.block.BlockSpace.carried_bytes`` per sample),
-sent whole even under tensor parallelism (``runtime.pipeline_tp``: sequence parallelism gathers the stream before
-a stage hands it on), so each buffer holds ``micro_batch * carried_bytes``. With ``v`` interleaved stages a device
-holds stages ``r, r + p, ...``: stage 0 (device 0) is first and not last, every other stage of device 0 is neither,
-and device ``p - 1`` holds the last stage and ``v - 1`` others that are not first; either way ``2 v - 1`` buffer
-sets of ``m`` micro-batches. Values a stage only relays (an attention mask made once, integer and without
-gradient) are not counted.
-
-Beside the buffers, a stage keeps what it sent (``held_*_bytes``):
-- each forward's outputs stay in the stage's ``fwd_cache`` until that micro-batch's backward (``stage.py
-  forward_one_chunk``: ``self.fwd_cache[fwd_chunk_id] = (output_tuple, ...)``, for ``backward_one_chunk``); no op of
-  the stage saves its last copy's output, so the layers' saved bytes do not count it;
-- a send's work holds its tensor until the schedule drops the work (gloo's send work owns its tensor; NCCL's
-  stashes it for the caching allocator): ``Schedule1F1B`` keeps one send pending at a time, ``ScheduleGPipe``
-  (fewer micro-batches than stages) a whole phase's, and the interleaved schedule every send of the step until
-  its end (``schedules._PipelineScheduleRuntime._step_microbatches``: ``send_ops``, waited after the last
-  action), so there device 0's ``v`` stages' outputs and its ``v - 1`` later stages' input gradients, and the
-  last device's ``v - 1`` outputs and ``v`` input gradients, all stay: ``(2v - 1) m`` messages either way.
+Each message is the block's carried state (``space.block.BlockSpace.carried_bytes`` per sample) of one
+micro-batch, or its gradient, which has its shape. Values a stage only relays (an attention mask made once,
+integer and without gradient) are not counted.
 """
 
 from __future__ import annotations
@@ -89,12 +75,29 @@ def copy_backward_bytes(model, tp: int, tp_branches: tuple[str, ...], micro_batc
     return plain, fresh
 
 
-def p2p_buffer_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
-    """Bytes of the receive buffers of pipeline device 0 (and of device ``p - 1``: the same count), numbers or
-    per-plan arrays; 0 without a pipeline (module doc)."""
-    pp, v = np.asarray(pp), np.asarray(virtual_stages)
-    buffer_sets = 2 * v - 1
-    return np.where(pp > 1, buffer_sets * np.asarray(micro_batches) * np.asarray(micro_batch) * carried_bytes, 0.0)
+def held_messages(pp, virtual_stages, micro_batches) -> tuple[np.ndarray, np.ndarray]:
+    """(messages the first device, messages the last device holds at once beside its activations, at most; numbers
+    or per-plan arrays), each a received activation before its forward or a received gradient before its backward.
+    Under 1F1B none waits: each arrives at the boundary right before the compute that reads it. With interleaved
+    stages (``v > 1``) on the simulated clock (``pipeline_schedule``: a backward twice a forward) the last device
+    gets its later stages' gradients from device 0 while it runs its own last stage's backwards, ``floor(p / 3)`` of
+    them at once, and once the micro-batches fill more than one round (``m > p``) an activation early, as every
+    device but the first, which from ``p = 6`` gets one gradient early: the counts ``pipeline_schedule.
+    held_messages`` gives (tests/test_pipeline_schedule.py holds them equal on every p, v and m up to 24 stages)."""
+    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
+    interleaved, rounds = (v > 1) & (pp > 1), m > pp
+    first = np.where(interleaved & rounds & (pp >= 6), 1, 0)
+    last = np.where(interleaved, pp // 3 + np.where(rounds | (pp >= 3), 1, 0), 0)
+    return first, last
+
+
+def message_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes the first device, bytes the last device holds for messages beside its activations: ``held_messages``
+    of ``micro_batch * carried_bytes`` each); 0 without a pipeline."""
+    first, last = held_messages(pp, virtual_stages, micro_batches)
+    size = np.asarray(micro_batch) * carried_bytes
+    return first * size, last * size
 
 
 def gradients_divisor(pp, zero, dp):
@@ -126,38 +129,25 @@ def fsdp_stage_bytes(zero, gathered, grad, unit_params, root_params):
 
 
 def in_flight(pp, micro_batches, virtual_stages):
-    """Micro-batches of activations stage 0 holds at its peak (numbers or arrays of them)."""
-    base = np.minimum(micro_batches, pp) * 1.0
-    interleaved = base * (1 + (pp - 1) / (pp * virtual_stages))
-    return np.where(pp == 1, 1.0, np.where(virtual_stages > 1, interleaved, base))
+    """Micro-batches of activations (in units of the device's copies) stage 0 holds at its peak (numbers or
+    arrays of them): 1F1B's ``min(m, p)``; with ``v`` interleaved stages its warm-up of ``2 (p - 1) + (v - 1) p``
+    chunks and one more forward (``pipeline_schedule.warmup_forwards``), at most all ``m v`` chunks, each ``1 / v``
+    of its copies: about ``(1 + (p - 1) / (p v))`` times 1F1B's (Narayanan et al. 2021, sec. 2.2)."""
+    pp, m, v = np.asarray(pp), np.asarray(micro_batches), np.asarray(virtual_stages)
+    chunks = np.minimum(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
+    return np.where(pp == 1, 1.0, np.where(v > 1, chunks / np.maximum(v, 1), np.minimum(m, pp) * 1.0))
 
 
 def in_flight_last(pp, micro_batches, virtual_stages):
     """Micro-batches of activations (in units of the device's copies) the last pipeline device holds at its peak:
     one in 1F1B (its stage runs each micro-batch's backward right after its forward); with ``v`` interleaved
     stages it warms up ``(v - 1) p`` chunks of its earlier stages before its first backward, and runs one more
-    forward (``schedules._get_warmup_ops`` for rank ``p - 1``: ``(n_local_stages - 1) * microbatches_per_round``),
-    each chunk ``1 / v`` of its copies. The first device's count is ``in_flight``."""
+    forward (``pipeline_schedule.warmup_forwards`` for rank ``p - 1``), each chunk ``1 / v`` of its copies. The first
+    device's count is ``in_flight``."""
     pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
     chunks = np.minimum((v - 1) * pp + 1, m * v)
     return np.where(v > 1, chunks / v, 1.0)
 
 
-def held_first_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
-    """Sent messages device 0 still holds at its peak (module doc): the outputs of its micro-batches in flight
-    (``min(m, p)``: 1F1B's warm-up and GPipe's forward phase), or with interleaving every send of the step."""
-    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
-    messages = np.where(v > 1, (2 * v - 1) * m, np.minimum(m, pp))
-    return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
-
-
-def held_last_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes: float):
-    """Sent messages the last device still holds (module doc): its input gradients pending in sends, one in 1F1B,
-    the backward phase's ``m`` in GPipe, or with interleaving every send of the step."""
-    pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
-    messages = np.where(v > 1, (2 * v - 1) * m, np.where(m >= pp, 1, m))
-    return np.where(pp > 1, messages * np.asarray(micro_batch) * carried_bytes, 0.0)
-
-
-__all__ = ["backward_working_bytes", "copy_backward_bytes", "fsdp_stage_bytes", "gradients_divisor",
-           "held_first_bytes", "held_last_bytes", "in_flight", "in_flight_last", "p2p_buffer_bytes"]
+__all__ = ["backward_working_bytes", "copy_backward_bytes", "fsdp_stage_bytes", "gradients_divisor", "held_messages",
+           "in_flight", "in_flight_last", "message_bytes"]

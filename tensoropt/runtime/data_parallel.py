@@ -6,18 +6,16 @@ with torch's own wrappers so that it communicates as ``cost.model`` prices it:
 
 - ZeRO 0: DDP (``replicate``); gradients live in DDP's buckets (``gradient_as_bucket_view``), not in a second
   copy: one gradient's memory, as planned. It all-reduces on the last micro-batch's backward only
-  (``ddp_micro_batch``; a pipeline stage does the same itself for a DDP module).
+  (``ddp_micro_batch``; a pipeline stage's DDP is told so before each backward by ``pipeline_executor``).
 - ZeRO 1-3: FSDP2 ``fully_shard`` on every block copy and then on the root (``shard``), over the ``dp`` mesh
   dimension (2-D DTensors where tensor parallelism shards them too), with the precision's mixed-precision
   policy (``precision.fsdp_kwargs``):
   - ZeRO 1: optimizer states sharded; parameters kept gathered and gradients accumulated whole over the
     micro-batches, reduce-scattered once on the last one, which also frees the gathered parameters: one
     reduce-scatter and one all-gather a step, an all-reduce's volume (``fsdp_micro_batch``; in a pipeline the
-    relay is FSDP2's root, so ``PipelineStage`` defers the reduce-scatter to its last backward the same way);
+    same hook is told before each of a stage's backwards whether it is the stage's last of the step);
   - ZeRO 2: gradients sharded too, reduce-scattered after every micro-batch's backward (deferring would hold
-    unsharded gradients); the parameters stay gathered until the step ends (in a pipeline, the block copies and
-    the stage module are FSDP2's units inside the relay, so the stage does not defer their reduce-scatter, and
-    ``reshard_all`` frees the parameters once the schedule is done);
+    unsharded gradients); the parameters stay gathered until the last micro-batch's backward (a stage's last);
   - ZeRO 3: parameters sharded as well: FSDP2's defaults, gathered and freed around every use.
 """
 
@@ -27,11 +25,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 from ..space.plan import Plan
 from .blocks import block_modules
-from .pipeline_split import Relay
 from .precision import fsdp_kwargs, of_plan
 
 MicroBatchHook = Callable[[bool], None]      # told before each micro-batch whether it is the step's last
@@ -74,35 +71,15 @@ def ddp_micro_batch(ddp: nn.parallel.DistributedDataParallel) -> MicroBatchHook:
     return before_micro_batch
 
 
-def data_parallel_stage(relay: Relay, plan: Plan, dp_mesh, device: torch.device) -> nn.Module:
-    """A pipeline stage wrapped for data parallelism over ``dp_mesh``, as ``PipelineStage`` expects it: DDP around
-    the relay under ZeRO 0 (the stage recognises it and syncs on the last backward only); under ZeRO 1 FSDP2 with
-    the relay as root (the stage defers the reduce-scatter, and the freeing of the gathered parameters, to its
-    last backward: ``PipelineStage.perform_reduce_grad``); under ZeRO 2/3 FSDP2 on the
-    block copies and the stage module inside the relay, so that FSDP2 runs its own hooks on every micro-batch (a
-    root ``FSDPModule`` would be told by the stage to defer its reduce-scatter: unsharded gradients, not what
-    ZeRO 2/3 is priced as); under ZeRO 2 the parameters stay gathered after each backward (``reshard_all``)."""
-    stage_module = relay.stage
-    if plan.zero >= 1:
-        shard(stage_module, plan, dp_mesh, root=relay if plan.zero == 1 else None)
-        if plan.zero == 2:
-            stage_module.set_reshard_after_backward(False)
-        return relay
-    if plan.dp > 1:
-        return replicate(relay, device, dp_mesh.get_group())
-    return relay
+def data_parallel_stage(stage_module: nn.Module, plan: Plan, dp_mesh) -> MicroBatchHook | None:
+    """ZeRO 1-3 for a pipeline stage (module doc): FSDP2 on its block copies and on the stage module, its root, as on
+    the whole model; returns what FSDP2 is told before each of the stage's backwards (``fsdp_micro_batch``: whether
+    it is the stage's last of the step), which ``pipeline_executor`` calls. ZeRO 0 stages get DDP after placement
+    (``replicate``), as the whole model does."""
+    if plan.zero == 0:
+        return None
+    shard(stage_module, plan, dp_mesh)
+    return fsdp_micro_batch(stage_module, plan.zero)
 
 
-def reshard_all(modules: list[nn.Module]) -> Callable[[], None]:
-    """Free the gathered parameters of every FSDP2 module in ``modules`` (ZeRO 2 keeps them through the
-    micro-batches): the next step gathers the updated shards again."""
-    fsdp = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
-
-    def reshard() -> None:
-        for module in fsdp:
-            module.reshard()
-    return reshard
-
-
-__all__ = ["MicroBatchHook", "data_parallel_stage", "ddp_micro_batch", "fsdp_micro_batch", "replicate",
-           "reshard_all", "shard"]
+__all__ = ["MicroBatchHook", "data_parallel_stage", "ddp_micro_batch", "fsdp_micro_batch", "replicate", "shard"]

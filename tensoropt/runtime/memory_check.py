@@ -20,10 +20,9 @@ and the engines' CUDA-only paths (NCCL, CUDA streams) are not exercised. DeepSpe
 
 Pipeline plans run the simulated rank's stages (rank 0: pipeline stage 0, the most micro-batches in flight in
 1F1B, and with virtual stages ``pp``, ``2 pp``, ...; the last stage's rank holds the head and its logits) through
-the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``: the engine builds every stage with its messages' shapes
+the engine's own schedule executor (``pipeline_executor``): every stage knows its messages' shapes
 (``pipeline_split.stage_messages``), so no shapes are exchanged; the fake group's sends and receives return at
-once and leave the receive buffers as they are, which changes no byte. Within ``_pipeline_on_fake_group`` the
-schedule's start-of-run vote is given its result and each send's work holds its tensor as a real group's does.
+once and leave the receive buffers as they are, which changes no byte (a real send is waited at its boundary too).
 The tests hold both ranks' peaks of a pp2 run equal to the real run's.
 """
 
@@ -257,50 +256,6 @@ def _bucketed_ddp() -> Iterator[None]:
         nn.parallel.DistributedDataParallel = original
 
 
-class _HeldWork:
-    """A fake process group's send or receive, holding its tensor as long as the schedule holds the work: a real
-    group's work keeps its tensors referenced until it is dropped (gloo's send and receive works own their
-    tensors; NCCL's stash them for the caching allocator until the work is waited), and the interleaved
-    schedule keeps every send's work until the end of its step (``schedules._PipelineScheduleRuntime.
-    _step_microbatches``: ``send_ops``), so a sent activation or gradient stays allocated that long."""
-
-    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
-        self.work, self.tensors = work, tensors     # a batch's works are waited and dropped together
-
-    def wait(self, *args, **kwargs):
-        return self.work.wait(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _pipeline_on_fake_group() -> Iterator[None]:
-    """Run ``torch.distributed.pipelining``'s schedules on a fake process group, as on a real one for memory.
-
-    A schedule's first step starts with a vote over the pipeline ranks (``schedules._PipelineSchedule.
-    _warmup_p2p``: each stage sends whether it was built with its shapes, the result comes back by ``recv`` and
-    is read with ``.item()``), which a fake group cannot carry and a fake tensor cannot read. The torch engine
-    builds every stage of every rank with its shapes (``pipeline``), so the vote is "static" on every rank:
-    within, each stage is given that result directly, after the same check of its own metadata the vote starts
-    with (``InferenceMode.needs_dynamic``). Each send and receive's work holds its tensor (``_HeldWork``)."""
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    def vote(schedule, stages, has_backward, p2p_done):
-        for stage in stages:
-            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
-                raise TensorOptError(f"pipeline stage {stage.stage_index} was built without its shapes: it cannot "
-                                     "be simulated")
-            stage._inference_mode = InferenceMode.STATIC
-
-    def batch_p2p(p2p_ops, desc=None):
-        return [_HeldWork(work, [op.tensor for op in p2p_ops]) for work in batch(p2p_ops, desc)]
-    warmup, batch = schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p
-    schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p = vote, batch_p2p
-    try:
-        yield
-    finally:
-        schedules._PipelineSchedule._warmup_p2p, schedules._batch_p2p = warmup, batch
-
-
 @contextlib.contextmanager
 def _outside_capture() -> Iterator[None]:
     """Leave the capture's torch-function modes (``capture_run``: every device is meta) while simulating: the
@@ -350,7 +305,7 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs, 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.devices)
     device = torch.device("cpu")
     from .tp_guard import unchecked  # here: DTensor's import (sympy) is not every launcher process's to pay
-    with _outside_capture(), _real_meshes(), _bucketed_ddp(), _pipeline_on_fake_group(), unchecked(), \
+    with _outside_capture(), _real_meshes(), _bucketed_ddp(), unchecked(), \
             FakeTensorMode(allow_non_fake_inputs=True):
         on_cpu = dataclasses.replace(run_plan, device="cpu")
         model, optimizer, run = apply(model, optimizer_fn, on_cpu, device, _FakeStorage(), example_inputs)

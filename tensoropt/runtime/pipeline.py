@@ -1,25 +1,30 @@
-"""Pipeline stages for the torch engine, with ``torch.distributed.pipelining``, composed with data and tensor
-parallelism.
+"""Pipeline stages for the torch engine, composed with data and tensor parallelism.
 
 The devices form one mesh with named dimensions ``("pp", "dp", "tp")`` (pipeline outermost, tensor
 parallelism innermost, as torchtitan lays it out): the ranks of one (dp, tp) coordinate form one pipeline,
 those of one (pp, tp) coordinate hold the same stages and average their gradients, those of one (pp, dp)
 coordinate split their stages' block copies, embedding and head by Megatron-LM's layout (``pipeline_tp``).
-The model is cut into ``pp * virtual_stages`` stages (``pipeline_split``); pipeline rank ``r`` holds
-stages ``r, r + pp, ...`` (one with plain 1F1B, several with interleaved 1F1B, Narayanan et al. 2021,
-https://arxiv.org/abs/2104.04473). Each stage is wrapped for data parallelism over the ``dp`` group by
-``data_parallel.data_parallel_stage`` (DDP under ZeRO 0, FSDP2 under ZeRO 1-3, as the un-piped engine runs
-them, over the tensor-parallel shards where tp > 1: 2-D DTensors, as FSDP2 composes with tensor parallelism).
+The model is cut into ``pp * virtual_stages`` stages by ``torch.distributed.pipelining``'s tracer
+(``pipeline_split``); pipeline rank ``r`` holds stages ``r, r + pp, ...`` (one with plain 1F1B, several with
+interleaved 1F1B, Narayanan et al. 2021, https://arxiv.org/abs/2104.04473) and runs them with this project's
+own schedule executor (``pipeline_executor``, on the schedule ``space.pipeline_schedule`` gives, which the cost
+model prices): what a device holds for its messages is bounded by what is in flight, not by the step's
+micro-batches.
+
+Each stage is set up as the whole model is (``torch_engine``), in the same order: tensor parallelism,
+recomputation and compilation of its block copies, then FSDP2 (ZeRO 1-3: ``data_parallel.data_parallel_stage``,
+over the tensor-parallel shards where tp > 1: 2-D DTensors), all on the meta device for a meta-built model, and
+only then placement (``materialize.place``): a stage gets storage for its shards only, never for its whole
+parameters. Under ZeRO 0 it is then wrapped in DDP over the ``dp`` group.
 
 Parameters used on several stages (tied input and output embeddings) are copied onto each stage by the
 split; their gradients are summed over those stages (on this rank, then over the pipeline ranks that hold
 them, within one (dp, tp) coordinate) before the optimizer step, so the copies take identical steps and
 stay equal, as the one shared parameter of the unsplit model would.
 
-Each ``PipelineStage`` is built with the shapes of what it receives and sends (``pipeline_split.stage_messages``,
-from the trace), so the schedule's first step runs no shape-inference forward and backward and no stage sends
-another its shapes (torch's "static" metadata mode): the first step allocates as every later one, and a
-simulation on a fake process group (``memory_check``), whose messages carry nothing, runs the same schedule.
+Each stage knows the shapes of what it receives and sends from the trace (``pipeline_split.stage_messages``), so
+no stage asks another for shapes and the first step allocates as every later one; a simulation on a fake process
+group (``memory_check``), whose messages carry nothing, runs the same executor.
 """
 
 from __future__ import annotations
@@ -29,16 +34,17 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from ..errors import TensorOptError
+from ..space.pipeline_schedule import check, device_steps
 from ..space.run_plan import RunPlan
 from .blocks import replace_module
 from .compile import apply_compile, compiled_modules
-from .data_parallel import data_parallel_stage, reshard_all
+from .data_parallel import data_parallel_stage, replicate
 from .device import local_tensor, to_device
 from .materialize import Materializer, place, tied_parameters
 from .param_groups import build_optimizer
+from .pipeline_executor import StageRunner, run_schedule
 from .pipeline_split import (
     Relay,
     example_micro_batch,
@@ -60,8 +66,8 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
                    run_plan: RunPlan, device: torch.device, materializer: Materializer | None = None,
                    example_inputs: Batch | None = None) -> tuple[nn.Module, object, Run]:
     """Cut ``model`` into the plan's stages and return this rank's (stage module, optimizer, Run): one stage
-    module, or a ``merged_view`` of them with virtual stages. Only this rank's stages are put on
-    ``device`` (a meta-built model: only they get storage)."""
+    module, or a ``merged_view`` of them with virtual stages. Only this rank's stages are put on ``device``, each
+    once it is sharded (a meta-built model: only their shards get storage)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     if example_inputs is None:
@@ -69,6 +75,10 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
                              "tensoropt.parallelize")
     plan = run_plan.plan
     pp, dp, tp, virtual = plan.pp, plan.dp, plan.tp, plan.virtual_stages
+    try:
+        check(pp, virtual, plan.grad_accumulation)
+    except ValueError as exc:
+        raise TensorOptError(f"plan {plan.summary()}: {exc}") from None
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
     mine = [pp_rank + k * pp for k in range(virtual)]
@@ -88,16 +98,10 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
                              f"the plan has {n_stages}: every block copy must be called once by the model's forward")
     held = [{name for name, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)}
             for s in range(n_stages)]
-    modules, wirings, messages, shared, vocab_split = [], [], [], {}, False
+    modules, runners, shared, vocab_split, inputs = [], {}, {}, False, {}
     for s in mine:
         module = pipe.get_stage_module(s)
         retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
-        # before tying: a meta-built stage gets new parameters. Materialising replays the model's construction
-        # from the generator's state; every stage of this rank starts from the same one, and the last leaves
-        # the generator where the model built for real would have
-        with torch.random.fork_rng(_rng_devices(device), enabled=materializer is not None and s != mine[-1],
-                                   device_type=device.type):
-            place(module, device, materializer)
         shared[s] = tie_within_stage(module, tied, held[s])
         if tp > 1:                                  # before recomputation wraps the copies
             shard_stage(module, run_plan, mesh["tp"], s)
@@ -106,28 +110,32 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         for name in sorted(recomputed.keys() & names):
             replace_module(module, name, recomputed[name])
         apply_compile(module, plan, sorted(compiled & names))      # around the recomputed copy, as torch_engine
+        wiring = stage_wiring(pipe.split_gm.graph, s)
+        relay = Relay(module, wiring)
+        autocast_forward(relay, of_plan(plan), device)             # it runs under the autocast it was traced in
+        before_backward = data_parallel_stage(module, plan, mesh["dp"])
+        # only now storage, for this rank's shards. Materialising replays the model's construction from the
+        # generator's state; every stage of this rank starts from the same one, and the last leaves the
+        # generator where the model built for real would have
+        with torch.random.fork_rng(_rng_devices(device), enabled=materializer is not None and s != mine[-1],
+                                   device_type=device.type):
+            place(module, device, materializer)
+        runner_module = replicate(relay, device, mesh["dp"].get_group()) if plan.zero == 0 and dp > 1 else relay
+        received, sent = stage_messages(pipe, s)
+        runners[s] = StageRunner(runner_module, s, n_stages, received, sent, device, before_backward)
+        inputs.update(dict.fromkeys(wiring.model_inputs))
         modules.append(module)
-        wirings.append(stage_wiring(pipe.split_gm.graph, s))
-        messages.append(stage_messages(pipe, s))
     del pipe                                        # the other stages' modules go with it
-    relays = [Relay(m, w) for m, w in zip(modules, wirings)]
-    for relay in relays:                            # and run under the autocast they were traced in
-        autocast_forward(relay, of_plan(plan), device)
-    wrapped = [data_parallel_stage(relay, plan, mesh["dp"], device) for relay in relays]
-    # FSDP2 replaced the parameters with sharded ones: the tied ones are looked up again by name
+    # FSDP2 and placement replaced the parameters: the tied ones are looked up again by name
     shared = {s: {index: module.get_parameter(next(n for n in tied[index] if n in held[s])) for index in by_index}
               for (s, by_index), module in zip(sorted(shared.items()), modules)}
     reductions = shared_gradient_groups(shared, tied, held, mesh)
-    # every stage is given its messages' shapes up front: no stage asks another (module doc)
-    stages = [PipelineStage(w, s, n_stages, device, input_args=received, output_args=sent, group=mesh["pp"].get_group())
-              for w, s, (received, sent) in zip(wrapped, mine, messages)]
     optimizer = build_optimizer(optimizer_fn, [p for m in modules for p in m.parameters()])
     stepper = None
     if optimizer is not None:
-        inputs = tuple(dict.fromkeys(name for w in wirings for name in w.model_inputs))
-        after_schedule = reshard_all(modules) if plan.zero == 2 else None
-        stepper = pipeline_stepper(stages, plan.grad_accumulation, optimizer, signature, inputs, reductions,
-                                   after_schedule, dp * tp, loss_context(vocab_split), device)
+        steps = device_steps(pp_rank, pp, virtual, plan.grad_accumulation)
+        stepper = pipeline_stepper(runners, steps, optimizer, signature, tuple(inputs), reductions, dp * tp,
+                                   loss_context(vocab_split), device, mesh["pp"].get_group())
     run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan.micro_batch, plan.grad_accumulation,
               plan.global_batch, run_plan, "torch", stepper, device=device)
     return (modules[0] if virtual == 1 else merged_view(modules)), optimizer, run
@@ -206,19 +214,6 @@ def sum_shared_gradients(reductions: list) -> None:
                 grad.copy_(total)
 
 
-def concatenate(micro_batches: list[Batch]) -> Batch:
-    """This rank's micro-batches joined back into its batch: the schedule splits it again itself."""
-    first = micro_batches[0]
-
-    def join(values):
-        return torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
-    if isinstance(first, Mapping):
-        return {k: join([m[k] for m in micro_batches]) for k in first}
-    if isinstance(first, tuple):
-        return tuple(join([m[i] for m in micro_batches]) for i in range(len(first)))
-    return join(micro_batches)
-
-
 def named_inputs(batch: Batch, signature: inspect.Signature, device: torch.device) -> dict[str, object]:
     """The batch as {forward argument name: value}, tensors on ``device``; the split graph names the model's
     inputs after the forward's arguments."""
@@ -232,55 +227,31 @@ def named_inputs(batch: Batch, signature: inspect.Signature, device: torch.devic
     return to_device(dict(bound.arguments), device)
 
 
-def make_schedule(stages: list, n_microbatches: int):
-    """Interleaved 1F1B for several stages per rank; else 1F1B (what the cost model assumes), or GPipe when
-    there are fewer micro-batches than stages, which 1F1B does not run. The model's forward returns each
-    micro-batch's mean loss; ``scale_grads`` divides the summed gradients by the number of micro-batches: the
-    gradients of the step's mean loss, as one process computes them."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    def loss_fn(output, _target):
-        return loss_of(output)
-    if len(stages) > 1:
-        try:
-            return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=True)
-        except ValueError as exc:       # the micro-batches do not fill its rounds
-            raise TensorOptError(f"interleaved 1F1B cannot run {n_microbatches} micro-batches over "
-                                 f"{stages[0].group_size} pipeline ranks: {exc}") from exc
-    kind = Schedule1F1B if n_microbatches >= stages[0].num_stages else ScheduleGPipe
-    return kind(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def pipeline_stepper(stages: list, n_microbatches: int, optimizer: torch.optim.Optimizer,
-                     signature: inspect.Signature, model_inputs: tuple[str, ...], reductions: list,
-                     after_schedule: Callable[[], None] | None, copies: int, loss_context: LossContext,
-                     device: torch.device) -> Stepper:
-    """The Run's stepper: one schedule step over this rank's micro-batches, tied gradients summed over their
-    stages, one optimizer step; returns the step's mean loss: each pipeline's last stage has its replica's
-    mean (each of its tensor-parallel ranks the same one), summed over the world (the other ranks add zeros) and
-    divided by ``copies``, the number of last-stage ranks (dp x tp)."""
+def pipeline_stepper(runners: dict[int, StageRunner], steps: tuple, optimizer: torch.optim.Optimizer,
+                     signature: inspect.Signature, model_inputs: tuple[str, ...], reductions: list, copies: int,
+                     loss_context: LossContext, device: torch.device, pp_group) -> Stepper:
+    """The Run's stepper: this device's schedule over its micro-batches (``pipeline_executor``), tied gradients
+    summed over their stages, one optimizer step; returns the step's mean loss: each pipeline's last stage has
+    its replica's mean (each of its tensor-parallel ranks the same one), summed over the world (the other ranks
+    add zeros) and divided by ``copies``, the number of last-stage ranks (dp x tp)."""
     import torch.distributed as dist
-    schedule = make_schedule(stages, n_microbatches)
-    unused_targets = torch.zeros(n_microbatches, device=device)    # the schedule splits a target it never reads
-    is_last = any(stage.is_last for stage in stages)
+
+    def inputs_of(micro: Batch) -> dict[str, object]:
+        named = named_inputs(micro, signature, device)
+        try:
+            return {name: named[name] for name in model_inputs}
+        except KeyError as exc:
+            raise TensorOptError(f"pipeline stages {sorted(runners)} need the model input {exc}, which the batch "
+                                 "does not hold") from exc
 
     def step(micro_batches: list[Batch]) -> float:
-        named = named_inputs(concatenate(micro_batches), signature, device)
-        try:
-            kwargs = {name: named[name] for name in model_inputs}
-        except KeyError as exc:
-            raise TensorOptError(f"pipeline stages {[s.stage_index for s in stages]} need the model input {exc}, "
-                                 "which the batch does not hold") from exc
+        kwargs = [inputs_of(micro) for micro in micro_batches]
         optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
         with loss_context():                # the logits sharded by vocabulary: forwards and backwards under it
-            schedule.step(target=unused_targets, losses=losses, return_outputs=False, **kwargs)
-        if after_schedule is not None:
-            after_schedule()
+            losses = run_schedule(steps, runners, kwargs, loss_of, pp_group)
         sum_shared_gradients(reductions)
         optimizer.step()
-        mean = torch.stack([local_tensor(loss) for loss in losses]).detach().float().mean() if is_last \
-            else torch.zeros((), device=device)
+        mean = torch.stack(losses).float().mean() if losses else torch.zeros((), device=device)
         dist.all_reduce(mean)
         return float(mean) / copies
     return step

@@ -22,9 +22,6 @@ from .blocks import block_modules, copies_of
 from .materialize import tie
 from .run import Batch
 
-# arguments of ``schedule.step`` itself: a model input of one of these names cannot be passed through it
-_STEP_ARGUMENTS = {"target", "losses", "return_outputs", "loss_kwargs"}
-
 
 @dataclass(frozen=True)
 class Wiring:
@@ -141,9 +138,6 @@ def stage_wiring(split_graph, stage_index: int) -> Wiring:
     if node is stages[-1] and returned not in ([node], [(node,)]):
         raise TensorOptError("the model's output must be what its last pipeline stage computes (the loss)")
     arguments = tuple((a.op == "placeholder", a.target if a.op == "placeholder" else a.name) for a in node.args)
-    if clash := _STEP_ARGUMENTS & {name for is_input, name in arguments if is_input}:
-        raise TensorOptError(f"model inputs named {sorted(clash)} cannot be passed to a pipeline stage: rename the "
-                             "forward's arguments")
     return Wiring(_carried(stages, stage_index - 1), arguments, _output_names(node),
                   _carried(stages, stage_index) if node is not stages[-1] else None)
 
