@@ -1,5 +1,6 @@
 """A meta-built GPT trained through ``tensoropt.parallelize``, measured: used by ``test_deepspeed_gpu_path`` as a
-script run alone and under ``tensoropt launch`` (DeepSpeed ZeRO 3, bf16).
+script run alone and under ``tensoropt launch`` (DeepSpeed ZeRO 3, bf16), and by ``test_pipeline`` (the torch
+engine's pipeline stages, sharded before they are placed).
 
 Writes ``OUT.init.<rank>.npz``, every parameter's initial value (gathered), and ``OUT.<rank>.json`` with the
 per-step losses and what the plan's application held on this rank:
@@ -43,7 +44,11 @@ def peak_allocated_bytes(prof: profile) -> int:
 
 
 def held(p: torch.Tensor) -> torch.Tensor:
-    """The storage this rank holds for a parameter: a ZeRO 3 parameter's partition, any other one whole."""
+    """The storage this rank holds for a parameter: a DeepSpeed ZeRO 3 parameter's partition, a DTensor's (FSDP2,
+    tensor parallelism) local shard, any other one whole."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(p, DTensor):
+        return p.to_local()
     return p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p
 
 
@@ -68,8 +73,10 @@ def initial_values(model) -> dict[str, np.ndarray]:
     if any(hasattr(p, "ds_id") for p in params.values()):
         import deepspeed
         gather = deepspeed.zero.GatheredParameters(list(params.values()))
-    with gather:
-        return {name: p.detach().float().cpu().numpy().copy() for name, p in params.items()}
+    from torch.distributed.tensor import DTensor
+    with gather:          # a DTensor gathered whole (every rank of its mesh takes part, in one order)
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().numpy().copy()
+                for name, p in params.items()}
 
 
 def main() -> None:
