@@ -129,6 +129,41 @@ def test_only_messages_a_gradient_flows_through_require_one():
         torch.testing.assert_close(grad, expected[name])
 
 
+class _Residual(torch.nn.Module):
+    """A stage whose output is a residual sum (its backward reads no output), or an ``exp`` (which keeps it)."""
+
+    def __init__(self, keeps_output: bool) -> None:
+        super().__init__()
+        self.linear, self.keeps_output = torch.nn.Linear(8, 8), keeps_output
+
+    def forward(self, x):
+        y = self.linear(x)
+        return (torch.exp(y) if self.keeps_output else y + x,)
+
+
+@pytest.mark.parametrize("keeps_output", [False, True])
+def test_a_sent_output_keeps_no_storage_and_its_backward_is_exact(keeps_output):
+    """After its send a stage output's storage is freed where its own backward does not read it (a residual sum),
+    kept where it does (``exp``), and either way the backward from the received gradient gives the input's and the
+    weights' gradients of the stage run plainly."""
+    from tensoropt.runtime.pipeline_executor import StageRunner
+    torch.manual_seed(0)
+    module, x, grad = _Residual(keeps_output), torch.randn(4, 8), torch.randn(4, 8)
+    reference = x.clone().requires_grad_()
+    module(reference)[0].backward(grad)
+    expected = (reference.grad.clone(), module.linear.weight.grad.clone())
+    module.zero_grad(set_to_none=True)
+    meta = torch.empty(4, 8, device="meta").requires_grad_()
+    runner = StageRunner(module, 1, 3, (meta,), (meta,), torch.device("cpu"))
+    (output,) = runner.forward(0, [x.clone()], {})
+    runner.release(0)
+    assert output.untyped_storage().nbytes() == (4 * 8 * 4 if keeps_output else 0)
+    (input_grad,) = runner.backward(0, [grad], None, last=True)
+    torch.testing.assert_close(input_grad, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(module.linear.weight.grad, expected[1], rtol=0, atol=0)
+    assert not runner.pending
+
+
 def test_a_plan_the_model_cannot_be_cut_into_is_refused():
     model = _small_gpt()
     with pytest.raises(TensorOptError, match="do not split into 3 equal pipeline stages"):
