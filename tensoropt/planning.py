@@ -29,7 +29,7 @@ from .search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weigh
 from .search.ft import FrontierPoint, SearchSpace, search
 from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
-from .space.plan import compute_dtype, divisors
+from .space.plan import compute_dtype
 from .units import parse_bytes
 
 _FOLDED: list[tuple[OpGraph, FoldedGraph]] = []       # the graphs folded last, newest first
@@ -149,21 +149,18 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
 
 def by_graph(graph: OpGraph, engine: str, space: SearchSpace, devices: int) -> list[tuple[OpGraph, SearchSpace]]:
     """``space`` split by the graph that prices its plans (``search.engines.priced_graph``): in bf16-mixed, the
-    plans whose engine computes with bf16 weights (FSDP2's ZeRO 1-3 without pipeline stages, DeepSpeed) are
+    plans whose engine computes with bf16 weights (FSDP2's ZeRO 1-3, pipeline stages too, and DeepSpeed) are
     searched on the graph captured so, the others on ``graph``. A graph without that capture prices the whole
-    space. Pipeline depths are told apart only as one stage or more (of ``devices``' divisors)."""
+    space. (``devices``: the count searched; the graph depends on the ZeRO stage only.)"""
     if bf16_weights_graph(graph) is None:
         return [(graph, space)]
-    depths = space.pipeline_stages or tuple(divisors(devices))
-    cells: dict[tuple[int, tuple[int, ...]], tuple[OpGraph, list[int]]] = {}
-    for stages in ((1,) if 1 in depths else (), tuple(d for d in depths if d > 1)):
-        for zero in space.zero_stages if stages else ():
-            priced = priced_graph(graph, engine, zero, stages[0], space.precision)
-            cells.setdefault((id(priced), stages), (priced, []))[1].append(zero)
-    if len({key[0] for key in cells}) < 2:        # one graph prices them all: one search
+    cells: dict[int, tuple[OpGraph, list[int]]] = {}
+    for zero in space.zero_stages:
+        priced = priced_graph(graph, engine, zero, 1, space.precision)
+        cells.setdefault(id(priced), (priced, []))[1].append(zero)
+    if len(cells) < 2:                              # one graph prices them all: one search
         return [(next(iter(cells.values()))[0] if cells else graph, space)]
-    return [(priced, dataclasses.replace(space, zero_stages=tuple(zeros), pipeline_stages=stages))
-            for (_, stages), (priced, zeros) in cells.items()]
+    return [(priced, dataclasses.replace(space, zero_stages=tuple(zeros))) for priced, zeros in cells.values()]
 
 
 def _bytes(budget: float | str) -> float:

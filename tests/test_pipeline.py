@@ -164,6 +164,25 @@ def test_a_sent_output_keeps_no_storage_and_its_backward_is_exact(keeps_output):
     assert not runner.pending
 
 
+@pytest.mark.parametrize("bf16_weights", [False, True])
+def test_stages_traced_with_the_weights_fsdp2_gathers(bf16_weights):
+    """bf16-mixed: traced with the float32 master weights under autocast, a stage hands on a float32 stream; traced
+    with the bf16 weights FSDP2 gathers (ZeRO 1-3), a bf16 one, as Megatron-LM's. Either way the stage modules hold
+    the model's float32 parameters, the master copy FSDP2 shards (traced on fakes, the very objects)."""
+    from tensoropt.runtime.pipeline_trace import trace_pipeline
+    model = _small_gpt()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+    pipe = trace_pipeline(model, (), inputs, split_spec(model, _plan(2, 2)), "bf16-mixed", bf16_weights)
+    _, sent = stage_messages(pipe, 0)
+    (stream,) = [m for m in sent if m.requires_grad]
+    assert stream.dtype == (torch.bfloat16 if bf16_weights else torch.float32)
+    own = dict(model.named_parameters(remove_duplicate=False))
+    for s in range(2):
+        params = dict(pipe.get_stage_module(s).named_parameters())
+        assert params and all(p.dtype == torch.float32 and torch.equal(p, own[n]) for n, p in params.items())
+        assert all(p is own[n] for n, p in params.items()) == bf16_weights
+
+
 def test_a_plan_the_model_cannot_be_cut_into_is_refused():
     model = _small_gpt()
     with pytest.raises(TensorOptError, match="do not split into 3 equal pipeline stages"):

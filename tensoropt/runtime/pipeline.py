@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from ..search.engines import computes_with_bf16_weights
 from ..space.pipeline_schedule import check, device_steps
 from ..space.run_plan import RunPlan
 from .blocks import replace_module
@@ -91,8 +92,10 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         model._apply(lambda t: t.to("meta"))
     trace_device = next(iter(model.parameters())).device
     args, kwargs = to_device(example_micro_batch(example_inputs, plan.micro_batch), trace_device)
-    # bf16-mixed: the stages' graphs compute in bf16 (a meta-built model is traced on fake CPU tensors)
-    pipe = trace_pipeline(model, args, kwargs, split_spec(model, plan), of_plan(plan))
+    # bf16-mixed: the stages' graphs compute in bf16 (a meta-built model is traced on fake CPU tensors), with bf16
+    # weights where FSDP2 gathers them so (pipeline_trace)
+    bf16_weights = computes_with_bf16_weights("torch", plan.zero, plan.pp, of_plan(plan))
+    pipe = trace_pipeline(model, args, kwargs, split_spec(model, plan), of_plan(plan), bf16_weights)
     if pipe.num_stages != n_stages:
         raise TensorOptError(f"cutting the model before its block copies gave {pipe.num_stages} pipeline stages, "
                              f"the plan has {n_stages}: every block copy must be called once by the model's forward")

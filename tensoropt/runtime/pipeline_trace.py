@@ -6,6 +6,13 @@ the traced dtypes). Autocast acts on no meta tensor (there is no meta autocast k
 traced on fake CPU tensors instead (``FakeTensorMode``: shapes, dtypes and a CPU device, no storage), under the
 CPU's autocast, as the launcher's capture does; the stage modules then get meta tensors back in place of the
 fake ones, so the engine materialises them as it does any stage cut on meta.
+
+Where FSDP2 will run the stages with bf16 weights (bf16-mixed under ZeRO 1-3: ``MixedPrecisionPolicy(param_dtype=
+bf16)``, ``search.engines.computes_with_bf16_weights``) they are traced with bf16 weights too, as fakes whatever
+the model's device: the graphs then compute as FSDP2 runs them, with a bf16 residual stream and bf16 messages
+between stages (traced with the float32 master weights under autocast, the stream stayed float32, twice the
+bytes Megatron-LM keeps, and the messages too). The stage modules get the model's own parameters and buffers back
+(float32: the master copy FSDP2 shards), found by name.
 """
 
 from __future__ import annotations
@@ -22,29 +29,64 @@ from .precision import traced_autocast
 CPU = torch.device("cpu")
 
 
-def trace_pipeline(model: nn.Module, args: tuple, kwargs: dict, split_spec: dict, precision: str | None):
+def trace_pipeline(model: nn.Module, args: tuple, kwargs: dict, split_spec: dict, precision: str | None,
+                   bf16_weights: bool = False):
     """``torch.distributed.pipelining.pipeline`` of ``model`` on one micro-batch (``args``, ``kwargs``, on the
     model's device), under ``precision``'s autocast. A model on meta under bf16-mixed is traced on fake CPU
-    tensors (module doc); its stage modules hold meta tensors again on return."""
+    tensors (module doc); its stage modules hold meta tensors again on return. ``bf16_weights``: traced with its
+    floating-point parameters in bf16, as FSDP2 gathers them (module doc); the stage modules hold the model's own
+    parameters and buffers on return."""
     from torch.distributed.pipelining import pipeline
     device = next(iter(model.parameters())).device
-    if device.type != "meta" or precision != "bf16-mixed":
+    if not bf16_weights and (device.type != "meta" or precision != "bf16-mixed"):
         with traced_autocast(precision, device):
             return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
+    parameters = {id(p) for p in model.parameters()}
+    originals = _named_states(model)
 
     def fake(t: object) -> object:
         if not isinstance(t, torch.Tensor):
             return t
         if id(t) not in fakes:              # a tied parameter gets one fake, as it is one tensor
-            fakes[id(t)] = FakeTensor(fake_mode, t.detach().to("meta"), CPU)
+            meta = t.detach().to("meta")
+            if bf16_weights and id(t) in parameters and meta.is_floating_point():
+                meta = meta.to(torch.bfloat16)
+            fakes[id(t)] = FakeTensor(fake_mode, meta, CPU)
         return fakes[id(t)]
     with _swapped_states(model, fake), traced_autocast(precision, CPU):
         pipe = pipeline(model, mb_args=tuple(fake(a) for a in args), mb_kwargs={k: fake(v) for k, v in kwargs.items()},
                         split_spec=split_spec)
+    if bf16_weights:
+        _restore_states(pipe, originals)
     _fakes_to_meta(pipe.split_gm)
     return pipe
+
+
+def _named_states(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` under each of its names (a tied one under all of them)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, kind).items():
+                if tensor is not None:
+                    out[f"{prefix}.{name}" if prefix else name] = tensor
+    return out
+
+
+def _restore_states(pipe, originals: dict[str, torch.Tensor]) -> None:
+    """Give each stage module the model's own tensors back in place of the fakes it was traced with, by name (the
+    stage modules keep the model's names): a parameter as the very parameter (tied ones stay one object)."""
+    for index in range(pipe.num_stages):
+        stage = pipe.get_stage_module(index)
+        for prefix, module in stage.named_modules(remove_duplicate=False):
+            for kind in ("_parameters", "_buffers"):
+                slots = getattr(module, kind)
+                for name, tensor in list(slots.items()):
+                    full = f"{prefix}.{name}" if prefix else name
+                    if isinstance(tensor, FakeTensor) and full in originals:
+                        slots[name] = originals[full]
 
 
 @contextlib.contextmanager

@@ -89,12 +89,12 @@ def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
 
 def computes_with_bf16_weights(engine: str, zero: int, pp: int, precision: str | None) -> bool:
     """Whether ``engine`` runs a bf16-mixed plan with bf16 weights in its forward and backward, so with a bf16
-    residual stream and no per-op weight casts: FSDP2 (the torch engine's ZeRO 1-3) gathers them in
+    residual stream and no per-op weight casts: FSDP2 (the torch engine's ZeRO 1-3, pipeline stages included:
+    ``runtime.pipeline_trace`` traces them with the bf16 weights FSDP2 gathers) gathers them in
     ``param_dtype=bf16`` (``runtime.precision.fsdp_kwargs``), and DeepSpeed's bf16 mode casts the module to bf16.
-    DDP and one process (ZeRO 0) compute with the float32 weights that the autocast casts per op, so the stream
-    stays float32 (``graph.precision``); so do pipeline stages whatever their ZeRO stage, traced from the float32
-    model under the autocast with its casts and message dtypes fixed in the graph (``runtime.pipeline_trace``)."""
-    return precision == "bf16-mixed" and (engine == "deepspeed" or (zero >= 1 and pp == 1))
+    DDP and one process (ZeRO 0, with or without stages: ``pp`` does not matter) compute with the float32 weights
+    that the autocast casts per op, so the stream stays float32 (``graph.precision``)."""
+    return precision == "bf16-mixed" and (engine == "deepspeed" or zero >= 1)
 
 
 def priced_graph(graph: OpGraph, engine: str, zero: int, pp: int, precision: str | None) -> OpGraph:
