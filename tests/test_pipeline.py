@@ -183,6 +183,25 @@ def test_stages_traced_with_the_weights_fsdp2_gathers(bf16_weights):
         assert all(p is own[n] for n, p in params.items()) == bf16_weights
 
 
+def test_the_stream_crosses_a_boundary_as_a_share_where_both_sides_are_sequence_parallel():
+    """A boundary between two stages whose copies on both sides run sequence-parallel carries the rank's s / tp share
+    of the stream (Megatron-LM's message), not the whole; elsewhere, or where the boundary's messages hold no single
+    stream, the whole. pp2 x 2 virtual stages, a device's copies [whole, SP]: stages 0 and 1 whole, 2 and 3 SP, so
+    only the boundary between stages 2 and 3 is a share's."""
+    from tensoropt.runtime.pipeline_tp import sequence_parallel_boundaries, shard_stream, stream_message
+    mixed = Plan(devices=4, dp=1, tp=2, pp=2, virtual_stages=2, micro_batch=1, global_batch=4,
+                 blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 1), (LayerStrategy("none", True), 1))),))
+    assert [sequence_parallel_boundaries(mixed, s, (True, True)) for s in range(4)] == \
+        [(False, False), (False, False), (False, True), (True, False)]
+    every = dataclasses.replace(mixed, virtual_stages=1, blocks=(BlockPlan("layers.*", ((LayerStrategy("none", True),
+                                                                                       2),)),))
+    assert [sequence_parallel_boundaries(every, s, (True, True)) for s in range(2)] == [(False, True), (True, False)]
+    assert sequence_parallel_boundaries(every, 0, (True, False)) == (False, False)     # no single stream there
+    stream, mask = torch.empty(2, 16, 32, device="meta").requires_grad_(), torch.empty(16, 16, device="meta")
+    assert stream_message((stream, mask), 2) == 0 and stream_message((stream, stream), 2) is None
+    assert [tuple(m.shape) for m in shard_stream((mask, stream), 2)] == [(16, 16), (2, 8, 32)]
+
+
 def test_a_plan_the_model_cannot_be_cut_into_is_refused():
     model = _small_gpt()
     with pytest.raises(TensorOptError, match="do not split into 3 equal pipeline stages"):
@@ -219,9 +238,10 @@ def stages_alone(tmp_path_factory):
 ], ids=["sp-sp", "sp-whole"])
 def test_sequence_parallel_copies_inside_two_tensor_parallel_stages_match_one_process(chosen, stages_alone, tmp_path,
                                                                                      strategies, sp_layers):
-    """pp2 x tp2 (4 workers, float32, 4 micro-batches of 2) with sequence-parallel copies: each stage slices the
-    stream at its first SP copy and gathers it at its last, so the stages exchange the whole sequence as traced;
-    inside a copy the stream is a sequence-sharded DTensor. The losses are the script's alone, and exactly the
+    """pp2 x tp2 (4 workers, float32, 4 micro-batches of 2) with sequence-parallel copies: where both stages' copies
+    are SP the stream crosses between them as each rank's share of the sequence; where a stage has a whole copy it
+    slices the stream at its first SP copy and gathers it at its last; inside a copy the stream is a
+    sequence-sharded DTensor. The losses are the script's alone, and exactly the
     SP copies' norms are replicated DTensors (their gradients summed over the tokens' shares)."""
     plan = dataclasses.replace(_two_stages(chosen, 2, 0), devices=4, tp=2, tp_branches=("attn", "mlp"),
                                blocks=(BlockPlan("layers.*", tuple((LayerStrategy(r, sp), n)

@@ -10,8 +10,10 @@ like any other activation), a device holds only the messages that arrived before
 these closed forms against).
 
 Each message is the block's carried state (``space.block.BlockSpace.carried_bytes`` per sample) of one
-micro-batch, or its gradient, which has its shape. Values a stage only relays (an attention mask made once,
-integer and without gradient) are not counted.
+micro-batch, or its gradient, which has its shape: priced whole, although between sequence-parallel stages the
+runtime sends each rank's ``1 / tp`` share (``runtime.pipeline_tp.sequence_parallel_boundaries``; the price is an
+upper bound by the few messages a device holds). Values a stage only relays (an attention mask made once, integer
+and without gradient) are not counted.
 """
 
 from __future__ import annotations

@@ -55,7 +55,14 @@ from .pipeline_split import (
     stage_wiring,
     tie_within_stage,
 )
-from .pipeline_tp import check_before_cutting, shard_stage, shard_vocabulary
+from .pipeline_tp import (
+    check_before_cutting,
+    sequence_parallel_boundaries,
+    shard_stage,
+    shard_stream,
+    shard_vocabulary,
+    stream_message,
+)
 from .pipeline_trace import trace_pipeline
 from .precision import autocast_forward, of_plan
 from .recompute import recompute_wrappers
@@ -106,8 +113,13 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         module = pipe.get_stage_module(s)
         retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
         shared[s] = tie_within_stage(module, tied, held[s])
+        received, sent = stage_messages(pipe, s)
+        boundaries = sequence_parallel_boundaries(plan, s, (stream_message(received, tp) is not None,
+                                                            stream_message(sent, tp) is not None))
+        received, sent = (shard_stream(received, tp) if boundaries[0] else received,
+                          shard_stream(sent, tp) if boundaries[1] else sent)
         if tp > 1:                                  # before recomputation wraps the copies
-            shard_stage(module, run_plan, mesh["tp"], s)
+            shard_stage(module, run_plan, mesh["tp"], s, boundaries)
             vocab_split |= shard_vocabulary(module, run_plan, mesh["tp"])
         names = {n for n, _ in module.named_modules()}
         for name in sorted(recomputed.keys() & names):
@@ -124,7 +136,6 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
                                    device_type=device.type):
             place(module, device, materializer)
         runner_module = replicate(relay, device, mesh["dp"].get_group()) if plan.zero == 0 and dp > 1 else relay
-        received, sent = stage_messages(pipe, s)
         runners[s] = StageRunner(runner_module, s, n_stages, received, sent, device, before_backward)
         inputs.update(dict.fromkeys(wiring.model_inputs))
         modules.append(module)

@@ -14,13 +14,14 @@ The vocabulary is split as plan.json's ``vocab_parallel`` says (``runtime.vocab_
 embedding the first stage calls and the head the last stage calls are given back as ``nn.Embedding`` /
 ``nn.Linear`` in the same way, and the stepper runs the schedule under ``loss_parallel``.
 
-Sequence parallelism (``sequence_parallel``) runs within each stage only: a stage's run of consecutive
-sequence-parallel copies of a block is entered with the whole sequence (its first copy slices it) and left with
-it (its last copy gathers it), so the stage-to-stage messages, and the ops the stage graph runs between its
-copies, keep the shapes they were traced with, as ``cost.model.device_chain_sums`` prices each stage's chain
-(with virtual stages, each of a device's stages its own). Inside a copy the stream is a ``DTensor`` sharded
-along the sequence: its global shape is the traced one, so the shapes
-the trace fixed there (``view(b, s, ...)`` with ``s`` the whole sequence) still hold.
+Sequence parallelism (``sequence_parallel``): a stage's run of consecutive sequence-parallel copies of a block is
+entered with the whole sequence (its first copy slices it) and left with it (its last copy gathers it), except at
+a boundary between stages whose copies on both sides are sequence-parallel: there the stream crosses as each
+rank's share, as Megatron-LM sends it (``sequence_parallel_boundaries``; the message's sequence dim divided by tp,
+``shard_stream``). The ops the stage graph runs between its copies keep the shapes they were traced with, as
+``cost.model.device_chain_sums`` prices each stage's chain (with virtual stages, each of a device's stages its
+own). Inside a copy the stream is a ``DTensor`` sharded along the sequence: its global shape is the traced one,
+so the shapes the trace fixed there (``view(b, s, ...)`` with ``s`` the whole sequence) still hold.
 
 The sharded-versus-whole check (``tp_guard``) runs on the whole model before it is cut, on its original
 block copies (sequence-parallel ones as such).
@@ -36,6 +37,7 @@ from ..errors import TensorOptError
 from ..space.plan import BlockPlan, LayerStrategy
 from ..space.run_plan import RunPlan
 from .blocks import copies_of
+from .sequence_parallel import FROM_MESSAGE
 from .tensor_parallel import check_degree, sharded_branches
 from .tp_guard import check_sharded_blocks
 from .tp_styles import shard_copy
@@ -55,13 +57,15 @@ def check_before_cutting(model: nn.Module, run_plan: RunPlan, tp_mesh, device: t
     check_sharded_blocks(model, example_inputs, first, tp_mesh, device, sp_layouts)
 
 
-def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int = 0) -> None:
+def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int = 0,
+                boundaries: tuple[bool, bool] = (False, False)) -> None:
     """Shard, in place, the linears of every block copy this stage holds over ``tp_mesh``, and run the copies the
     plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc).
 
     ``stage`` is the stage's index among all ``pp * virtual_stages``: the plan's strategies list a DEVICE's
     copies, and with virtual stages a device holds stages r, r + pp, ..., so a stage's copies are the slice
-    ``(stage // pp) * size`` on of them (as ``recompute.recomputed_modules`` reads them)."""
+    ``(stage // pp) * size`` on of them (as ``recompute.recomputed_modules`` reads them). ``boundaries``: whether
+    the stage receives, and hands on, the stream as the rank's share (``sequence_parallel_boundaries``)."""
     sharded = sharded_branches(run_plan)
     for bp in run_plan.plan.blocks:
         branches = sharded.get(bp.block, ())
@@ -77,11 +81,50 @@ def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int 
             copy = stage_module.get_submodule(name)
             for linear in {n for b in branches for n in b.linears}:
                 _restore_linear(copy, linear, f"{name}.{linear}")
-            # the stream is handed on as a share only between consecutive SP copies of this stage
-            handoff = (j > 0 and flags[j - 1], j + 1 < len(copies) and flags[j + 1], keeps[j])
+            # the stream is handed on as a share between consecutive SP copies of this stage, and across the
+            # stage's boundaries where ``boundaries`` says so (a received share comes from no copy of this stage)
+            enters = (j > 0 and flags[j - 1]) or (FROM_MESSAGE if j == 0 and boundaries[0] else False)
+            handoff = (enters, (j + 1 < len(copies) and flags[j + 1]) or (j + 1 == len(copies) and boundaries[1]),
+                       keeps[j])
             if branches or flags[j]:
                 shard_copy(copy, branches, tp_mesh, run_plan.layout_of(bp.block) if flags[j] else None, name,
                            handoff, relay, _stream_argument(copy, name) if flags[j] else None)
+
+
+def sequence_parallel_boundaries(plan, stage: int, streams: tuple[bool, bool]) -> tuple[bool, bool]:
+    """(whether stage ``stage`` receives the stream as the rank's share of the sequence, whether it hands it on so):
+    where the copies on both sides of a boundary between stages are sequence-parallel, the stream crosses it as
+    each rank's ``s / tp`` share, as Megatron-LM sends it, instead of being gathered at the end of one stage and
+    sliced at the start of the next. Only for a model of one block, whose messages at the boundary hold one
+    stream (``streams``: at the stage's input and output boundaries, ``stream_message``); else the whole."""
+    stages = plan.pp * plan.virtual_stages
+    if plan.tp < 2 or len(plan.blocks) != 1:
+        return False, False
+    flags = _sequence_parallel(plan.blocks[0])
+    size = len(flags) // plan.virtual_stages
+
+    def flag(t: int, j: int) -> bool:
+        return flags[(t // plan.pp) * size + j]
+    enters = stage > 0 and streams[0] and flag(stage - 1, size - 1) and flag(stage, 0)
+    leaves = stage < stages - 1 and streams[1] and flag(stage, size - 1) and flag(stage + 1, 0)
+    return bool(enters), bool(leaves)
+
+
+def stream_message(messages: tuple[torch.Tensor, ...], tp: int) -> int | None:
+    """The position among a boundary's messages (meta tensors) of the stream: the one a gradient flows back through
+    (relayed masks and tables need none), batch-first with a sequence ``tp`` divides; None unless exactly one."""
+    streams = [i for i, m in enumerate(messages) if m.requires_grad]
+    if len(streams) != 1 or messages[streams[0]].dim() < 3 or messages[streams[0]].shape[1] % tp:
+        return None
+    return streams[0]
+
+
+def shard_stream(messages: tuple[torch.Tensor, ...], tp: int) -> tuple[torch.Tensor, ...]:
+    """The boundary's messages with the stream as one rank's share of the sequence (dim 1 divided by ``tp``)."""
+    index = stream_message(messages, tp)
+    whole = messages[index]
+    share = torch.empty((whole.shape[0], whole.shape[1] // tp, *whole.shape[2:]), dtype=whole.dtype, device="meta")
+    return (*messages[:index], share.requires_grad_(True), *messages[index + 1:])
 
 
 def _stream_argument(copy: nn.Module, name: str) -> int:
@@ -189,4 +232,5 @@ def _restore(owner_module: nn.Module, name: str, full_name: str, kind: type) -> 
     return module
 
 
-__all__ = ["check_before_cutting", "shard_stage", "shard_vocabulary"]
+__all__ = ["check_before_cutting", "sequence_parallel_boundaries", "shard_stage", "shard_stream", "shard_vocabulary",
+           "stream_message"]

@@ -43,6 +43,9 @@ from ..space.run_plan import Branches
 from .blocks import copies_of
 
 SEQUENCE_DIM = 1
+# ``handoff[0]`` of a pipeline stage's first copy whose input is the previous stage's share, received as a message:
+# true (it arrives sharded), and no copy of this stage handed it on, so the relay check does not apply
+FROM_MESSAGE = "message"
 
 
 def sequence_parallel_copies(model: nn.Module, plan: Plan) -> dict[str, tuple[bool, bool, bool]]:
@@ -216,7 +219,8 @@ def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: 
         if isinstance(x, DTensor):      # a recomputation re-entering: already converted
             return None
         if arrives_sharded:
-            if not checked and not any(_same_values(ref(), x) for ref in relay.values()):
+            if arrives_sharded is not FROM_MESSAGE and not checked \
+                    and not any(_same_values(ref(), x) for ref in relay.values()):
                 raise TensorOptError(f"{name} runs sequence-parallel after another such copy, but its input is not "
                                      "that copy's output (the model changes the stream between its blocks): plan "
                                      "this model without sequence parallelism")
@@ -263,4 +267,4 @@ def _same_values(handed: torch.Tensor | None, x: torch.Tensor) -> bool:
     return handed is not None and handed.shape == x.shape and _same_storage(handed, x)
 
 
-__all__ = ["apply_sequence_parallel", "sequence_parallel_copies"]
+__all__ = ["FROM_MESSAGE", "apply_sequence_parallel", "sequence_parallel_copies"]
