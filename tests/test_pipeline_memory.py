@@ -25,12 +25,13 @@ LLAMA = {"family": "llama", "hidden_size": 64, "num_layers": 4, "num_attention_h
 
 
 def test_messages_held_per_device():
-    """1F1B: no message waits for its compute, whatever the micro-batches; interleaved: the last device's early
-    gradients (floor(p / 3)) and activation, device 0's one gradient from p = 6, each of micro_batch x the carried
-    bytes; none unpiped."""
-    assert message_bytes(4, 1, 8, 2, 100) == (0, 0) and message_bytes(4, 1, 2, 2, 100) == (0, 0)
-    assert message_bytes(4, 2, 8, 2, 100) == (0, 2 * 2 * 100)
-    assert message_bytes(8, 2, 16, 1, 100) == (100, 3 * 100)
+    """1F1B: the last device's next activation, received while it runs a backward, whatever the micro-batches;
+    interleaved: the last device's early gradients too (at least 2 once m > p, floor(p / 3) from p = 6), device
+    0's from p = 4; each of micro_batch x the carried bytes; none unpiped."""
+    assert message_bytes(4, 1, 8, 2, 100) == (0, 2 * 100) and message_bytes(4, 1, 2, 2, 100) == (0, 2 * 100)
+    assert message_bytes(4, 1, 1, 2, 100) == (0, 0)
+    assert message_bytes(4, 2, 8, 2, 100) == (2 * 100, 3 * 2 * 100)
+    assert message_bytes(8, 2, 16, 1, 100) == (2 * 100, 3 * 100)
     assert message_bytes(1, 1, 4, 1, 100) == (0, 0)
 
 

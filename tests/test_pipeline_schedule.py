@@ -127,8 +127,8 @@ def test_a_schedule_the_runtime_cannot_run_is_refused():
 def test_the_cost_models_closed_forms_are_the_schedules_counts():
     """What device 0 and the last device keep in flight (activations of chunks forwarded, not yet backwarded) and the
     messages they hold early, priced by closed forms (``cost.pipeline_memory``), equal the schedule's own counts on
-    every p up to 12, v up to 4 and m up to 3 rounds (1F1B: every m up to 3 p)."""
-    for pp in range(2, 13):
+    every p up to 16, v up to 4 and m up to 3 rounds (1F1B: every m up to 3 p)."""
+    for pp in range(2, 17):
         for v in (1, 2, 3, 4):
             for m in (range(1, 3 * pp + 1) if v == 1 else range(pp, 3 * pp + 1, pp)):
                 first, last = compute_order(0, pp, v, m), compute_order(pp - 1, pp, v, m)

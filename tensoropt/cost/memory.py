@@ -76,6 +76,10 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     activation_bytes, transient = np.asarray(activation_bytes, dtype=float), np.asarray(transient_bytes, dtype=float)
     weights = r.weight * params / np.where(r.zero == 3, r.dp, 1)
     grads = r.grad * params / gradients_divisor(r.pp, r.zero, r.dp)
+    # a DDP stage (ZeRO 0) runs its micro-batches' backwards under ``no_sync`` but the last: they accumulate into
+    # ``.grad`` tensors of their own beside the bucket DDP allocated with the wrapper, as the whole model does
+    # (``cost.torch_memory.fsdp_held_bytes``); the executor tells the stage so (``runtime.pipeline_executor``)
+    grads = grads * np.where(r.piped & ~r.deepspeed & (r.zero == 0) & (r.m > 1) & (r.dp > 1), 2, 1)
     optimizer = np.where(r.offload, 0.0, r.optimizer_bytes * params / np.where(r.zero >= 1, r.dp, 1))
     # FSDP2's and DDP's terms are the torch engine's flat plans'. A pipeline stage prices the loss's backward with
     # its loose ops (``activations_bytes``); on a ZeRO 2/3 stage FSDP2's units run every micro-batch as in a flat

@@ -80,16 +80,20 @@ def copy_backward_bytes(model, tp: int, tp_branches: tuple[str, ...], micro_batc
 def held_messages(pp, virtual_stages, micro_batches) -> tuple[np.ndarray, np.ndarray]:
     """(messages the first device, messages the last device holds at once beside its activations, at most; numbers
     or per-plan arrays), each a received activation before its forward or a received gradient before its backward.
-    Under 1F1B none waits: each arrives at the boundary right before the compute that reads it. With interleaved
-    stages (``v > 1``) on the simulated clock (``pipeline_schedule``: a backward twice a forward) the last device
-    gets its later stages' gradients from device 0 while it runs its own last stage's backwards, ``floor(p / 3)`` of
-    them at once, and once the micro-batches fill more than one round (``m > p``) an activation early, as every
-    device but the first, which from ``p = 6`` gets one gradient early: the counts ``pipeline_schedule.
-    held_messages`` gives (tests/test_pipeline_schedule.py holds them equal on every p, v and m up to 24 stages)."""
+    The counts ``pipeline_schedule.held_messages`` gives on the simulated clock (a backward twice a forward;
+    tests/test_pipeline_schedule.py holds these equal on every p up to 16, v up to 4 and m up to three rounds):
+
+    - 1F1B: the last device receives the next micro-batch's activation while it runs a backward (2 units against
+      the previous device's forward of 1), one early; nothing waits on the first.
+    - Interleaved (``v > 1``): the last device also gets its later stages' gradients from device 0 while it runs
+      its own last stage's backwards, ``floor(p / 3)`` of them at once, at least 1 (``p <= 3``) or 2 once the
+      micro-batches fill more than one round (``m > p``); then device 0 too gets gradients early, 1 from ``p = 4``
+      and 2 from ``p = 7``."""
     pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
-    interleaved, rounds = (v > 1) & (pp > 1), m > pp
-    first = np.where(interleaved & rounds & (pp >= 6), 1, 0)
-    last = np.where(interleaved, pp // 3 + np.where(rounds | (pp >= 3), 1, 0), 0)
+    piped, interleaved, rounds = pp > 1, (v > 1) & (pp > 1), m > pp
+    first = np.where(interleaved & rounds, np.where(pp >= 7, 2, np.where(pp >= 4, 1, 0)), 0)
+    last_gradients = np.where(rounds, np.maximum(pp // 3, np.where(pp <= 3, 1, 2)), pp // 3)
+    last = np.where(piped & ((m > 1) | interleaved), 1, 0) + np.where(interleaved, last_gradients, 0)
     return first, last
 
 

@@ -204,10 +204,9 @@ def held_messages(rank: int, pp: int, virtual: int, micro_batches: int) -> HeldM
             continue
         if step.kind == FORWARD:
             pending_acts.discard(Message(ACTIVATION, step.stage - 1, step.micro_batch))
-            most_acts = max(most_acts, len(pending_acts))
         else:
             pending_grads.discard(Message(GRADIENT, step.stage + 1, step.micro_batch))
-            most_grads = max(most_grads, len(pending_grads))
+        most_acts, most_grads = max(most_acts, len(pending_acts)), max(most_grads, len(pending_grads))
     return HeldMessages(most_acts, most_grads)
 
 
