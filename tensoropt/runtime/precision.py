@@ -63,9 +63,15 @@ def parameter_dtype(precision: str) -> torch.dtype:
 def cast_model(model: nn.Module, precision: str | None) -> None:
     """Cast the model's floating-point parameters and buffers to ``precision``'s weight dtype (in place: the
     parameter objects stay, so a materialiser or the script's references still find them; on meta nothing is
-    allocated)."""
+    allocated). Tied parameters stay tied: under the memory simulation's ``FakeTensorMode`` a meta parameter cast
+    to another dtype comes back as a fake tensor, which ``Module._apply`` cannot set as the old one's data, so each
+    name got a parameter of its own (a bf16-built GPT's head then no longer read its embedding's weight)."""
     if precision is not None:
+        from .materialize import tie, tied_parameters
+        tied = tied_parameters(model)
         model.to(parameter_dtype(precision))
+        for names in tied:
+            tie(model, names)
 
 
 def fsdp_kwargs(precision: str | None) -> dict:
