@@ -291,3 +291,21 @@ def test_a_meta_built_model_gets_a_bf16_mixed_pipeline(tmp_path):
     mixed = tensoropt_cli("launch", GPT, "--device", "cpu", "--gpus", 2, "--pp", 2, "--precision", "bf16-mixed",
                           "--dry-run", "--run-dir", tmp_path, "--", "--meta", "--layers", LAYERS, cwd=tmp_path)
     assert mixed.returncode == 0 and "chosen: dp1 tp1 pp2" in mixed.stdout, mixed.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_casting_a_model_keeps_its_tied_weights_tied(fake):
+    """bf16-mixed casts a bf16-built model to float32 weights before anything else; its tied embedding and head stay
+    one parameter, also on meta under the memory simulation's FakeTensorMode (where the cast comes back as a fake
+    tensor that cannot replace the old one's data in place, so each name got its own parameter)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tensoropt.models.transformer import DecoderLM, TransformerConfig
+    from tensoropt.runtime.precision import cast_model
+    with torch.device("meta"):
+        model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
+                                            seq_length=16, vocab_size=64)).to(torch.bfloat16)
+    assert model.head.weight is model.embed.weight
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("meta"):
+        cast_model(model, "bf16-mixed")
+    assert model.head.weight is model.embed.weight and model.embed.weight.dtype == torch.float32
