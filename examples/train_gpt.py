@@ -9,6 +9,10 @@ deterministic, so a launched run's losses can be compared with this script run b
 ``--meta`` builds the model on the meta device (``tensoropt.meta_init()``: no memory for parameters); each
 worker then gets storage for its own shard only, initialised as ``model.apply(init_weights)`` on the model
 built for real: the same values under every plan as this script run alone, with ``--meta`` or without.
+
+``--local-data`` hands each step only this rank's rows of the global batch (``run.local_rows()``, with
+``local=True``: a script reading a dataset would load only those) and takes the loss as a tensor without reading it
+back each step (``sync=False``), reading it where it logs (``--log-every``) and at the end.
 """
 
 import argparse
@@ -40,6 +44,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--foreach", action="store_true",
                         help="AdamW's foreach kernels, CUDA's default (the CPU's is one tensor at a time)")
+    parser.add_argument("--local-data", action="store_true",
+                        help="pass each step this rank's rows only, and read the loss back only when logging")
+    parser.add_argument("--log-every", type=int, default=1, help="print the loss every N steps (rank 0)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -54,14 +61,18 @@ def main() -> None:
     adamw = functools.partial(torch.optim.AdamW, lr=1e-3, foreach=args.foreach or None)   # called on the parameters
     model, optimizer, run = tensoropt.parallelize(model, adamw, example_inputs=example, global_batch=args.global_batch,
                                                   init_fn=init_weights)   # used for tensors built on meta only
+    rows = run.local_rows() if args.local_data else range(args.global_batch)   # this rank's rows, or all
     losses, step_times = [], []
     for step in range(run.start_step, args.steps):                    # a resumed run starts at its checkpoint
         start = time.perf_counter()
-        losses.append(run.train_step((inputs[step], targets[step])))   # the model returns the loss
+        batch = (inputs[step, rows.start:rows.stop], targets[step, rows.start:rows.stop])
+        # the model returns the loss; with --local-data it stays a tensor on the device until read
+        losses.append(run.train_step(batch, local=args.local_data, sync=not args.local_data))
         step_times.append(time.perf_counter() - start)
-        if run.rank == 0:
-            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+        if run.rank == 0 and step % args.log_every == 0:
+            print(f"step {step} loss {float(losses[-1]):.6f}", flush=True)
         time.sleep(args.pause_s)
+    losses = [float(loss) for loss in losses]
     if args.save_params:
         params = run.full_state_dict()                                 # gathered on every rank
         if run.rank == 0:

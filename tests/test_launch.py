@@ -35,14 +35,14 @@ def chosen(tmp_path_factory):
                                tp_branches=(), blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 4),)),))
 
 
-def _run_plan(plan: Plan, tmp_path, engine: str):
+def _run_plan(plan: Plan, tmp_path, engine: str, *script_args: str):
     if engine == "torch":       # shared: tests/test_memory_check.py reads the memory of the DDP run
-        return launched_once(plan, tmp_path, SCRIPT)["losses"]
+        return launched_once(plan, tmp_path, SCRIPT, *script_args)["losses"]
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
                        "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json",
-                       cwd=tmp_path)
+                       *script_args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (plan.summary(), engine)
@@ -55,21 +55,27 @@ def _with(plan: Plan, zero: int, micro_batch: int, full_recompute: int, offload:
                                blocks=(BlockPlan("layers.*", strategies),))
 
 
-@pytest.mark.parametrize("engine, zero, micro_batch, full_recompute, offload", [
+# the script's --local-data: each rank passes only its rows of the global batch (run.local_rows(), local=True) and
+# reads the loss back only when it logs (sync=False): the same losses
+LOCAL = ("--local-data", "--log-every", "2")
+
+
+@pytest.mark.parametrize("engine, zero, micro_batch, full_recompute, offload, script_args", [
     # DDP, 2 accumulation steps: also tests/test_memory_check.py's DDP case (one launch); DDP in one micro-batch is
     # tests/test_precision.py's DDP runs (32-true: test_32_true_trains_a_bf16_built_model_in_float32)
-    ("torch", 0, 2, 0, False),
-    ("torch", 2, 2, 2, False),      # FSDP2 without resharding (ZeRO 2), 2 accumulation steps, 2 of 4 layers recomputed
+    ("torch", 0, 2, 0, False, ()),
+    # FSDP2 without resharding (ZeRO 2), 2 accumulation steps, 2 of 4 layers recomputed, the script's rows only
+    ("torch", 2, 2, 2, False, LOCAL),
     # FSDP2 (ZeRO 3), 4 accumulation steps, every layer recomputed (dp2 mb1x4 zero3 [4xfull]): the plan node 0
     # chooses and both nodes run in test_two_nodes_on_localhost_run_node_0s_plan, against the same reference
-    ("deepspeed", 1, 2, 2, False),  # ZeRO 1, 2 accumulation steps, deepspeed.checkpointing on 2 of 4 layers
-    ("deepspeed", 2, 4, 0, True),   # ZeRO 2 with the optimizer offloaded
-    ("deepspeed", 3, 1, 4, False),  # ZeRO 3, 4 accumulation steps, every layer recomputed
+    ("deepspeed", 1, 2, 2, False, ()),  # ZeRO 1, 2 accumulation steps, deepspeed.checkpointing on 2 of 4 layers
+    ("deepspeed", 2, 4, 0, True, ()),   # ZeRO 2 with the optimizer offloaded
+    ("deepspeed", 3, 1, 4, False, LOCAL),  # ZeRO 3, 4 accumulation steps, every layer recomputed, the rows only
 ])
 @pytest.mark.xdist_group("multiprocess")
 def test_two_workers_match_one_process(reference, chosen, tmp_path, engine, zero, micro_batch, full_recompute,
-                                       offload):
-    losses = _run_plan(_with(chosen, zero, micro_batch, full_recompute, offload), tmp_path, engine)
+                                       offload, script_args):
+    losses = _run_plan(_with(chosen, zero, micro_batch, full_recompute, offload), tmp_path, engine, *script_args)
     np.testing.assert_allclose(losses, reference, rtol=2e-5)
     if engine == "deepspeed":                                  # the config it trained with is kept for the user
         config = json.loads((tmp_path / "run" / "deepspeed.json").read_text())

@@ -43,7 +43,10 @@ def _two_stages(plan: Plan, micro_batch: int, full_recompute: int) -> Plan:
     (8, 2),     # 1 micro-batch (fewer than stages): GPipe, every layer recomputed
 ])
 def test_two_stages_match_one_process(reference, chosen, tmp_path, micro_batch, full_recompute):
-    data = _launch(_two_stages(chosen, micro_batch, full_recompute), tmp_path, 2)
+    """Also with the script's --local-data (its rows only, the loss read back only when logged): the pipeline's step
+    returns the loss on the device like the others."""
+    data = launched_with_plan(_two_stages(chosen, micro_batch, full_recompute), tmp_path, 2, SCRIPT,
+                              *(("--local-data", "--log-every", "2") if micro_batch == 2 else ()))
     # the same sums in another order (micro-batch means averaged, gradients scaled after accumulation)
     np.testing.assert_allclose(data["losses"], reference, rtol=2e-5)
 

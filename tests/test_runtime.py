@@ -14,6 +14,7 @@ from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime import choose_engine, unsupported
 from tensoropt.runtime.deepspeed_engine import deepspeed_config
+from tensoropt.runtime.run import Run
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 
@@ -130,6 +131,20 @@ def test_parallelize_alone_trains_one_process_as_the_plain_loop():
         optimizer.step()
         assert run.train_step(batch) == pytest.approx(float(expected.detach()), rel=1e-6)
     assert (run.engine, run.dp_size, run.grad_accumulation) == ("none", 1, 1)
+    loss = run.train_step(batch, sync=False)              # the loss left on the device: a 0-dim float32 tensor
+    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype == torch.float32
+
+
+def test_a_rank_loads_its_rows_of_the_global_batch():
+    """``local_rows``: rank r of dp takes rows [r g/dp, (r + 1) g/dp); a global batch that dp does not split is one
+    line; with ``local=True`` the batch given is that share, split into the plan's micro-batches as it is."""
+    run = Run(dp_rank=1, dp_size=2, global_batch=8, grad_accumulation=2)
+    assert run.local_rows() == range(4, 8) and run.local_rows(16) == range(8, 16)
+    with pytest.raises(TensorOptError, match="a global batch of 7 samples does not split into 2"):
+        run.local_rows(7)
+    whole, share = torch.arange(8), torch.arange(4, 8)
+    assert [b.tolist() for b in run.local_batches(whole)] == [b.tolist() for b in run.local_batches(share, local=True)]
+    assert [b.tolist() for b in run.local_batches(share, local=True)] == [[4, 5], [6, 7]]
 
 
 def test_a_model_that_returns_no_loss_is_one_line():

@@ -205,7 +205,7 @@ class CaptureRun(Run):
 
     capture_inputs: tuple | Mapping = ()
 
-    def train_step(self, batch) -> float:
+    def train_step(self, batch, local: bool = False, sync: bool = True) -> float:
         from ..graph.precision import active_autocast
         if active_autocast() is not None:
             try:

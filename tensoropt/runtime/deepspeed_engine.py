@@ -205,7 +205,7 @@ def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
 def _stepper(engine):
     """DeepSpeed drives accumulation itself: ``backward`` scales each micro-batch's loss by 1 /
     gradient_accumulation_steps and ``step`` only updates at the accumulation boundary."""
-    def step(micro_batches) -> float:
+    def step(micro_batches) -> torch.Tensor:
         total = None
         for micro in micro_batches:
             loss = loss_of(call_model(engine, micro))

@@ -258,7 +258,7 @@ def pipeline_stepper(runners: dict[int, StageRunner], steps: tuple, optimizer: t
             raise TensorOptError(f"pipeline stages {sorted(runners)} need the model input {exc}, which the batch "
                                  "does not hold") from exc
 
-    def step(micro_batches: list[Batch]) -> float:
+    def step(micro_batches: list[Batch]) -> torch.Tensor:
         kwargs = [inputs_of(micro) for micro in micro_batches]
         optimizer.zero_grad(set_to_none=True)
         with loss_context():                # the logits sharded by vocabulary: forwards and backwards under it
@@ -267,5 +267,5 @@ def pipeline_stepper(runners: dict[int, StageRunner], steps: tuple, optimizer: t
         optimizer.step()
         mean = torch.stack(losses).float().mean() if losses else torch.zeros((), device=device)
         dist.all_reduce(mean)
-        return float(mean) / copies
+        return mean / copies
     return step

@@ -5,6 +5,13 @@ run takes this rank's data-parallel slice, splits it into the plan's micro-batch
 engine do forward, backward, gradient accumulation and the optimizer step its own way (DDP and
 FSDP2 hooks, DeepSpeed's ``engine.backward``/``engine.step``, a pipeline schedule). Engines differ in
 how a step is driven, so the script never drives it by hand and runs unchanged under every plan.
+
+``train_step`` returns the step's mean loss as a Python float, which reads it back from the device: a host
+synchronisation every step, which keeps the CPU from queueing the next step's kernels while this one runs.
+``train_step(batch, sync=False)`` returns it as a 0-dim float32 tensor on the device instead (already averaged over
+the data-parallel ranks), so a script reads it (``float(loss)``) only where it logs. ``local=True`` takes a batch
+holding only this rank's rows (``run.local_rows()``: its data-parallel share of the global batch), so a script
+loads only what its rank trains on rather than every rank the whole global batch.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from .compile import compile_report
 from .device import check_placement, local_tensor, to_device
 
 Batch = torch.Tensor | tuple | Mapping
-# an engine's step: this rank's micro-batches in, the step's loss (mean over the whole batch) out
-Stepper = Callable[[list[Batch]], float]
+# an engine's step: this rank's micro-batches in, the step's loss (mean over the whole batch, a 0-dim float32 tensor
+# on the device: read back only by the script, ``Run.train_step``) out
+Stepper = Callable[[list[Batch]], torch.Tensor]
 
 
 def call_model(model, batch: Batch):
@@ -74,7 +82,7 @@ def plain_stepper(model, optimizer, before_micro_batch: Callable[[bool], object]
     ``before_micro_batch(last)`` is told whether the coming micro-batch is the step's last, for the
     engine to communicate as the cost model assumes: DDP reduces gradients after the last only,
     FSDP2 under ZeRO 2 keeps its parameters gathered until then."""
-    def step(micro_batches: list[Batch]) -> float:
+    def step(micro_batches: list[Batch]) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         total = None
         for i, micro in enumerate(micro_batches):
@@ -90,15 +98,16 @@ def plain_stepper(model, optimizer, before_micro_batch: Callable[[bool], object]
     return step
 
 
-def mean_over_group(value: torch.Tensor, group=None) -> float:
+def mean_over_group(value: torch.Tensor, group=None) -> torch.Tensor:
     """Average a loss (on the device the step ran on: NCCL reduces GPU tensors only) over a process group
-    (the data-parallel ranks); identity without one. The one host synchronisation of a step."""
+    (the data-parallel ranks); identity without one. Stays on the device: no host synchronisation (an NCCL
+    all-reduce is queued on the device's stream)."""
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         value = value.clone()
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
-    return float(value)
+    return value
 
 
 def host_copy(value, keep: bool = True):
@@ -194,15 +203,30 @@ class Run:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where this rank trains
     _placement_checked: bool = field(default=False, repr=False)
 
-    def local_batches(self, batch: Batch) -> list[Batch]:
-        """This rank's micro-batches of a global batch (its data-parallel slice, split in order), on its
-        device: only this rank's share of the batch is ever copied there."""
-        mine = split_batch(batch, self.dp_rank, self.dp_size)
+    def local_rows(self, global_batch: int | None = None) -> range:
+        """The rows of a global batch (of ``global_batch`` samples, default the plan's) this rank trains on: its
+        data-parallel share, in order (every rank of one data-parallel replica, its tensor-parallel and pipeline
+        ranks, the same). Load only these and pass them with ``local=True``."""
+        total = global_batch or self.global_batch
+        if not total or total % self.dp_size:
+            raise TensorOptError(f"run.local_rows: a global batch of {total} samples does not split into "
+                                 f"{self.dp_size} equal data-parallel shares: give the global batch the plan was made "
+                                 "for")
+        size = total // self.dp_size
+        return range(self.dp_rank * size, (self.dp_rank + 1) * size)
+
+    def local_batches(self, batch: Batch, local: bool = False) -> list[Batch]:
+        """This rank's micro-batches of a global batch (its data-parallel slice, split in order; ``local``: the
+        batch is that slice already), on its device: only this rank's share of the batch is ever copied there."""
+        mine = batch if local else split_batch(batch, self.dp_rank, self.dp_size)
         return [to_device(split_batch(mine, i, self.grad_accumulation), self.device)
                 for i in range(self.grad_accumulation)]
 
-    def train_step(self, batch: Batch) -> float:
-        """One optimizer step on the global ``batch``; returns its mean loss (the same on every rank)."""
+    def train_step(self, batch: Batch, local: bool = False, sync: bool = True) -> float | torch.Tensor:
+        """One optimizer step on the global ``batch`` (``local``: only this rank's rows of it, ``local_rows``);
+        returns its mean loss, the same on every rank: a float, read back from the device (a host synchronisation),
+        or with ``sync=False`` a 0-dim float32 tensor on this rank's device, not read back (the script reads it,
+        ``float(loss)``, where it logs)."""
         if self.stepper is None:
             raise TensorOptError("tensoropt.parallelize was called without an optimizer_fn: there is nothing to step")
         if self.plan is not None and not self._placement_checked:
@@ -210,14 +234,14 @@ class Run:
             self._placement_checked = True
         with exit_on_out_of_memory(self.step, self.rank):
             _simulate_out_of_memory(self.plan)
-            loss = self.stepper(self.local_batches(batch))
+            loss = self.stepper(self.local_batches(batch, local))
         self.step += 1
         if self.step == self.start_step + 1:
             reset_peak_memory(self.device)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             from .checkpoint import save
             save(Path(self.checkpoint_dir), self.step, self.model, self.optimizer)
-        return loss
+        return float(loss) if sync else loss
 
     def device_report(self) -> dict:
         """Where this rank trained: its device, the devices its parameters sit on, and the most device
