@@ -10,13 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.runtime.param_groups import build_optimizer
 from tensoropt.runtime.selective import selective_wrapper
 from tensoropt.runtime.tp_guard import _check_sequence_parallel
 from tensoropt.runtime.tp_styles import shard_copy
@@ -112,6 +114,36 @@ def gradients(block, x, mask, grad) -> list[torch.Tensor]:
     return [y.detach(), x.grad] + [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for _, p in params]
 
 
+def optimizer_collectives(mesh) -> dict:
+    """Collectives of an AdamW step of a 3-copy SP GPT (its norm weights' gradients partial sums over tp), with the
+    optimizer as the engine builds it (``param_groups.build_optimizer``: those summed once, in one bucket) and as the
+    script alone builds it (DTensor sums a partial gradient where AdamW reads it); and whether both give the same
+    parameters, bitwise."""
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(hidden_size=HIDDEN, num_layers=3, num_attention_heads=4, ffn_hidden_size=256,
+                                        seq_length=SEQ, vocab_size=128))
+    relay: dict = {}
+    for i, layer in enumerate(model.layers):
+        shard_copy(layer, LAYOUT, mesh, LAYOUT, f"layers.{i}", (i > 0, i < 2), relay)
+    ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    out, params = {}, {}
+    for how in ("engine", "plain"):
+        run = copy.deepcopy(model)
+        make = lambda p: torch.optim.AdamW(p, lr=1e-2)  # noqa: E731
+        optimizer = build_optimizer(make, run.parameters()) if how == "engine" else make(run.parameters())
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            run(ids, ids).backward()
+            with CommDebugMode() as comm:
+                optimizer.step()
+        out[how] = {str(op): n for op, n in comm.get_comm_counts().items() if n}
+        params[how] = [p.full_tensor() if isinstance(p, DTensor) else p for p in run.parameters()]
+    out["partial_parameters"] = sum(isinstance(p, DTensor) and p.placements == (Replicate(),)
+                                    for p in model.parameters())
+    out["same_parameters"] = all(torch.equal(a, b) for a, b in zip(params["engine"], params["plain"]))
+    return out
+
+
 class MixesPositions(torch.nn.Module):
     """A pre-norm block whose stream, outside its branch, takes a running mean over the sequence."""
 
@@ -162,6 +194,7 @@ def main() -> None:
                 out.setdefault("max_difference", {})[key] = max(float((a - b).abs().max()) for a, b in zip(got, whole))
                 out.setdefault("equal_to_keeping_whole", {})[key] = all(torch.equal(a, b)
                                                                         for a, b in zip(got, reference))
+    out["optimizer_collectives"] = optimizer_collectives(mesh)
     try:
         layout = (TPBranch("mlp", ("up",), ("down",), 64),)
         _check_sequence_parallel(MixesPositions(), "mixes.0", layout, layout, mesh, (torch.randn(2, SEQ, HIDDEN),), {})

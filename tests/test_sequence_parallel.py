@@ -189,6 +189,13 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     assert probe["kept_bytes"]["eager"]["selective_wrapper"] < probe["kept_bytes"]["eager"]["none"]
     assert probe["kept_bytes"]["flash"]["selective_wrapper"] == probe["kept_bytes"]["flash"]["none"]
     assert probe["refused"].startswith("sequence parallelism over 2 devices changes what mixes.0 computes")
+    # the norm weights' and row biases' gradients, partial sums over tp: one all-reduce a step for all of them, where
+    # DTensor alone all-reduces each where AdamW reads it (twice); the same parameters after two steps, bitwise
+    collectives = probe["optimizer_collectives"]
+    assert collectives["partial_parameters"] == 3 * 6
+    assert collectives["engine"] == {"c10d.allreduce_": 1}
+    assert collectives["plain"] == {"c10d_functional.all_reduce": 2 * collectives["partial_parameters"]}
+    assert collectives["same_parameters"]
 
 
 @pytest.mark.slow
