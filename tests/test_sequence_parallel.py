@@ -97,6 +97,15 @@ def test_a_gpt_layer_is_priced_korthikantis_activations_plus_the_norms_statistic
     assert kept["selective", True] == 34 * s * b * h / t + statistics / t
 
 
+def test_a_sharded_copy_holds_its_row_linears_biases_whole():
+    """``RowwiseParallel`` splits a row linear's weight and keeps its bias whole (it is added once, after the sum):
+    a tp2 copy of the GPT block holds half of each linear's weight, half the column biases, the whole row biases
+    and norms. These whole biases are ``Replicate`` DTensors whose gradients SP makes partial sums, as the norms'."""
+    h, ffn = HIDDEN, 256
+    expected = (3 * h * h + 3 * h) / 2 + h * h / 2 + h + (ffn * h + ffn) / 2 + h * ffn / 2 + h + 4 * h
+    assert _block_cost(_gpt()).layer(LayerStrategy("none", True), 2, ("attn", "mlp"), 1).parameters == expected
+
+
 def test_a_plan_running_a_position_mixing_stream_sequence_parallel_does_not_fit_the_model():
     ids = torch.zeros(1, SEQ, dtype=torch.long)
     graph = tensoropt.capture(_RunningMeanLM(), (ids, ids), cache=False).graph

@@ -61,6 +61,21 @@ def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
     return out
 
 
+def _row_bias_elements(ops: tuple[Op, ...], space: BlockSpace) -> np.ndarray:
+    """Elements of the biases (1-D parameters) the branches' row linears read first: ``RowwiseParallel`` splits a
+    row linear's weight and keeps its bias whole on every rank (torch ``distributed/tensor/parallel/style.py``,
+    ``RowwiseParallel._partition_linear_fn``: bias ``Replicate()``; ``runtime.tp_styles.ConvRows`` likewise)."""
+    rows = {i for branch in space.branches for i in branch.row}
+    seen, out = set(), np.zeros(len(ops))
+    for i, op in enumerate(ops):
+        for meta, ref in zip(op.inputs, op.sources):
+            if ref.kind == "param" and ref.name not in seen:
+                seen.add(ref.name)
+                if i in rows and len(meta.shape) == 1:
+                    out[i] += meta.numel
+    return out
+
+
 def _column_input_bytes(ops: tuple[Op, ...], columns: tuple[int, ...]) -> float:
     """Bytes of the distinct activations a branch's column linears read: what sequence parallelism gathers."""
     inputs = {(r.kind, r.index, r.slot): meta.nbytes for c in columns for meta, r in zip(ops[c].inputs, ops[c].sources)
@@ -75,6 +90,7 @@ class BlockCost:
         self.ops, self.space, self.cluster = ops, space, cluster
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
+        self.row_biases = _row_bias_elements(ops, space)
         self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
         self.core = np.zeros(len(ops), dtype=bool)
         self.core[list(space.attention_core)] = True
@@ -146,7 +162,9 @@ class BlockCost:
             # forward (runtime.sequence_parallel composes its saved-tensor hooks with the recomputation's)
             comm += sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
                         for b in self.space.branches)
-        params = float((self.params / np.where(self._sharded_params(tp_branches), tp, 1)).sum())
+        # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
+        whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
+        params = float(((self.params - whole) / tp + whole).sum())
         return LayerCost(float(fwd.sum()), float(bwd.sum()), recompute, comm, kept, transient, params)
 
     def _sharded_params(self, tp_branches: tuple[str, ...]) -> np.ndarray:
