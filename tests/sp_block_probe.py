@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -115,7 +115,7 @@ def gradients(block, x, mask, grad) -> list[torch.Tensor]:
 
 
 def optimizer_collectives(mesh) -> dict:
-    """Collectives of an AdamW step of a 3-copy SP GPT (its norm weights' gradients partial sums over tp), with the
+    """Collectives of an AdamW step of a 3-copy SP GPT (its norms' gradients partial sums over tp), with the
     optimizer as the engine builds it (``param_groups.build_optimizer``: those summed once, in one bucket) and as the
     script alone builds it (DTensor sums a partial gradient where AdamW reads it); and whether both give the same
     parameters, bitwise."""
@@ -134,12 +134,12 @@ def optimizer_collectives(mesh) -> dict:
         for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
             run(ids, ids).backward()
+            out["partial_gradients"] = sum(isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()
+                                           for p in run.parameters())
             with CommDebugMode() as comm:
                 optimizer.step()
         out[how] = {str(op): n for op, n in comm.get_comm_counts().items() if n}
         params[how] = [p.full_tensor() if isinstance(p, DTensor) else p for p in run.parameters()]
-    out["partial_parameters"] = sum(isinstance(p, DTensor) and p.placements == (Replicate(),)
-                                    for p in model.parameters())
     out["same_parameters"] = all(torch.equal(a, b) for a, b in zip(params["engine"], params["plain"]))
     return out
 

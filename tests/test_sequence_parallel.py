@@ -100,7 +100,7 @@ def test_a_gpt_layer_is_priced_korthikantis_activations_plus_the_norms_statistic
 def test_a_sharded_copy_holds_its_row_linears_biases_whole():
     """``RowwiseParallel`` splits a row linear's weight and keeps its bias whole (it is added once, after the sum):
     a tp2 copy of the GPT block holds half of each linear's weight, half the column biases, the whole row biases
-    and norms. These whole biases are ``Replicate`` DTensors whose gradients SP makes partial sums, as the norms'."""
+    and norms."""
     h, ffn = HIDDEN, 256
     expected = (3 * h * h + 3 * h) / 2 + h * h / 2 + h + (ffn * h + ffn) / 2 + h * ffn / 2 + h + 4 * h
     assert _block_cost(_gpt()).layer(LayerStrategy("none", True), 2, ("attn", "mlp"), 1).parameters == expected
@@ -198,12 +198,12 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     assert probe["kept_bytes"]["eager"]["selective_wrapper"] < probe["kept_bytes"]["eager"]["none"]
     assert probe["kept_bytes"]["flash"]["selective_wrapper"] == probe["kept_bytes"]["flash"]["none"]
     assert probe["refused"].startswith("sequence parallelism over 2 devices changes what mixes.0 computes")
-    # the norm weights' and row biases' gradients, partial sums over tp: one all-reduce a step for all of them, where
-    # DTensor alone all-reduces each where AdamW reads it (twice); the same parameters after two steps, bitwise
+    # the norms' gradients, partial sums over tp: one all-reduce a step for all of them, where DTensor alone
+    # all-reduces each where AdamW reads it (three times); the same parameters after two steps, bitwise
     collectives = probe["optimizer_collectives"]
-    assert collectives["partial_parameters"] == 3 * 6
+    assert collectives["partial_gradients"] == 3 * 4                     # 2 norms' weights and biases a copy
     assert collectives["engine"] == {"c10d.allreduce_": 1}
-    assert collectives["plain"] == {"c10d_functional.all_reduce": 2 * collectives["partial_parameters"]}
+    assert collectives["plain"] == {"c10d_functional.all_reduce": 3 * collectives["partial_gradients"]}
     assert collectives["same_parameters"]
 
 

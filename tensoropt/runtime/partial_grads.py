@@ -1,22 +1,27 @@
 """Gradients that are partial sums over a tensor-parallel group, summed once per step in one bucket.
 
-Under sequence parallelism the parameters outside a copy's branches (norm weights and biases) are ``Replicate``
+Under sequence parallelism the parameters outside a copy's branches (the norms' weights and biases) are ``Replicate``
 DTensors that meet the sequence-sharded stream (``runtime.sequence_parallel``), so the gradient each rank computes is
-its share of the tokens' sum: a ``Partial`` DTensor. Left so, every optimizer op that reads it redistributes it
-(``torch.distributed.tensor``: an all-reduce each time a ``Partial`` operand meets a ``Replicate`` one): AdamW's
-per-tensor loop reads a gradient twice (``exp_avg.lerp_``, ``exp_avg_sq.addcmul_``), two all-reduces of each such
-parameter every step (48 in a 4-layer GPT's step over tp2, measured). Megatron-LM sums them once a step over the
-tensor-parallel group, in one bucket (``finalize_model_grads``: the layernorm gradients of sequence-parallel layers
-all-reduced together). Here an optimizer step pre-hook does the same (``reduce_before_step``): before each step, the
-gradients that are sums pending over a 1-D mesh are flattened into one buffer per (mesh, dtype, device), all-reduced
-once, and handed back as ``Replicate`` DTensors viewing that buffer, so the optimizer issues no collective for them.
+its share of the tokens' sum: a ``Partial`` DTensor. (The row linears' biases are ``Replicate`` too, but their
+gradients come out whole: DTensor computes them from the output gradient gathered back from the reduce-scatter.)
+Left so, every optimizer op that reads a partial gradient redistributes it (``torch.distributed.tensor``: an
+all-reduce each time a ``Partial`` operand meets a ``Replicate`` one): AdamW's per-tensor loop reads it three times
+(``exp_avg.lerp_``, and ``exp_avg_sq.addcmul_`` with it as both factors), three all-reduces of each norm parameter
+every step (48 in a 4-layer GPT's step over tp2, 16 norm parameters; measured with ``CommDebugMode``).
+Megatron-LM sums them once a step over the tensor-parallel group, in one bucket (``finalize_model_grads``: the
+sequence-parallel layers' layernorm gradients flattened and all-reduced together). Here an optimizer step pre-hook
+does the same (``reduce_before_step``): before each step, the gradients that are sums pending over a 1-D mesh are
+flattened into one buffer per (mesh, dtype, device), all-reduced once, and handed back as ``Replicate`` DTensors
+viewing that buffer, so the optimizer issues no collective for them.
 
 Only parameters that are ``Replicate`` DTensors on a 1-D mesh can get such gradients, so the hook is registered only
 where there are some: under FSDP2 (ZeRO 1-3 over a ``(dp, tp)`` mesh) they are 2-D DTensors, and FSDP2 sums their
 ``Partial`` tensor-parallel dim itself before its reduce-scatter (``FSDPParam._get_grad_inner_tensor``: one
 all-reduce per such parameter at each reduce-scatter), so its optimizer sees no partial gradient and gets no hook.
-Summing a gradient over its mesh is what DTensor would do; gloo and NCCL add each element's two (or tp) terms in the
-same order whatever the bucket, so the step's values do not change.
+Summing a gradient over its mesh is what DTensor would do. Over two ranks each element is one addition, the same
+whatever the bucket (``tests/test_sequence_parallel.py``: the parameters after two steps are bitwise those of DTensor's
+sums); over more, a ring all-reduce may add an element's terms in another order in another bucket (a last-bit
+difference).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ the same normed tensor share one gather, whose backward is one reduce-scatter); 
 partial outputs are reduce-scattered along the sequence instead of all-reduced. Two placements of
 ``torch.distributed.tensor`` carry this: the stream inside the copy is a ``DTensor`` sharded on dim 1, the
 parameters outside the branches (norm weights) are ``Replicate`` ``DTensor``s, so the gradients each rank
-computes on its share come out ``Partial`` and are summed over the tensor-parallel group (by the optimizer's
-DTensor ops, or by FSDP2 before its reduce-scatter, see ``fsdp._fully_shard._fsdp_param``).
+computes on its share come out ``Partial`` and are summed over the tensor-parallel group (all in one all-reduce
+before the optimizer's step, ``runtime.partial_grads``, or by FSDP2 before its reduce-scatter, see
+``fsdp._fully_shard._fsdp_param``).
 
 A branch the plan leaves replicated runs whole on every rank inside an SP copy: its input is all-gathered,
 its output sliced back to the rank's share (backward: the output gradient all-gathered, the input gradient
