@@ -5,7 +5,9 @@ Each row is one ``tensoropt launch examples/train_llama_large.py --plan PLAN --d
 launcher captures the script in the plan's precision, prices the plan with ``tensoropt.cost.model.estimate`` and
 simulates rank 0's second step through the torch engine's own ``apply``: ``runtime.memory_check.simulate``), so
 the prediction is the library's own pricing and the peak is what the engine holds, at real scale on a CPU:
-a Llama-3-8B-like model on 8 devices for every family, LLaMA-2 70B on 64 for the plans the planner chooses there.
+a Llama-3-8B-like model on 8 devices for every family, LLaMA-2 70B on 64 for the plans the planner chooses there,
+and Megatron-LM's 22B GPT (Korthikanti et al. 2022, Table 3: hidden 6144, 48 layers, 64 heads, eager attention,
+dropout 0.1; ``examples/train_gpt.py``) at their tp8 selective + SP, micro-batch 4, 2048 tokens on 8 devices.
 ``--quick`` keeps the 8B dimensions with 4 layers.
 
 The simulated peaks are stored in ``results/memory_torch.json`` (each with the commit it was simulated at): they
@@ -98,6 +100,15 @@ CASES_70B = [
     ("precision-bf16-mixed", 64, 32, 2, 3, 2, 64, "bf16-mixed", "25/80 none+sp,full+sp"),  # README's, before
 ]
 
+# Megatron-LM's 22B GPT (Korthikanti et al. 2022, Table 3; its 51200-token vocabulary) at its tp8 selective + SP
+# recipe on 8 GPUs (Table 5: micro-batch 4, 2048 tokens); priced by Megatron at 34 s b h / t bytes a layer
+GPT_SCRIPT = "examples/train_gpt.py"
+GPT_22B = ("--layers", "48", "--hidden", "6144", "--heads", "64", "--vocab", "51200", "--seq-len", "2048", "--meta")
+ON_8_H100 = ("--device", "cuda", "--gpus", "8", "--profile", "h100-80gb")
+CASES_22B = [
+    ("selective-sp", 8, 1, 8, 0, 4, 4, "bf16-true", "selective+sp"),
+]
+
 
 @dataclass(frozen=True)
 class Case:
@@ -116,6 +127,7 @@ class Case:
     layers: int
     launch_args: tuple[str, ...]
     script_args: tuple[str, ...]
+    script: str = SCRIPT
 
     @property
     def plan(self) -> Plan:
@@ -139,6 +151,7 @@ def cases(quick: bool = False, family: str | None = None) -> list[Case]:
     todo = [Case(c[0], model_8b, *c[1:], layers, tuple(ON_8), script_8b) for c in CASES_8B]
     if not quick:
         todo += [Case(c[0], "llama2-70b", *c[1:], 80, tuple(ON_64), ()) for c in CASES_70B]
+        todo += [Case(c[0], "gpt-22b", *c[1:], 48, ON_8_H100, GPT_22B, GPT_SCRIPT) for c in CASES_22B]
     return [c for c in todo if not family or c.family == family]
 
 
@@ -160,7 +173,7 @@ def predicted(case: Case) -> dict:
     from launcher.memory import predicted_breakdown
     from tensoropt.search.engines import choose_engine
     devices, per_node = _devices(case.launch_args)
-    graph = capture_script(str(REPO / SCRIPT), case.all_script_args, precision=case.precision)
+    graph = capture_script(str(REPO / case.script), case.all_script_args, precision=case.precision)
     engine = choose_engine(planned_precision(case.plan, "torch", case.precision))
     point = price(graph, devices, per_node, case.plan, engine, case.precision)
     return predicted_breakdown(cost_model(graph, devices, per_node, point.plan), point,
@@ -169,14 +182,14 @@ def predicted(case: Case) -> dict:
 
 def _row(case: Case, simulated: dict, prediction: dict, commit: str) -> dict:
     return {"family": case.family, "model": case.model, "plan": case.plan.summary(), "precision": case.precision,
-            "how": "simulated", "actual_of": "rank 0", "simulated_at": commit,
+            "script": case.script, "how": "simulated", "actual_of": "rank 0", "simulated_at": commit,
             "predicted_tensor_bytes": int(prediction["tensor_bytes"]), "actual_bytes": int(simulated["peak_bytes"]),
             "predicted": prediction, "actual": simulated}
 
 
 def simulated(case: Case, cache_dir: str) -> dict:
     """The case's row, simulated now (a ``launch --check-memory`` subprocess; minutes for the 70B plans)."""
-    check = check_memory(SCRIPT, list(case.launch_args), list(case.all_script_args), case.plan, cache_dir)
+    check = check_memory(case.script, list(case.launch_args), list(case.all_script_args), case.plan, cache_dir)
     row = _row(case, check["simulated"], check["predicted"], machine()["commit"])
     print(f"  {case.family:22s} {case.model:26s} {row['plan']:52s} {memory_error(row):+7.1%}", file=sys.stderr,
           flush=True)
@@ -219,4 +232,4 @@ WORKERS = 2          # simulations at once (each its own process)
 STORE = REPO / "benchmarks" / "results" / "memory_torch.json"
 
 
-__all__ = ["CASES_70B", "CASES_8B", "Case", "cases", "plan_of", "predicted", "rows", "simulated", "stored"]
+__all__ = ["CASES_22B", "CASES_70B", "CASES_8B", "Case", "cases", "plan_of", "predicted", "rows", "simulated", "stored"]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import memory_error as error  # noqa: E402
 from _common import write_results  # noqa: E402
 
-PROVIDERS = ("_memory_torch", "_memory_deepspeed", "_memory_pipeline")
+PROVIDERS = ("_memory_torch", "_memory_deepspeed", "_memory_pipeline", "_memory_recipes")
 UPPER = 0.05                   # at most 5% above; never below
 
 

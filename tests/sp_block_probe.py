@@ -11,12 +11,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
+from tensoropt.runtime.param_groups import build_optimizer
 from tensoropt.runtime.selective import selective_wrapper
 from tensoropt.runtime.tp_guard import _check_sequence_parallel
 from tensoropt.runtime.tp_styles import shard_copy
@@ -31,28 +33,77 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Made(TorchDispatchMode):
-    """The storages of every tensor made while it is on."""
+    """The storages of every tensor made while it is on, in order (a storage freed and another made at its address
+    is another one)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.storages = {}
+        self.storages: list[tuple[StorageWeakRef, int]] = []
+        self._by_address: dict[int, StorageWeakRef] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = local(t).untyped_storage()
-                self.storages.setdefault(StorageWeakRef(storage), storage.nbytes())
+                ref = StorageWeakRef(storage)
+                known = self._by_address.get(ref.cdata)
+                if known is None or known.expired():
+                    self._by_address[ref.cdata] = ref
+                    self.storages.append((ref, storage.nbytes()))
         return out
 
+    def live_bytes(self, besides: set, since: int = 0) -> int:
+        return sum(n for ref, n in self.storages[since:] if not ref.expired() and ref not in besides)
 
-def kept_bytes(block, x: torch.Tensor) -> int:
+
+def kept_bytes(block, x: torch.Tensor, mask) -> int:
     """Bytes the forward leaves alive for the backward (its output, input and parameters not counted)."""
     held = {StorageWeakRef(local(p).untyped_storage()) for p in block.parameters()}
     with Made() as made:
-        y = block(x, None)
+        y = block(x, mask)
     held |= {StorageWeakRef(local(y).untyped_storage()), StorageWeakRef(x.untyped_storage())}
-    return sum(n for ref, n in made.storages.items() if not ref.expired() and ref not in held)
+    return made.live_bytes(held)
+
+
+def recomputed_bytes(block, x: torch.Tensor, mask, grad: torch.Tensor) -> int:
+    """Bytes a fully recomputed copy's recomputation in the backward holds for the rest of that backward (the
+    tensors it saves; its output, input and parameters not counted), read where its forward ends; the recomputation
+    runs to its end (no early stop), so that nothing a stopping exception holds is counted."""
+    inner, made, seen = block._checkpoint_wrapped_module, Made(), {}
+
+    def start(_module, _args):
+        if torch._C._current_graph_task_id() != -1:             # the recomputation, in the backward
+            seen["from"] = len(made.storages)
+
+    def end(_module, _args, output):
+        if "from" in seen:
+            held = {StorageWeakRef(local(t).untyped_storage()) for t in (output, x, *inner.parameters())}
+            seen["bytes"] = made.live_bytes(held, seen["from"])
+    inner.register_forward_pre_hook(start, prepend=True)
+    inner.register_forward_hook(end, always_call=True)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        y = block(x, mask)
+    with made:
+        y.backward(grad)
+    return seen["bytes"]
+
+
+def keeping_whole(block):
+    """The reference the share-keeping copies must match bitwise: an identity pair of saved-tensor hooks entered
+    inside the copy's forward, after sequence parallelism's, shadows it, so autograd keeps every saved tensor as it
+    is (the gathered inputs whole, as SP copies did under recomputation before)."""
+    pairs = []
+
+    def enter(_module, _args):
+        pairs.append(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        pairs[-1].__enter__()
+
+    def leave(_module, _args, _output):
+        pairs.pop().__exit__(None, None, None)
+    block.register_forward_pre_hook(enter)
+    block.register_forward_hook(leave, prepend=True, always_call=True)
+    return block
 
 
 def gradients(block, x, mask, grad) -> list[torch.Tensor]:
@@ -61,6 +112,36 @@ def gradients(block, x, mask, grad) -> list[torch.Tensor]:
     y.backward(grad)
     params = sorted((n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in block.named_parameters())
     return [y.detach(), x.grad] + [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for _, p in params]
+
+
+def optimizer_collectives(mesh) -> dict:
+    """Collectives of an AdamW step of a 3-copy SP GPT (its norms' gradients partial sums over tp), with the
+    optimizer as the engine builds it (``param_groups.build_optimizer``: those summed once, in one bucket) and as the
+    script alone builds it (DTensor sums a partial gradient where AdamW reads it); and whether both give the same
+    parameters, bitwise."""
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(hidden_size=HIDDEN, num_layers=3, num_attention_heads=4, ffn_hidden_size=256,
+                                        seq_length=SEQ, vocab_size=128))
+    relay: dict = {}
+    for i, layer in enumerate(model.layers):
+        shard_copy(layer, LAYOUT, mesh, LAYOUT, f"layers.{i}", (i > 0, i < 2), relay)
+    ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    out, params = {}, {}
+    for how in ("engine", "plain"):
+        run = copy.deepcopy(model)
+        make = lambda p: torch.optim.AdamW(p, lr=1e-2)  # noqa: E731
+        optimizer = build_optimizer(make, run.parameters()) if how == "engine" else make(run.parameters())
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            run(ids, ids).backward()
+            out["partial_gradients"] = sum(isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()
+                                           for p in run.parameters())
+            with CommDebugMode() as comm:
+                optimizer.step()
+        out[how] = {str(op): n for op, n in comm.get_comm_counts().items() if n}
+        params[how] = [p.full_tensor() if isinstance(p, DTensor) else p for p in run.parameters()]
+    out["same_parameters"] = all(torch.equal(a, b) for a, b in zip(params["engine"], params["plain"]))
+    return out
 
 
 class MixesPositions(torch.nn.Module):
@@ -81,26 +162,39 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
     out = {}
+    rank = dist.get_rank()
     for attention in ("flash", "eager"):
         model = DecoderLM(TransformerConfig(hidden_size=HIDDEN, num_layers=1, num_attention_heads=4,
                                             ffn_hidden_size=256, seq_length=SEQ, vocab_size=128, attention=attention))
         block, mask = model.layers[0], getattr(model, "causal_mask", None)
         x, grad = torch.randn(BATCH, SEQ, HIDDEN), torch.randn(BATCH, SEQ, HIDDEN)
-        if attention == "flash":      # activations: a copy between two SP copies, so its stream arrives as a share
-            tp = copy.deepcopy(block)
-            shard_copy(tp, LAYOUT, mesh)
+        # activations: copies between two SP copies, so that their stream arrives as a share and leaves as one
+        share, grad_share = (t[:, rank * SEQ // 2:(rank + 1) * SEQ // 2].contiguous() for t in (x, grad))
+        tp = copy.deepcopy(block)
+        shard_copy(tp, LAYOUT, mesh)
+        kept = {"tp": kept_bytes(tp, x, mask)}
+        for wrap in (None, checkpoint_wrapper, selective_wrapper):
             sp = copy.deepcopy(block)
-            share = x[:, dist.get_rank() * SEQ // 2:(dist.get_rank() + 1) * SEQ // 2].contiguous()
-            shard_copy(sp, LAYOUT, mesh, LAYOUT, "layers.1", (True, True, True), {id(share): weakref.ref(share)})
-            out["kept_bytes"] = {"tp": kept_bytes(tp, x), "sp": kept_bytes(sp, share)}
+            shard_copy(sp, LAYOUT, mesh, LAYOUT, "layers.1", (True, True), {id(share): weakref.ref(share)})
+            kept[wrap.__name__ if wrap else "none"] = kept_bytes(wrap(sp) if wrap else sp, share, mask)
+        sp = copy.deepcopy(block)
+        shard_copy(sp, LAYOUT, mesh, LAYOUT, "layers.1", (True, True), {id(share): weakref.ref(share)})
+        kept["recomputed"] = recomputed_bytes(checkpoint_wrapper(sp), share, mask, grad_share)
+        out.setdefault("kept_bytes", {})[attention] = kept
         whole = gradients(copy.deepcopy(block), x, mask, grad)
         for branches in (LAYOUT, LAYOUT[1:]):
+            reference = copy.deepcopy(block)
+            shard_copy(reference, branches, mesh, LAYOUT, "layers.0", (False, False))
+            reference = gradients(keeping_whole(reference), x, mask, grad)
             for wrap in (None, checkpoint_wrapper, selective_wrapper):
                 sp = copy.deepcopy(block)
-                shard_copy(sp, branches, mesh, LAYOUT, "layers.0", (False, False, wrap is None))
+                shard_copy(sp, branches, mesh, LAYOUT, "layers.0", (False, False))
                 got = gradients(wrap(sp) if wrap else sp, x, mask, grad)
                 key = f"{attention} {'+'.join(b.branch for b in branches)} {wrap.__name__ if wrap else 'none'}"
                 out.setdefault("max_difference", {})[key] = max(float((a - b).abs().max()) for a, b in zip(got, whole))
+                out.setdefault("equal_to_keeping_whole", {})[key] = all(torch.equal(a, b)
+                                                                        for a, b in zip(got, reference))
+    out["optimizer_collectives"] = optimizer_collectives(mesh)
     try:
         layout = (TPBranch("mlp", ("up",), ("down",), 64),)
         _check_sequence_parallel(MixesPositions(), "mixes.0", layout, layout, mesh, (torch.randn(2, SEQ, HIDDEN),), {})

@@ -105,6 +105,38 @@ def test_fused_attention_has_no_core_so_selective_keeps_everything():
     assert selective_bytes == plain_bytes and torch.equal(dx, plain_dx)
 
 
+def _modes_inside(block) -> list:
+    """For each forward of ``block``: whether a ``CoreMode`` and saved-tensor hooks are on where its attention
+    starts."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from tensoropt.runtime.selective import CoreMode
+    seen = []
+    block.attn.register_forward_pre_hook(lambda *_: seen.append((
+        any(isinstance(m, CoreMode) for m in _get_current_dispatch_mode_stack()),
+        torch._C._autograd._top_saved_tensors_default_hooks(True) is not None)))
+    return seen
+
+
+@pytest.mark.parametrize("attention", ["flash", "eager"])
+def test_a_copy_without_core_runs_no_dispatch_mode_after_its_first_forward(attention):
+    """Fused attention has no core: after its first forward the selective copy runs plainly (no ``CoreMode``, no
+    hooks), with the plain copy's gradients bitwise; an eager copy keeps its mode and hooks in every forward."""
+    model = _model(attention=attention)
+    block, mask = model.layers[0], model.causal_mask if attention == "eager" else None
+    x, grad = torch.randn(BATCH, SEQ, 64), torch.randn(BATCH, SEQ, 64)
+    _, plain_dx, plain_grads = _run(block, x, mask, grad)
+    wrapped = selective_wrapper(copy.deepcopy(block))
+    seen = _modes_inside(wrapped._checkpoint_wrapped_module)
+    for _ in range(2):
+        wrapped.zero_grad(set_to_none=True)
+        _, dx, grads = _run(wrapped, x, mask, grad)
+        assert torch.equal(dx, plain_dx)
+        assert all(torch.equal(g, plain_grads[n.replace("_checkpoint_wrapped_module.", "")]) for n, g in grads.items())
+    assert seen[0] == (True, True)
+    assert seen[1] == ((True, True) if attention == "eager" else (False, False))
+
+
 class _ScoresOfInput(torch.nn.Module):
     """Attention whose scores are the block's input times itself: the core reads the input directly."""
 

@@ -77,6 +77,35 @@ def test_the_planner_offers_sequence_parallelism_where_the_stream_is_per_token_a
     assert not any(s.sequence_parallel for s in layer_options(mixing, 2, torch_space))
 
 
+def test_a_gpt_layer_is_priced_korthikantis_activations_plus_the_norms_statistics():
+    """Korthikanti et al. 2022 (eq. 2-5; DESIGN.md's reference footprints), per GPT layer with eager attention,
+    dropout and 16-bit activations at tp t: ``s b h (10 + 24/t + 5 a s / (h t))`` bytes with tensor parallelism,
+    ``s b h (34 + 5 a s / h) / t`` with SP, ``34 s b h / t`` with SP and selective recomputation (the core dropped,
+    the column-parallel inputs kept as the rank's share). The cost model prices exactly these plus what the paper
+    leaves out (``cost.layer``'s doc): each LayerNorm's mean and reciprocal standard deviation, two bf16 values per
+    token for each of the two norms, divided by t under SP."""
+    h, a, s, b, t = HIDDEN, 4, SEQ, BATCH, 2
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(hidden_size=h, num_layers=2, num_attention_heads=a, ffn_hidden_size=4 * h,
+                                        seq_length=s, vocab_size=128, dropout=0.1, attention="eager"))
+    cost = _block_cost(model.to(torch.bfloat16))
+    kept = {(r, sp): cost.layer(LayerStrategy(r, sp), t, ("attn", "mlp"), b).activation_bytes
+            for r, sp in (("none", False), ("none", True), ("selective", True))}
+    statistics = 2 * 2 * s * b * 2
+    assert kept["none", False] == s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) + statistics
+    assert kept["none", True] == s * b * h * (34 + 5 * a * s / h) / t + statistics / t
+    assert kept["selective", True] == 34 * s * b * h / t + statistics / t
+
+
+def test_a_sharded_copy_holds_its_row_linears_biases_whole():
+    """``RowwiseParallel`` splits a row linear's weight and keeps its bias whole (it is added once, after the sum):
+    a tp2 copy of the GPT block holds half of each linear's weight, half the column biases, the whole row biases
+    and norms."""
+    h, ffn = HIDDEN, 256
+    expected = (3 * h * h + 3 * h) / 2 + h * h / 2 + h + (ffn * h + ffn) / 2 + h * ffn / 2 + h + 4 * h
+    assert _block_cost(_gpt()).layer(LayerStrategy("none", True), 2, ("attn", "mlp"), 1).parameters == expected
+
+
 def test_a_plan_running_a_position_mixing_stream_sequence_parallel_does_not_fit_the_model():
     ids = torch.zeros(1, SEQ, dtype=torch.long)
     graph = tensoropt.capture(_RunningMeanLM(), (ids, ids), cache=False).graph
@@ -110,15 +139,14 @@ def _with(plan: Plan, *strategies: tuple[str, bool, int], **changes) -> Plan:
 
 
 def test_a_saved_gathered_input_is_kept_as_its_own_share_on_fake_tensors_too():
-    """A copy without recomputation keeps each gathered input autograd saves as the share it was gathered from,
-    found by storage. Fake tensors (the memory simulation's) all have data pointer 0: compared by pointer, the
-    MLP's gathered input was packed as the attention's share, so the simulated step held one share per copy less
-    than a real run."""
+    """Each gathered input autograd saves is found, by storage, as the share it was gathered from. Fake tensors (the
+    memory simulation's) all have data pointer 0: compared by pointer, the MLP's gathered input was packed as the
+    attention's share, so the simulated step held one share per copy less than a real run."""
     from types import SimpleNamespace
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tensoropt.runtime.sequence_parallel import _GatherOnce, _Share
+    from tensoropt.runtime.sequence_parallel import _GatherOnce
     for mode in (FakeTensorMode(), contextlib.nullcontext()):
         with mode:
             attn_share, mlp_share = torch.empty(1, 4, 8), torch.empty(1, 4, 8)
@@ -126,11 +154,11 @@ def test_a_saved_gathered_input_is_kept_as_its_own_share_on_fake_tensors_too():
             gathers = _GatherOnce(mesh=None)
             gathers.done = {1: (attn_share, SimpleNamespace(_local_tensor=attn_whole)),
                             2: (mlp_share, SimpleNamespace(_local_tensor=mlp_whole))}
-            packed = [gathers.pack(t) for t in (attn_whole, mlp_whole, mlp_whole.view(8, 8), torch.empty(1, 8, 8))]
-        assert all(isinstance(p, _Share) for p in packed[:3])
-        assert packed[0].share is attn_share and packed[1].share is mlp_share
-        assert packed[2].share is mlp_share                                      # a contiguous view of it
-        assert not isinstance(packed[3], _Share)                                 # another tensor of its size
+            found = [gathers.share_of(t) for t in (attn_whole, mlp_whole, mlp_whole.view(8, 8),
+                                                   torch.empty(1, 8, 8))]
+        assert found[0] is attn_share and found[1] is mlp_share
+        assert found[2] is mlp_share                                             # a contiguous view of it
+        assert found[3] is None                                                  # another tensor of its size
 
 
 @pytest.mark.slow
@@ -138,9 +166,12 @@ def test_a_saved_gathered_input_is_kept_as_its_own_share_on_fake_tensors_too():
 def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_share_of_the_stream(tmp_path):
     """One torchrun of tests/sp_block_probe.py: outputs and every gradient of an SP copy (both branches sharded,
     or attention replicated; no, full and selective recomputation; fused and eager attention) equal the whole
-    copy's; the activations an SP copy keeps are what the cost model prices (which also counts the copy's output,
-    kept by the next copy: whole under tensor parallelism, a share under SP); a block that averages over the
-    sequence outside its branches is stopped by the check before training."""
+    copy's, and bitwise those of the same SP copy keeping its gathered inputs whole (as recomputed SP copies did
+    before their hooks composed with the recomputation's); the activations an SP copy keeps, without recomputation,
+    selectively and fully recomputed, and what a full recomputation holds in the backward, are what the cost model
+    prices (which also counts the copy's output, kept by the next copy: whole under tensor parallelism, a share
+    under SP); a block that averages over the sequence outside its branches is stopped by the check before
+    training."""
     out = tmp_path / "probe.json"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                              str(REPO / "tests" / "sp_block_probe.py"), out], env=ENV, cwd=tmp_path,
@@ -149,27 +180,43 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     probe = json.loads(out.read_text())
     assert len(probe["max_difference"]) == 12
     assert all(d < 1e-5 for d in probe["max_difference"].values()), probe["max_difference"]
-    cost = _block_cost(_gpt("flash"))
-    priced = {sp: cost.layer(LayerStrategy("none", sp), 2, ("attn", "mlp"), BATCH).activation_bytes
-              for sp in (False, True)}
+    assert probe["equal_to_keeping_whole"] == {k: True for k in probe["max_difference"]}
     output_bytes = BATCH * SEQ * HIDDEN * 4
-    # under load gloo's asynchronous all-reduce may still hold the row-parallel output's partial sum (one output's
-    # bytes) when the probe counts: seen twice in loaded CI runs, never alone; any other value fails
-    assert probe["kept_bytes"]["tp"] in (priced[False] - output_bytes, priced[False])
-    assert probe["kept_bytes"]["sp"] == priced[True] - output_bytes / 2
-    assert probe["kept_bytes"]["sp"] < probe["kept_bytes"]["tp"]
+    for attention, kept in probe["kept_bytes"].items():
+        cost = _block_cost(_gpt(attention))
+        priced = {(r, sp): cost.layer(LayerStrategy(r, sp), 2, ("attn", "mlp"), BATCH)
+                  for r in ("none", "selective", "full") for sp in (False, True)}
+        # under load gloo's asynchronous all-reduce may still hold the row-parallel output's partial sum (one
+        # output's bytes) when the probe counts: seen twice in loaded CI runs, never alone; any other value fails
+        tp = priced["none", False].activation_bytes
+        assert kept["tp"] in (tp - output_bytes, tp)
+        assert kept["none"] == priced["none", True].activation_bytes - output_bytes / 2 < kept["tp"]
+        assert kept["selective_wrapper"] == priced["selective", True].activation_bytes - output_bytes / 2
+        assert kept["checkpoint_wrapper"] == priced["full", True].activation_bytes - output_bytes / 2 == 0
+        assert kept["recomputed"] == priced["full", True].transient_bytes - output_bytes / 2 == kept["none"]
+    # the eager copy's core (softmax probabilities) is dropped; the fused one has none
+    assert probe["kept_bytes"]["eager"]["selective_wrapper"] < probe["kept_bytes"]["eager"]["none"]
+    assert probe["kept_bytes"]["flash"]["selective_wrapper"] == probe["kept_bytes"]["flash"]["none"]
     assert probe["refused"].startswith("sequence parallelism over 2 devices changes what mixes.0 computes")
+    # the norms' gradients, partial sums over tp: one all-reduce a step for all of them, where DTensor alone
+    # all-reduces each where AdamW reads it (three times); the same parameters after two steps, bitwise
+    collectives = probe["optimizer_collectives"]
+    assert collectives["partial_gradients"] == 3 * 4                     # 2 norms' weights and biases a copy
+    assert collectives["engine"] == {"c10d.allreduce_": 1}
+    assert collectives["plain"] == {"c10d_functional.all_reduce": 3 * collectives["partial_gradients"]}
+    assert collectives["same_parameters"]
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_gpt_tp2_sequence_parallel_matches_one_process(tmp_path):
-    """Every copy SP (the first fully recomputed), then a chain mixing replicated and SP copies with attention
-    left replicated (gathered whole inside the SP copies)."""
+    """Every copy SP (the first fully recomputed, the second selectively: the eager attention's core dropped, both
+    keeping their gathered inputs as shares through the recomputations' hooks), then a chain mixing replicated and
+    SP copies with attention left replicated (gathered whole inside the SP copies)."""
     alone = losses_alone(GPT, tmp_path / "alone.json")
     (tmp_path / "dry").mkdir()
     base = tp2(dry_run_plan(GPT, tmp_path / "dry"), ("attn", "mlp"), micro_batch=4)
-    every = _with(base, ("full", True, 1), ("none", True, 3))
+    every = _with(base, ("full", True, 1), ("selective", True, 1), ("none", True, 2))
     np.testing.assert_allclose(_launch(GPT, every, tmp_path)["losses"], alone, rtol=2e-5)
     mixed = _with(base, ("none", False, 2), ("full", True, 1), ("none", True, 1), tp_branches=("mlp",))
     np.testing.assert_allclose(_launch(GPT, mixed, tmp_path)["losses"], alone, rtol=2e-5)

@@ -4,10 +4,19 @@ Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 20
 branch costs one all-reduce of its output in the forward and one of its input gradient in the
 backward; under sequence parallelism (Korthikanti et al. 2022) each all-reduce becomes an
 all-gather plus a reduce-scatter of the same total volume, and the stream's ops and activations
-divide by tp (a copy without recomputation gathers its branches' inputs once more in the backward, having
-kept only its share of them). Activation memory is what the captured graph says autograd keeps, divided by the
-op's shard; recomputation keeps less and runs more (Chen et al. 2016; Korthikanti et al. 2022):
-``selective`` drops the attention core, ``full`` keeps only the block's input.
+divide by tp (every SP copy, recomputed or not, gathers its branches' inputs once more in the backward, having
+kept only its share of them: ``runtime.sequence_parallel``). Activation memory is what the captured graph says
+autograd keeps, divided by the op's shard; recomputation keeps less and runs more (Chen et al. 2016; Korthikanti
+et al. 2022): ``selective`` drops the attention core, ``full`` keeps only the block's input and holds, while its
+backward runs, what its recomputation saves (the same tensors as without recomputation, the gathered inputs as
+shares under SP).
+
+Against Korthikanti et al.'s per-layer activations (their eq. 2-5; DESIGN.md "Reference footprints"), for a GPT
+layer (eager attention, dropout, 16-bit activations): with SP and selective recomputation they count
+``34 s b h / t`` bytes. The captured graph keeps exactly that, plus what the paper leaves out: each LayerNorm's mean
+and reciprocal standard deviation (two values per token per norm, in the dtype the capture shows, divided by t
+under SP), which ``native_layer_norm`` saves for its backward; the same holds for their formulas without
+recomputation, with and without SP. ``tests/test_sequence_parallel.py`` holds the price of such a layer to them.
 """
 
 from __future__ import annotations
@@ -52,6 +61,21 @@ def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
     return out
 
 
+def _row_bias_elements(ops: tuple[Op, ...], space: BlockSpace) -> np.ndarray:
+    """Elements of the biases (1-D parameters) the branches' row linears read first: ``RowwiseParallel`` splits a
+    row linear's weight and keeps its bias whole on every rank (torch ``distributed/tensor/parallel/style.py``,
+    ``RowwiseParallel._partition_linear_fn``: bias ``Replicate()``; ``runtime.tp_styles.ConvRows`` likewise)."""
+    rows = {i for branch in space.branches for i in branch.row}
+    seen, out = set(), np.zeros(len(ops))
+    for i, op in enumerate(ops):
+        for meta, ref in zip(op.inputs, op.sources):
+            if ref.kind == "param" and ref.name not in seen:
+                seen.add(ref.name)
+                if i in rows and len(meta.shape) == 1:
+                    out[i] += meta.numel
+    return out
+
+
 def _column_input_bytes(ops: tuple[Op, ...], columns: tuple[int, ...]) -> float:
     """Bytes of the distinct activations a branch's column linears read: what sequence parallelism gathers."""
     inputs = {(r.kind, r.index, r.slot): meta.nbytes for c in columns for meta, r in zip(ops[c].inputs, ops[c].sources)
@@ -66,6 +90,7 @@ class BlockCost:
         self.ops, self.space, self.cluster = ops, space, cluster
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
+        self.row_biases = _row_bias_elements(ops, space)
         self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
         self.core = np.zeros(len(ops), dtype=bool)
         self.core[list(space.attention_core)] = True
@@ -131,15 +156,15 @@ class BlockCost:
         else:
             kept, recompute, transient = all_saved, 0.0, 0.0
         if sp:
-            # under sequence parallelism a copy without recomputation keeps its branches' gathered inputs as the
-            # share and gathers them again in the backward (Megatron-LM's way); a selectively recomputed one
-            # keeps them whole, as the runtime's saved-tensor hooks cannot nest (runtime.sequence_parallel)
-            gathered = [self._gathered_nbytes[b] * micro_batch for b in self.space.branches]
-            if strategy.recompute == "none":
-                comm += sum(all_gather_s(nbytes, tp, 1, self.cluster) for nbytes in gathered)
-            elif strategy.recompute == "selective":
-                kept += sum(gathered) * (1 - 1 / tp)
-        params = float((self.params / np.where(self._sharded_params(tp_branches), tp, 1)).sum())
+            # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
+            # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
+            # without recomputation, under selective recomputation, and in a full recomputation's recomputed
+            # forward (runtime.sequence_parallel composes its saved-tensor hooks with the recomputation's)
+            comm += sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
+                        for b in self.space.branches)
+        # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
+        whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
+        params = float(((self.params - whole) / tp + whole).sum())
         return LayerCost(float(fwd.sum()), float(bwd.sum()), recompute, comm, kept, transient, params)
 
     def _sharded_params(self, tp_branches: tuple[str, ...]) -> np.ndarray:

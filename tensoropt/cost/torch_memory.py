@@ -30,7 +30,9 @@ under the vocabulary-parallel loss (``torch.distributed.tensor.parallel.loss_par
 
 With one micro-batch (the optimizer's ``zero_grad`` leaves no gradient before the backward) FSDP2's gradient
 shards grow as the copies' activations are freed, so the backward's peak is at one of its ends, not their sum
-(``fsdp_held_bytes``).
+(``fsdp_held_bytes``). So do the gradients of a plan with no data-parallel wrapper (ZeRO 0 on one replica, tensor
+parallelism alone: ``runtime.torch_engine`` wraps nothing, so each ``.grad`` is the one autograd makes); only DDP
+allocates its gradient buckets with the wrapper and keeps them.
 """
 
 from __future__ import annotations
@@ -135,24 +137,28 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
       unsharded, in the gathered dtype) wait for the root's post-backward at the end of the backward, beside
       every copy's. DDP makes a parameter's fresh gradient before it copies it into its bucket (or, under
       ``no_sync``, adds it to ``.grad``), beside all the others: at most the largest parameter's (the embedding's,
-      made last, when the activations are freed), priced with each copy's backward.
-    - with one micro-batch under ZeRO 1-3 the blocks' backward starts with every copy's kept activations and no
-      gradient shard, and ends (the first copy's backward) with every gradient shard, the first copy's own
-      (``copy_peak``) and the embedding's activations: each copy's backward frees its activations and makes its
-      gradient shards, so the peak is at one of the two ends, not their sum. With more micro-batches the
+      made last, when the activations are freed), priced with each copy's backward. Without a wrapper (ZeRO 0, one
+      replica) a copy's backward holds the gradients made so far beyond those of earlier micro-batches: the loss
+      backward's (the loose ops after the blocks) and the copy's own.
+    - with one micro-batch under ZeRO 1-3, or without a wrapper, the blocks' backward starts with every copy's kept
+      activations and no gradient shard, and ends (the first copy's backward) with every gradient shard, the first
+      copy's own (``copy_peak``) and the embedding's activations: each copy's backward frees its activations and
+      makes its gradient shards, so the peak is at one of the two ends, not their sum. With more micro-batches the
       gradients of the earlier ones are held throughout.
     - DDP with gradient accumulation: the micro-batches before the last run under ``no_sync`` and accumulate
       into ``.grad`` tensors of their own beside the bucket (``gradient_as_bucket_view`` views the bucket only
       once a synchronising backward copies them in), so the gradients are held twice during the last backward.
     The root's gathered parameters (ZeRO 3) are held through all."""
-    zero3 = zero == 3
+    zero3, ddp = zero == 3, (zero == 0) & (data_parallel > 1)
     unit = gathered * unit_params
-    gradients = gradients * np.where((zero == 0) & (micro_batches > 1) & (data_parallel > 1), 2, 1)
+    gradients = gradients * np.where(ddp & (micro_batches > 1), 2, 1)
     at_loss = loss_grads + np.where(zero3, unit, 0.0)
-    one_micro_batch = (zero >= 1) & (micro_batches == 1)
+    one_micro_batch = ~ddp & (micro_batches == 1)
     grads_at_loss = np.where(one_micro_batch, 0.0, gradients)
+    unwrapped = np.where(one_micro_batch, grad * (tail_params + unit_params), grad * largest_parameter)
     units = unit_backward_bytes(zero, gathered, grad, unit_params) + \
-        np.where(zero >= 2, gathered * tail_params, 0.0) + np.where(zero == 0, grad * largest_parameter, 0.0)
+        np.where(zero >= 2, gathered * tail_params, 0.0) + \
+        np.where(ddp, grad * largest_parameter, np.where(zero == 0, unwrapped, 0.0))
     in_block = layer_transient + units
     at_end = head_acts + copy_peak + units
     moments = np.stack([activations + at_loss + grads_at_loss,           # the loss's backward

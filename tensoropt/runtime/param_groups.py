@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .partial_grads import reduce_before_step
+
 OptimizerFn = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 NAMES = "param_names"          # torch keeps a group's parameter names here when it was built from named_parameters
 
@@ -60,13 +62,15 @@ def _subgroup(group: dict, positions: tuple[int, ...]) -> dict:
 
 
 def build_optimizer(optimizer_fn: OptimizerFn | None, params: Iterable[torch.nn.Parameter]):
-    """``optimizer_fn(params)``, its groups split so none mixes DTensors and plain tensors (see module doc);
-    None without an ``optimizer_fn``."""
+    """``optimizer_fn(params)``, its groups split so none mixes DTensors and plain tensors (see module doc), and the
+    gradients that are partial sums over a tensor-parallel group (sequence parallelism's norm weights) summed once
+    before each step, in one bucket (``partial_grads``); None without an ``optimizer_fn``."""
     if optimizer_fn is None:
         return None
     optimizer = optimizer_fn(params)
     if isinstance(optimizer, torch.optim.Optimizer):
         split_by_kind(optimizer)
+        reduce_before_step(optimizer)
     return optimizer
 
 

@@ -72,7 +72,6 @@ def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int 
         copies = copies_of(stage_module, bp.block)
         first = (stage // run_plan.plan.pp) * len(copies)
         flags = _sequence_parallel(bp)[first:first + len(copies)]
-        keeps = [s.recompute == "none" for s in _per_copy(bp)][first:first + len(copies)]
         if len(copies) > len(flags):
             raise TensorOptError(f"a pipeline stage holds {len(copies)} copies of block {bp.block!r}, the plan "
                                  f"runs {len(flags)} per stage: re-plan with `tensoropt launch`")
@@ -84,8 +83,7 @@ def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int 
             # the stream is handed on as a share between consecutive SP copies of this stage, and across the
             # stage's boundaries where ``boundaries`` says so (a received share comes from no copy of this stage)
             enters = (j > 0 and flags[j - 1]) or (FROM_MESSAGE if j == 0 and boundaries[0] else False)
-            handoff = (enters, (j + 1 < len(copies) and flags[j + 1]) or (j + 1 == len(copies) and boundaries[1]),
-                       keeps[j])
+            handoff = (enters, (j + 1 < len(copies) and flags[j + 1]) or (j + 1 == len(copies) and boundaries[1]))
             if branches or flags[j]:
                 shard_copy(copy, branches, tp_mesh, run_plan.layout_of(bp.block) if flags[j] else None, name,
                            handoff, relay, _stream_argument(copy, name) if flags[j] else None)

@@ -20,9 +20,14 @@ or else recompute those products. Here a block holds exactly what it holds witho
 minus the core's saved tensors, and recomputes exactly the core's forward, as the plan prices it.
 
 A model with fused attention (SDPA) has no product of two activations to start a core: selective
-recomputation keeps everything there, as it is priced (the same as none). The hooks are the innermost
-pair while the block runs, so an outer ``saved_tensors_hooks`` (e.g. ``save_on_cpu``) does not see the
-block's saved tensors.
+recomputation keeps everything there, as it is priced (the same as none). A copy learns it from its first forward
+with gradients (no core op on its tape) and from then on runs as a plain copy, with neither the dispatch mode (a
+Python call per op, tens of microseconds each on a GPU) nor the hooks. The core is found by data flow, not values,
+so the same code finds the same core in every forward; a forward whose code takes another path (an attention
+implementation chosen per call) would keep its core there, never drop more than priced. The hooks are the innermost
+pair while the block runs, so an outer ``saved_tensors_hooks`` (e.g. ``save_on_cpu``) does not see the block's saved
+tensors, except that a sequence-parallel copy's pair composes with them (``runtime.sequence_parallel``: its
+gathered inputs reach this pack as their shares).
 """
 
 from __future__ import annotations
@@ -240,19 +245,25 @@ def _cuda_devices(tape: list[tuple]) -> list[int]:
     return sorted({rng[0].index or 0 for *_, rng in tape if rng is not None and rng[0].type == "cuda"})
 
 
+NO_CORE = "_tensoropt_no_attention_core"     # set on a copy whose first forward found no core
+
+
 def selective_checkpoint(module: torch.nn.Module, *args, **kwargs):
     """Run ``module`` keeping all it saves for backward but its attention core (see module doc); the
     ``checkpoint_fn`` of a ``checkpoint_wrapper``, so the block's parameter names stay what they are under
-    full recomputation."""
-    if not torch.is_grad_enabled():
+    full recomputation. A copy whose first forward found no core runs plainly from then on (module doc)."""
+    if not torch.is_grad_enabled() or getattr(module, NO_CORE, False):
         return module(*args, **kwargs)
     core = AttentionCore()
     core.mark_inputs((args, kwargs))
     try:
         with torch.autograd.graph.saved_tensors_hooks(core.pack, core.unpack), CoreMode(core):
-            return module(*args, **kwargs)
+            out = module(*args, **kwargs)
     finally:
         core.activations, core.made = set(), {}      # packing is over; the tape and places stay
+    if not core.tape:
+        setattr(module, NO_CORE, True)
+    return out
 
 
 def selective_wrapper(module: torch.nn.Module) -> torch.nn.Module:

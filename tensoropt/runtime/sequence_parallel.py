@@ -9,17 +9,24 @@ the same normed tensor share one gather, whose backward is one reduce-scatter); 
 partial outputs are reduce-scattered along the sequence instead of all-reduced. Two placements of
 ``torch.distributed.tensor`` carry this: the stream inside the copy is a ``DTensor`` sharded on dim 1, the
 parameters outside the branches (norm weights) are ``Replicate`` ``DTensor``s, so the gradients each rank
-computes on its share come out ``Partial`` and are summed over the tensor-parallel group (by the optimizer's
-DTensor ops, or by FSDP2 before its reduce-scatter, see ``fsdp._fully_shard._fsdp_param``).
+computes on its share come out ``Partial`` and are summed over the tensor-parallel group (all in one all-reduce
+before the optimizer's step, ``runtime.partial_grads``, or by FSDP2 before its reduce-scatter, see
+``fsdp._fully_shard._fsdp_param``).
 
 A branch the plan leaves replicated runs whole on every rank inside an SP copy: its input is all-gathered,
 its output sliced back to the rank's share (backward: the output gradient all-gathered, the input gradient
 sliced): two all-gathers of the branch's activations per copy, as ``cost.layer`` prices it.
 
-Autograd saves a column linear's input for its backward: a copy without recomputation keeps the share instead of
-the gathered whole and gathers it again in the backward (Megatron-LM's way; saved-tensor hooks), so it holds
-``1/tp`` of its stream activations. Under recomputation those hooks would shadow the recomputation's own (hooks do
-not nest), so a selectively recomputed SP copy keeps its gathered inputs whole; ``cost.layer`` prices both.
+Autograd saves a column linear's input for its backward: every SP copy keeps the share instead of the gathered
+whole and gathers it again in the backward (Megatron-LM's way, Korthikanti et al. sec. 4.2.2), so it holds ``1/tp``
+of its stream activations, with or without recomputation, as ``cost.layer`` prices it. It does so with saved-tensor
+hooks, which do not nest: only the innermost pair sees a saved tensor. So the copy's pair does not shadow the pair
+that is innermost when its forward starts, it composes with it (``_SavedShares``): every tensor goes on to that
+pair's pack, a gathered input as its share, and comes back through its unpack, a share gathered again. That pair
+is a selective recomputation's (``runtime.selective``: the share is not core, so it is kept as it is), torch's
+checkpoint's in a fully recomputed copy's forward (the share's place is recorded) and in the recomputation in the
+backward (the recomputed share is what the backward gets back and gathers: the recompute working set holds shares,
+as Megatron's does), or none.
 
 Between copies the stream is a plain tensor: the rank's share between two consecutive SP copies of a block
 (no communication), the whole sequence elsewhere. The first SP copy of a run slices its input (backward:
@@ -48,35 +55,30 @@ SEQUENCE_DIM = 1
 FROM_MESSAGE = "message"
 
 
-def sequence_parallel_copies(model: nn.Module, plan: Plan) -> dict[str, tuple[bool, bool, bool]]:
-    """{copy module name: (its input arrives sharded, its output stays sharded, it keeps its activations)} for
-    every copy the plan runs sequence-parallel; a copy hands its share on only to the next copy of the same block
-    that is SP too; a copy without recomputation keeps only its share of the branches' gathered inputs."""
+def sequence_parallel_copies(model: nn.Module, plan: Plan) -> dict[str, tuple[bool, bool]]:
+    """{copy module name: (its input arrives sharded, its output stays sharded)} for every copy the plan runs
+    sequence-parallel; a copy hands its share on only to the next copy of the same block that is SP too."""
     if plan.tp < 2:
         return {}
     out = {}
     for bp in plan.blocks:
         copies = copies_of(model, bp.block)
-        per_stage = [(s.sequence_parallel, s.recompute == "none") for s, n in bp.strategies for _ in range(n)]
-        flags = [sp for sp, _ in per_stage] * plan.pp
-        keeps = [keep for _, keep in per_stage] * plan.pp
+        flags = [s.sequence_parallel for s, n in bp.strategies for _ in range(n)] * plan.pp
         for i, (name, sp) in enumerate(zip(copies, flags)):
             if sp:
-                out[name] = (i > 0 and flags[i - 1], i + 1 < len(flags) and flags[i + 1], keeps[i])
+                out[name] = (i > 0 and flags[i - 1], i + 1 < len(flags) and flags[i + 1])
     return out
 
 
 def apply_sequence_parallel(copy: nn.Module, name: str, layout: Branches, sharded: Branches, tp_mesh,
-                            handoff: tuple[bool, bool, bool], relay: dict | None = None,
+                            handoff: tuple[bool, bool], relay: dict | None = None,
                             stream_argument: int | None = None) -> None:
     """Make one already tensor-sharded copy run its stream on the rank's share of the sequence (module doc).
     ``layout``: every branch of the block (plan.json's ``tp_layout``), ``sharded``: those the plan shards,
-    ``handoff``: (input arrives sharded, output stays sharded, keeps its activations: then the gathered inputs
-    autograd saves are kept as the rank's share and gathered again in the backward, as Megatron-LM does, so the
-    copy holds ``1/tp`` of them as the cost model prices; not under recomputation, whose own saved-tensor hooks
-    must stay innermost), ``relay``: shared by a run of copies so that a copy can check it receives the very
-    share its predecessor handed on, ``stream_argument``: the position of the stream among the copy's arguments
-    where it is not the first tensor (a traced copy's arguments are in the trace's order)."""
+    ``handoff``: (input arrives sharded, output stays sharded), ``relay``: shared by a run of copies so that a
+    copy can check it receives the very share its predecessor handed on, ``stream_argument``: the position of the
+    stream among the copy's arguments where it is not the first tensor (a traced copy's arguments are in the
+    trace's order)."""
     names = {b.branch for b in sharded}
     gathers = _GatherOnce(tp_mesh)
     linears = set()
@@ -90,7 +92,7 @@ def apply_sequence_parallel(copy: nn.Module, name: str, layout: Branches, sharde
         linears |= set(branch.linears)
     _replicate_stream_parameters(copy, linears, tp_mesh)
     relay = {} if relay is None else relay
-    copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay, handoff[2], stream_argument),
+    copy.register_forward_pre_hook(_enter(name, tp_mesh, handoff[0], gathers, relay, stream_argument),
                                    with_kwargs=True)
     copy.register_forward_hook(_leave(name, handoff[1], gathers, relay), with_kwargs=True)
     copy.register_forward_hook(gathers.drop, always_call=True)
@@ -120,18 +122,25 @@ class _GatherOnce:
         self.clear()
 
     def save_shares(self) -> None:
-        """Until ``clear``: a gathered input autograd saves is kept as the share it was gathered from."""
-        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        """Until ``clear``: a gathered input autograd saves is kept as the share it was gathered from, composed with
+        the saved-tensor hooks innermost now (module doc)."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if top is None:
+            raise TensorOptError("sequence parallelism needs torch 2.8 or newer (it composes its saved-tensor hooks "
+                                 f"with recomputation's; this is {torch.__version__}): upgrade torch or plan "
+                                 "without it")
+        self.saving = _SavedShares(self, top(True))
         self.saving.__enter__()
 
-    def pack(self, t: torch.Tensor):
+    def share_of(self, t: torch.Tensor) -> DTensor | None:
+        """The share ``t`` was gathered from, where ``t`` is (a contiguous view of all of) a gathered input."""
         local = t._local_tensor if isinstance(t, DTensor) else t
         for share, whole in self.done.values():
             w = whole._local_tensor
             if _same_storage(local, w) and local.is_contiguous() \
                     and local.storage_offset() == w.storage_offset() and local.numel() == w.numel():
-                return _Share(share, t.shape, isinstance(t, DTensor), self.mesh)
-        return t
+                return share
+        return None
 
     def hook(self, local: bool):
         def gather(module, args):
@@ -157,18 +166,37 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _Share:
-    """A saved gathered input, held as the rank's share of it (see ``_GatherOnce.save_shares``)."""
+    """A saved gathered input, held as the rank's share of it: ``inner`` is what the composed pair packed the share
+    as (the share itself where there is none)."""
 
-    def __init__(self, share: DTensor, shape: torch.Size, distributed: bool, mesh) -> None:
-        self.share, self.shape, self.distributed, self.mesh = share, shape, distributed, mesh
+    def __init__(self, inner, shape: torch.Size, distributed: bool, mesh) -> None:
+        self.inner, self.shape, self.distributed, self.mesh = inner, shape, distributed, mesh
 
 
-def _unpack(packed):
-    if not isinstance(packed, _Share):
-        return packed
-    with torch.no_grad():
-        whole = packed.share.redistribute(packed.mesh, [Replicate()])
-    return whole.view(packed.shape) if packed.distributed else whole.to_local().view(packed.shape)
+class _SavedShares(torch.autograd.graph.saved_tensors_hooks):
+    """An SP copy's one pair of saved-tensor hooks, composed with ``outer``, the pair that was innermost when the
+    copy's forward began (``(pack, unpack)`` or None): every tensor is packed by ``outer``'s pack, a gathered
+    input as its share, so that pair still sees, in the same order, one tensor for each that autograd saves (torch's
+    checkpoint counts them and checks their metadata against the recomputation's, which packs shares too)."""
+
+    def __init__(self, gathers: _GatherOnce, outer: tuple | None) -> None:
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(t: torch.Tensor):
+            share = gathers.share_of(t)
+            if share is None:
+                return t if outer_pack is None else outer_pack(t)
+            return _Share(share if outer_pack is None else outer_pack(share), t.shape, isinstance(t, DTensor),
+                          gathers.mesh)
+
+        def unpack(packed):
+            if not isinstance(packed, _Share):
+                return packed if outer_unpack is None else outer_unpack(packed)
+            share = packed.inner if outer_unpack is None else outer_unpack(packed.inner)
+            with torch.no_grad():
+                whole = share.redistribute(packed.mesh, [Replicate()])
+            return whole.view(packed.shape) if packed.distributed else whole.to_local().view(packed.shape)
+        super().__init__(pack, unpack)
 
 
 def _slice_output(mesh):
@@ -205,8 +233,7 @@ def _stream_position(args: tuple, kwargs: dict, index: int | None = None) -> tup
     raise TensorOptError("a sequence-parallel block received no tensor to carry as its stream")
 
 
-def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict, keeps: bool,
-           stream_argument: int | None):
+def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: dict, stream_argument: int | None):
     tp = mesh.size()
     # the model's routing of the stream is fixed: checked on the copy's first forward only (a full recomputation
     # re-enters in the backward with its saved input, which the relay may no longer hold)
@@ -233,7 +260,7 @@ def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: 
                                      f"that {tp} divides, or plan without sequence parallelism")
             stream = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(
                 mesh, [Shard(SEQUENCE_DIM)])
-        if keeps and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             gathers.save_shares()
         if where == "args":
             return (*args[:key], stream, *args[key + 1:]), kwargs

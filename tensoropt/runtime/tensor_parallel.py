@@ -61,7 +61,7 @@ def apply_tensor_parallel(model: nn.Module, run_plan: RunPlan, tp_mesh, device, 
         relay: dict = {}
         for name in copies:
             shard_copy(model.get_submodule(name), branches, tp_mesh, run_plan.layout_of(block) if name in sp else None,
-                       name, sp.get(name, (False, False, False)), relay)
+                       name, sp.get(name, (False, False)), relay)
     return apply_vocab_parallel(model, run_plan, tp_mesh)
 
 

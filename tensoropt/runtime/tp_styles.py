@@ -89,7 +89,7 @@ def row_style(module: nn.Module, sequence_parallel: bool = False) -> RowwisePara
 
 
 def shard_copy(copy: nn.Module, branches: Branches, tp_mesh, sp_layout: Branches | None = None, name: str = "",
-               handoff: tuple[bool, bool, bool] = (False, False, False), relay: dict | None = None,
+               handoff: tuple[bool, bool] = (False, False), relay: dict | None = None,
                stream_argument: int | None = None) -> None:
     """Shard one copy of a block: its branches' column and row linears, as the layout describes them; with
     ``sp_layout`` (every branch of the block) the copy runs sequence-parallel too."""
