@@ -4,13 +4,10 @@ communicates it, searched where the torch engine runs it (ZeRO 1-3), and run wit
 tests/test_memory_check.py (they share one launch)."""
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import SMALL_GPT
 
 from tensoropt.api import capture
 from tensoropt.cost.comm import all_reduce_s
@@ -76,13 +73,6 @@ def test_the_engines_run_bf16_gradients_where_they_hold_them():
     assert fsdp_kwargs("bf16-mixed")["mp_policy"].reduce_dtype == torch.float32
 
 
-@pytest.fixture(scope="module")
-def small_gpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt") / "gpt.json"
-    path.write_text(json.dumps(SMALL_GPT))
-    graph = capture(str(path), batch_size=1, seq_len=32).graph
-    return graph, ModelCost(graph, fold(graph), Cluster(2, 2, load_profile("h100-80gb")))
-
 
 def test_priced_states_and_communication(small_gpt):
     """For the small GPT's P parameters on dp 2, 2 micro-batches: ZeRO 1 holds 2 + 2 + 12/2 bytes per parameter
@@ -99,12 +89,6 @@ def test_priced_states_and_communication(small_gpt):
     three = [estimate(model, _plan(3, grad)).memory_breakdown for grad in ("bfloat16", "")]
     assert all(three[0][k] == three[1][k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"))
 
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _gradients_held_bytes(model: torch.nn.Module) -> tuple[int, set]:
