@@ -82,7 +82,7 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     ``Cluster`` (count, per node, profile), or several of one profile to span device counts. ``budget``: memory
     per device (bytes or ``"40GiB"``; default the profile's); with ``fits=False`` plans over it are kept too.
     ``engines`` (default both, ``ENGINES``): only what they run, each point's engine in ``Frontier.engine_of``;
-    ``None``: the planner's whole space (module doc), ``engine_of`` None for the plans no engine runs.
+    ``None``: the planner's whole space (module doc), ``engine_of`` "" for the plans no engine runs.
     ``precision`` (``bf16-mixed``...; default the graph's, else ``bf16-mixed`` as ``tensoropt launch``) prices the
     model states as each engine holds them; compute and activations are the graph's as captured (capture in the
     precision, ``tensoropt.capture(..., precision=...)``, to price them as the launcher does).
