@@ -60,12 +60,12 @@ def _chain(spec: str, layers: int) -> tuple[tuple[LayerStrategy, int], ...]:
 
 
 def plan_of(devices: int, dp: int, tp: int, zero: int, micro_batch: int, global_batch: int, precision: str,
-            chain: str, layers: int) -> Plan:
-    """A torch-engine plan of the example's one block (``layers.*``) with the named precision."""
+            chain: str, layers: int, grad_dtype: str = "") -> Plan:
+    """A torch-engine plan of the example's one block (``layers.*``) with the named precision (and gradients)."""
     return Plan(devices=devices, dp=dp, tp=tp, pp=1, micro_batch=micro_batch, global_batch=global_batch, zero=zero,
                 tp_branches=("attn", "mlp") if tp > 1 else (), precision=precision,
                 dtype="float32" if precision == "32-true" else "bfloat16", master_weights=False,
-                blocks=(BlockPlan("layers.*", _chain(chain, layers)),))
+                blocks=(BlockPlan("layers.*", _chain(chain, layers)),), grad_dtype=grad_dtype)
 
 
 def _dtype_args(precision: str) -> list[str]:
@@ -91,6 +91,13 @@ CASES_8B = [
     ("precision-bf16-true", 8, 8, 1, 3, 1, 8, "bf16-true", "full"),
     ("precision-32-true", 8, 8, 1, 3, 2, 16, "32-true", "none"),
     ("precision-bf16-mixed", 8, 8, 1, 3, 2, 16, "bf16-mixed", "none"),
+    ("gradients-float32", 8, 8, 1, 1, 1, 16, "bf16-mixed", "none"),
+]
+# bf16 gradients (issue 33 item 4: FSDP2 with reduce_dtype=bfloat16), beside gradients-float32 above: ZeRO 1 holds
+# whole bf16 gradients over its two micro-batches instead of float32 ones; ZeRO 3 the same shards as float32
+CASES_8B_BF16_GRADIENTS = [
+    ("gradients-bf16", 8, 8, 1, 1, 1, 16, "bf16-mixed", "none"),
+    ("gradients-bf16", 8, 8, 1, 3, 1, 16, "bf16-mixed", "none"),
 ]
 # LLaMA-2 70B on 64: the plan the planner chose with --engine torch (README, --check-memory), and ZeRO 3 with SP
 # and no recomputation (priced on the h200-141gb profile: it needs more than 80 GiB)
@@ -128,11 +135,12 @@ class Case:
     launch_args: tuple[str, ...]
     script_args: tuple[str, ...]
     script: str = SCRIPT
+    grad_dtype: str = ""
 
     @property
     def plan(self) -> Plan:
         return plan_of(self.devices, self.dp, self.tp, self.zero, self.micro_batch, self.global_batch,
-                       self.precision, self.chain, self.layers)
+                       self.precision, self.chain, self.layers, self.grad_dtype)
 
     @property
     def all_script_args(self) -> list[str]:
@@ -149,6 +157,7 @@ def cases(quick: bool = False, family: str | None = None) -> list[Case]:
     model_8b = "llama3-8b-like" + (" (4 layers)" if quick else "")
     script_8b = tuple(LLAMA3_8B[:1] + [str(layers)] + LLAMA3_8B[2:])
     todo = [Case(c[0], model_8b, *c[1:], layers, tuple(ON_8), script_8b) for c in CASES_8B]
+    todo += [Case(c[0], model_8b, *c[1:], layers, tuple(ON_8), script_8b, "bfloat16") for c in CASES_8B_BF16_GRADIENTS]
     if not quick:
         todo += [Case(c[0], "llama2-70b", *c[1:], 80, tuple(ON_64), ()) for c in CASES_70B]
         todo += [Case(c[0], "gpt-22b", *c[1:], 48, ON_8_H100, GPT_22B, GPT_SCRIPT) for c in CASES_22B]
@@ -232,4 +241,5 @@ WORKERS = 2          # simulations at once (each its own process)
 STORE = REPO / "benchmarks" / "results" / "memory_torch.json"
 
 
-__all__ = ["CASES_22B", "CASES_70B", "CASES_8B", "Case", "cases", "plan_of", "predicted", "rows", "simulated", "stored"]
+__all__ = ["CASES_22B", "CASES_70B", "CASES_8B", "CASES_8B_BF16_GRADIENTS", "Case", "cases", "plan_of", "predicted",
+           "rows", "simulated", "stored"]

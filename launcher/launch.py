@@ -227,7 +227,7 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
 def precision(plan: Plan, graph: OpGraph | None = None) -> str:
     """The precision the plan runs and was priced in, in words: its name, the model states' bytes, and the
     script's own autocast where it trains under one (captured so, see ``tensoropt.graph.precision``)."""
-    held = state_bytes(plan.dtype, plan.master_weights, plan.precision, plan.zero).precision
+    held = state_bytes(plan.dtype, plan.master_weights, plan.precision, plan.zero, plan.grad_dtype).precision
     words = f"{plan.precision_name} ({held})" if plan.precision else held
     autocast = script_autocast(graph) if graph is not None else None
     return words + (f"; compute and activations in {autocast} under the script's autocast" if autocast else "")
@@ -243,7 +243,7 @@ def describe(run_plan: RunPlan, engine: str) -> str:
         written = json.loads(Path(run_plan.deepspeed_config).read_text()) if run_plan.deepspeed_config else \
             deepspeed_config(plan)
         return "deepspeed config: " + json.dumps(written, sort_keys=True) + (
-            f"; precision {precision_words(of_plan(plan), engine, plan.zero)}") + (
+            f"; precision {precision_words(of_plan(plan), engine, plan.zero, plan.grad_dtype)}") + (
             f"; attention core recomputed (selective) in {selective} block copies" if selective else "")
     vocab = run_plan.vocab_parallel
     copies = sum(n for bp in plan.blocks for _, n in bp.strategies)
@@ -260,7 +260,7 @@ def describe(run_plan: RunPlan, engine: str) -> str:
              f"checkpoint_wrapper on {full} block copies per stage" if full else "",
              f"attention core recomputed (selective) in {selective} block copies per stage" if selective else "",
              f"micro-batches per step: {plan.grad_accumulation} of {plan.micro_batch} samples",
-             f"precision {precision_words(of_plan(plan), engine, plan.zero)}"]
+             f"precision {precision_words(of_plan(plan), engine, plan.zero, plan.grad_dtype)}"]
     return "torch: " + ", ".join(p for p in parts if p)
 
 

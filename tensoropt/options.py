@@ -11,7 +11,7 @@ import functools
 import click
 
 from .errors import TensorOptError
-from .search.limits import Limits
+from .search.limits import GRAD_DTYPE_FLAGS, Limits
 from .space.plan import RECOMPUTE
 
 # sane upper bounds on counts: far above any cluster planned today (the largest have ~10^5 GPUs), far below what
@@ -36,8 +36,10 @@ def limit_options(func):
     """The limits on the search space shared by ``frontier`` and ``launch``: the command receives them as one
     ``limits`` argument (a ``Limits``; bad values are a one-line error, see ``parse_limits``)."""
     @functools.wraps(func)
-    def command(*args, limit_tp, limit_max_tp, limit_pp, limit_zero, limit_recompute, no_offload, **kwargs):
-        limits = parse_limits(limit_tp, limit_max_tp, limit_pp, limit_zero, limit_recompute, no_offload)
+    def command(*args, limit_tp, limit_max_tp, limit_pp, limit_zero, limit_recompute, no_offload, limit_grad_dtype,
+                **kwargs):
+        limits = parse_limits(limit_tp, limit_max_tp, limit_pp, limit_zero, limit_recompute, no_offload,
+                              limit_grad_dtype)
         return func(*args, limits=limits, **kwargs)
     options = [
         ("--tp", "allowed tensor-parallel degrees, e.g. 1 (none) or 2,4"),
@@ -45,6 +47,9 @@ def limit_options(func):
         ("--pp", "allowed pipeline stage counts, e.g. 1 (none) or 2,4"),
         ("--zero", "allowed ZeRO stages (0-3), e.g. 2,3"),
         ("--recompute", f"allowed recomputation strategies ({', '.join(RECOMPUTE)}), e.g. none"),
+        ("--grad-dtype", "allowed dtypes of gradient accumulation and reduction (fp32, bf16), e.g. fp32: bf16 "
+                         "gradients (bf16-mixed on FSDP2 ZeRO 1-3, DeepSpeed's bf16 mode) hold and send half the "
+                         "bytes, with bf16 rounding in the sums"),
     ]
     command = click.option("--no-offload", is_flag=True, help="never offload the optimizer to the host")(command)
     for flag, text in reversed(options):
@@ -53,7 +58,7 @@ def limit_options(func):
 
 
 def parse_limits(tp: str | None, max_tp: str | None, pp: str | None, zero: str | None, recompute: str | None,
-                 no_offload: bool) -> Limits:
+                 no_offload: bool, grad_dtype: str | None = None) -> Limits:
     """The limits the flags give (lists are comma-separated); every bad value named in one line."""
     problems: list[str] = []
     some = "positive integers, e.g. 1 or 2,4"
@@ -64,7 +69,12 @@ def parse_limits(tp: str | None, max_tp: str | None, pp: str | None, zero: str |
     strategies = tuple(dict.fromkeys(x.strip() for x in recompute.split(","))) if recompute is not None else None
     if strategies is not None and not set(strategies) <= set(RECOMPUTE):
         problems.append(f"--recompute {recompute!r}: give strategies among {', '.join(RECOMPUTE)}, e.g. none,full")
-    limits = Limits(tps, most[0] if most else None, pps, zeros, not no_offload, strategies)
+    grads = tuple(dict.fromkeys(x.strip() for x in grad_dtype.split(","))) if grad_dtype is not None else None
+    if grads is not None and not set(grads) <= set(GRAD_DTYPE_FLAGS):
+        problems.append(f"--grad-dtype {grad_dtype!r}: give dtypes among {', '.join(GRAD_DTYPE_FLAGS)}, e.g. fp32")
+        grads = None
+    limits = Limits(tps, most[0] if most else None, pps, zeros, not no_offload, strategies,
+                    grads and tuple(GRAD_DTYPE_FLAGS[g] for g in grads))
     if problems:
         raise TensorOptError("; ".join(problems))
     return limits

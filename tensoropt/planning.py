@@ -1,18 +1,22 @@
 """``tensoropt.plan``: the one entry point for planning, used by ``tensoropt frontier`` and ``tensoropt launch``.
 
 A model and its devices in, a ``Frontier`` out: the (time, memory per device, devices) Pareto set of plans whose
-memory fits the budget (the devices' own memory unless given). With ``engines`` the space is what those engines
-run (``search.engines.ENGINE_SPACES`` and ``unsupported``) and each point carries the engine that runs it, as
-the launcher needs; without, it is the planner's whole space, as ``tensoropt frontier`` shows it. The graph is
-folded once however many device counts and engines are searched (``folded``), so the command line and the Python
-API give the same answer from the same work.
+memory fits the budget (the devices' own memory unless given). By default the space is what the engines run
+(``engines=ENGINES``: ``search.engines.ENGINE_SPACES``, ``grad_dtypes`` and ``unsupported``), in the precision
+``tensoropt launch`` runs by default (bf16-mixed, or the one the graph was captured in), each point priced as the
+engine that runs it holds it and carrying that engine: what ``tensoropt frontier`` shows and ``tensoropt launch``
+chooses from. ``engines=None`` searches the planner's whole space, plans no engine runs included (tensor with
+data parallelism under ZeRO 0, offload with tensor parallelism or pipelines), each plan still priced as the engine
+that would hold it (the torch engine's states without offload, DeepSpeed's with it): what the engines' restrictions
+cost (``benchmarks/launch_coverage.py``). The graph is folded once however many device counts and engines are
+searched (``folded``), so the command line and the Python API give the same answer from the same work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from torch import nn
@@ -25,11 +29,19 @@ from .frontier import Frontier
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
 from .graph.precision import bf16_weights_graph
-from .search.engines import COMPILE_SPACES, ENGINE_SPACES, ENGINES, master_weights, priced_graph, unsupported
+from .search.engines import (
+    COMPILE_SPACES,
+    ENGINE_SPACES,
+    ENGINES,
+    grad_dtypes,
+    master_weights,
+    priced_graph,
+    unsupported,
+)
 from .search.ft import FrontierPoint, SearchSpace, search
 from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
-from .space.plan import compute_dtype
+from .space.plan import Plan, compute_dtype
 from .units import parse_bytes
 
 _FOLDED: list[tuple[OpGraph, FoldedGraph]] = []       # the graphs folded last, newest first
@@ -59,28 +71,33 @@ def folded(graph: OpGraph) -> FoldedGraph:
 
 
 def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequence[Cluster], *,
-         budget: float | str | None = None, engines: Sequence[str] | None = None, global_batch: int | None = None,
+         budget: float | str | None = None, engines: Sequence[str] | None = ENGINES, global_batch: int | None = None,
          example_inputs: tuple | Mapping | None = None, seq_len: int | None = None, limits: Limits = NO_LIMITS,
          precision: str | None = None, pipeline: bool = True, fits: bool = True, fold_blocks: bool = True,
          compile: bool = False) -> Frontier:
     """The frontier of plans for ``model`` on ``devices``, fastest first.
 
-    ``model``: a ``--model`` string, a module with ``example_inputs``, or a captured graph. ``devices``: a
+    ``model``: a ``--model`` string (captured in ``precision``, as ``tensoropt frontier`` does), a module with
+    ``example_inputs``, or a captured graph. ``devices``: a
     ``Cluster`` (count, per node, profile), or several of one profile to span device counts. ``budget``: memory
     per device (bytes or ``"40GiB"``; default the profile's); with ``fits=False`` plans over it are kept too.
-    ``engines`` (e.g. ``("torch", "deepspeed")``): only what they run, each point's engine in
-    ``Frontier.engine_of``; ``precision`` (``bf16-mixed``...) prices the model states as each engine holds them.
+    ``engines`` (default both, ``ENGINES``): only what they run, each point's engine in ``Frontier.engine_of``;
+    ``None``: the planner's whole space (module doc), ``engine_of`` "" for the plans no engine runs.
+    ``precision`` (``bf16-mixed``...; default the graph's, else ``bf16-mixed`` as ``tensoropt launch``) prices the
+    model states as each engine holds them; compute and activations are the graph's as captured (capture in the
+    precision, ``tensoropt.capture(..., precision=...)``, to price them as the launcher does).
     ``global_batch`` defaults to the one the graph records (a launch's script). ``pipeline=False`` leaves
     pipeline stages out; ``fold_blocks=False`` searches copy by copy. ``compile``: every plan runs its blocks
     compiled (``torch.compile``) and is priced so; with ``engines``, only what they run compiled
     (``search.engines.COMPILE_SPACES``). One-line ``TensorOptError`` when no plan
     exists (``NoPlanError``) or none fits (``NoPlanFitsError``)."""
-    graph, capture_seconds = _graph(model, example_inputs, seq_len)
+    graph, capture_seconds = _graph(model, example_inputs, seq_len, precision)
     clusters = [devices] if isinstance(devices, Cluster) else list(devices)
     if not clusters:
         raise TensorOptError("plan needs at least one Cluster of devices")
     profile = clusters[0].profile
     global_batch = global_batch or int(graph.meta("global_batch") or 0)
+    precision = precision or graph.meta("precision") or "bf16-mixed"
     if global_batch < 1:
         raise TensorOptError("give global_batch: the samples per iteration (the graph records none)")
     budget_bytes = _bytes(budget) if budget is not None else profile.memory_bytes
@@ -89,12 +106,12 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     candidates: list[tuple[FrontierPoint, str]] = []        # in ENGINES order: of two equal points the first is kept
     for cluster in clusters:
         costs: dict[int, ModelCost] = {}
-        for engine, space in _spaces(graph, global_batch, engines, precision, pipeline, limits, compile):
-            for priced, part in by_graph(graph, engine, space, cluster.num_devices):
+        for space, runs in _spaces(graph, global_batch, engines, precision, pipeline, limits, compile):
+            for priced, part in by_graph(graph, space.engine, space, cluster.num_devices):
                 cost = costs.get(id(priced)) or ModelCost(priced, folded(priced), cluster, compiled=compile)
                 costs[id(priced)] = cost
                 points = search(cost, cluster.num_devices, part, doubling=fold_blocks).points
-                candidates += [(p, engine) for p in points if not engine or not unsupported(p.plan, engine)]
+                candidates += [(p, engine) for p in points if (engine := runs(p.plan)) is not None]
     if not candidates:
         raise NoPlanError(f"no plan splits global batch {global_batch} over {[c.num_devices for c in clusters]} "
                           "devices" + (f" within {limits.flags()}" if limits else ""))
@@ -110,41 +127,59 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
                     global_batch, int(graph.meta("seq_len") or 0) or None, graph.flops_per_iteration / batch,
                     profile.peak("bfloat16"), tuple(candidates[i][0] for i in keep), time.perf_counter() - start,
                     capture_seconds, folding.summary(),
-                    engines=tuple(candidates[i][1] for i in keep) if engines is not None else ())
+                    engines=tuple(candidates[i][1] for i in keep))
 
 
-def _graph(model, example_inputs, seq_len) -> tuple[OpGraph, float]:
+def _graph(model, example_inputs, seq_len, precision: str | None) -> tuple[OpGraph, float]:
+    """The graph to plan: as given, or captured; a ``--model`` string in ``precision`` (default bf16-mixed) as the
+    launcher captures a script, a module as it computes (under the caller's autocast, if any)."""
     if isinstance(model, OpGraph):
         return model, 0.0
-    captured = model if isinstance(model, Captured) else capture(model, example_inputs, seq_len=seq_len)
+    if isinstance(model, Captured):
+        captured = model
+    elif isinstance(model, str):
+        captured = capture(model, seq_len=seq_len, precision=precision or "bf16-mixed")
+    else:
+        captured = capture(model, example_inputs, seq_len=seq_len)
     return captured.graph, captured.capture_seconds
 
 
-def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, precision: str | None,
-            pipeline: bool, limits: Limits, compile: bool = False) -> list[tuple[str, SearchSpace]]:
-    """(engine, space) pairs to search; engine "" is the planner's whole space. A model whose forward returns more
-    than the loss (a Hugging Face output) has no pipeline plans under an engine: the pipeline engine cannot split
-    it. An engine whose part the ``limits`` empty is not searched; with ``compile``, neither is one that does not
-    compile (``COMPILE_SPACES``), and the others' parts narrow to what they run compiled."""
-    priced = {"dtype": compute_dtype(precision), "precision": precision} if precision else {}
+def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, precision: str, pipeline: bool,
+            limits: Limits, compile: bool = False) -> list[tuple[SearchSpace, Callable[[Plan], str | None]]]:
+    """(space, runs) pairs to search, each space priced for its ``engine`` in ``precision``; ``runs(plan)`` is the
+    engine that runs a plan found there ("" for none), None to drop it. With ``engines``, each engine's part: a
+    model whose forward returns more than the loss (a Hugging Face output) has no pipeline plans under an engine
+    (the pipeline engine cannot split it), and with ``compile`` only the engines that compile, narrowed to what they
+    run compiled (``COMPILE_SPACES``). Without, the whole space (module doc): the torch engine's states for every
+    plan without offload, DeepSpeed's for its own part and for the offloading plans no engine runs (none with
+    ``compile``: DeepSpeed runs eager). A part the ``limits`` empty is not searched."""
     if engines is None:
-        parts = [("", {} if pipeline else {"pipeline_stages": (1,)})]
+        whole = {} if pipeline else {"pipeline_stages": (1,)}
+        parts = [("torch", whole | {"offload": False}, lambda p: "" if unsupported(p, "torch") else "torch")]
+        parts += [] if compile else [
+            ("deepspeed", ENGINE_SPACES["deepspeed"], lambda p: None if unsupported(p, "deepspeed") else "deepspeed"),
+            ("deepspeed", whole, lambda p: "" if p.offload and unsupported(p, "deepspeed") else None)]
     else:
         unknown = [e for e in engines if e not in ENGINE_SPACES]
         if unknown:
             raise TensorOptError(f"unknown engine {unknown[0]!r}: use {' or '.join(ENGINES)}")
         split = pipeline and graph.meta("output", "tensor") == "tensor"
         parts = [(e, ENGINE_SPACES[e] | (COMPILE_SPACES[e] if compile else {})
-                  | ({} if split else {"pipeline_stages": (1,)}))
+                  | ({} if split else {"pipeline_stages": (1,)}), _runs_on(e))
                  for e in engines if not compile or e in COMPILE_SPACES]
     spaces = []
-    for engine, part in parts:
-        own = {"master_weights": master_weights(engine, precision)} if engine and precision else {}
-        own |= {"engine": engine} if engine else {}
-        space = limits.restrict(SearchSpace(global_batch=global_batch, **priced, **own, **part))
+    for engine, part, runs in parts:
+        space = limits.restrict(SearchSpace(global_batch=global_batch, dtype=compute_dtype(precision),
+                                            precision=precision, master_weights=master_weights(engine, precision),
+                                            engine=engine, grad_dtypes=grad_dtypes(engine, precision), **part))
         if space is not None:
-            spaces.append((engine, space))
+            spaces.append((space, runs))
     return spaces
+
+
+def _runs_on(engine: str) -> Callable[[Plan], str | None]:
+    """``engine`` for the plans it runs, None for the others (its part of the space holds some it does not)."""
+    return lambda plan: None if unsupported(plan, engine) else engine
 
 
 def by_graph(graph: OpGraph, engine: str, space: SearchSpace, devices: int) -> list[tuple[OpGraph, SearchSpace]]:

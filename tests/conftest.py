@@ -80,3 +80,25 @@ def reference(tmp_path_factory):
     test_elastic overrides it with final parameters."""
     from workers import GPT_SCRIPT, losses_alone
     return losses_alone(GPT_SCRIPT, tmp_path_factory.mktemp("ref") / "losses.json")
+
+
+@pytest.fixture(scope="module")
+def small_gpt(tmp_path_factory):
+    """(graph, cost model on 2 H100s) of SMALL_GPT captured as it is (bf16), at batch 1 and 32 tokens."""
+    from tensoropt.api import capture
+    from tensoropt.cost.model import ModelCost
+    from tensoropt.cost.profile import Cluster, load_profile
+    from tensoropt.graph.fold import fold
+    path = tmp_path_factory.mktemp("gpt") / "gpt.json"
+    path.write_text(json.dumps(SMALL_GPT))
+    graph = capture(str(path), batch_size=1, seq_len=32).graph
+    return graph, ModelCost(graph, fold(graph), Cluster(2, 2, load_profile("h100-80gb")))
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one rank in this process, for engines applied in-process."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

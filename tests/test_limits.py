@@ -1,5 +1,5 @@
-"""Limits on the search space (--tp, --max-tp, --pp, --zero, --no-offload, --recompute) of `frontier` and
-`launch`: every plan returned respects them, and bad values or limits no plan survives are one line."""
+"""Limits on the search space (--tp, --max-tp, --pp, --zero, --no-offload, --recompute, --grad-dtype) of `frontier`
+and `launch`: every plan returned respects them, and bad values or limits no plan survives are one line."""
 
 import json
 import subprocess
@@ -37,7 +37,16 @@ CASES = [
     (["--no-offload"], lambda p: not p["offload"]),
     (["--recompute", "none,full"], lambda p: recomputes(p) <= {"none", "full"}),
     (["--tp", "1", "--zero", "3", "--no-offload"], lambda p: (p["tp"], p["zero"], p["offload"]) == (1, 3, False)),
+    (["--grad-dtype", "fp32"], lambda p: "grad_dtype" not in p),
+    # DeepSpeed's bf16 mode reduces bf16 gradients as its own layout (no grad_dtype named)
+    (["--grad-dtype", "bf16"], lambda p: p.get("grad_dtype") == "bfloat16" or p["engine"] == "deepspeed"),
 ]
+# the frontier of what the engines run has no offloading plan for this small model (DeepSpeed's, at tp 1 without
+# pipeline stages, saves less than the runtime's fixed overhead costs it in time): --no-offload excludes nothing there,
+# and is checked by the launcher's min-memory cases below. Every plan of it has bf16 gradients (they dominate float32
+# ones under ZeRO 1-3, and ZeRO 1-3 dominate ZeRO 0 here): --grad-dtype bf16 excludes nothing either, its fp32 twin
+# excludes all
+EXCLUDES_NOTHING = {"--no-offload", "--grad-dtype bf16"}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +67,7 @@ def test_the_unlimited_frontier_breaks_every_limit(model):
     code, out = frontier(model)
     plans = [p["plan"] for p in json.loads(out)["points"]]
     assert code == 0
-    assert all(not all(check(p) for p in plans) for _, check in CASES)
+    assert all(not all(check(p) for p in plans) for flags, check in CASES if " ".join(flags) not in EXCLUDES_NOTHING)
 
 
 @pytest.mark.parametrize("flags, check", CASES, ids=[" ".join(f) for f, _ in CASES])
@@ -83,7 +92,10 @@ def test_the_limits_search_a_narrower_space_not_filter_a_frontier(model):
     (["--zero", "4"], "--zero '4': give ZeRO stages 0-3"),
     (["--recompute", "some"], "--recompute 'some': give strategies among none, selective, full"),
     (["--tp", "0", "--zero", "9"], "--tp '0': give positive integers, e.g. 1 or 2,4; --zero '9'"),
+    (["--grad-dtype", "fp16"], "--grad-dtype 'fp16': give dtypes among fp32, bf16, e.g. fp32"),
     (["--tp", "3"], "no plan for "),                                 # 3 divides neither 4 per node nor 8 heads
+    # 32-true reduces float32 gradients in every engine
+    (["--precision", "32-true", "--grad-dtype", "bf16"], "respects --grad-dtype bf16 with --global-batch 32"),
     (["--pp", "4"], "respects --pp 4 with --global-batch 32: relax the limits"),   # 4 does not divide 6 layers
 ])
 def test_bad_limits_and_limits_no_plan_survives_are_one_line(model, flags, expected):
@@ -117,6 +129,27 @@ def test_limits_narrow_each_engines_part_of_the_space():
     assert Limits(max_tp=2, offload=False).describe() == "limited to tp <= 2, no offload"
 
 
+def test_the_gradient_dtype_limit_reads_what_each_engine_reduces_in():
+    """--grad-dtype limits the dtype gradients are reduced in, as each engine holds them: the torch engine's
+    bf16-mixed offers float32 ("") and bf16 ("bfloat16") layouts, DeepSpeed's bf16 mode reduces bf16 as its own
+    layout, 32-true reduces float32 only."""
+    from tensoropt.search.engines import ENGINE_SPACES, grad_dtypes, master_weights
+
+    def space(engine, precision):
+        return SearchSpace(global_batch=8, precision=precision, master_weights=master_weights(engine, precision),
+                           engine=engine, grad_dtypes=grad_dtypes(engine, precision), **ENGINE_SPACES[engine])
+    fp32, bf16 = Limits(grad_dtypes=("float32",)), Limits(grad_dtypes=("bfloat16",))
+    torch_mixed = space("torch", "bf16-mixed")
+    assert torch_mixed.grad_dtypes == ("", "bfloat16")
+    assert fp32.restrict(torch_mixed).grad_dtypes == ("",)
+    lean = bf16.restrict(torch_mixed)
+    assert (lean.grad_dtypes, lean.zero_stages) == (("bfloat16",), (1, 2, 3))
+    assert fp32.restrict(space("deepspeed", "bf16-mixed")) is None
+    assert bf16.restrict(space("deepspeed", "bf16-mixed")).grad_dtypes == ("",)
+    assert bf16.restrict(space("torch", "32-true")) is None and fp32.restrict(space("torch", "32-true")) is not None
+    assert bf16.describe() == "limited to gradients in bf16" and fp32.flags() == "--grad-dtype fp32"
+
+
 # --- tensoropt launch: a dry run plans within the limits; the elastic re-plans keep them ---
 
 LAUNCH_CASES = [
@@ -127,14 +160,15 @@ LAUNCH_CASES = [
     (["--objective", "min-memory", "--no-offload"], lambda p: not p["offload"]),
     (["--objective", "min-memory", "--recompute", "none"], lambda p: recomputes(p) == {"none"}),
     (["--objective", "min-memory", "--no-offload", "--tp", "1"], lambda p: not p["offload"] and p["tp"] == 1),
+    (["--grad-dtype", "fp32"], lambda p: "grad_dtype" not in p and p["engine"] == "torch"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, check", LAUNCH_CASES, ids=[" ".join(f) for f, _ in LAUNCH_CASES])
 def test_launch_dry_run_plans_within_the_limits(tmp_path, flags, check):
-    """Each case's limit excludes the plan chosen without it (fastest: dp2 zero1 on torch; min-memory:
-    ZeRO 3 with offload and full recomputation, or tp2 once offload is excluded)."""
+    """Each case's limit excludes the plan chosen without it (fastest: dp2 zero1 with bf16 gradients on torch;
+    min-memory: ZeRO 3 with offload and full recomputation, or tp2 once offload is excluded)."""
     code, out = run("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--dry-run", "--run-dir", tmp_path, *flags)
     assert code == 0, out
     plan = json.loads((tmp_path / "plan.json").read_text())

@@ -1,6 +1,7 @@
 """``tensoropt.plan``: the one planning entry point behind ``tensoropt frontier`` and ``tensoropt launch``."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -12,6 +13,7 @@ from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.planning import NoPlanFitsError, folded
 from tensoropt.search.engines import unsupported
+from tensoropt.space.plan import Plan
 
 H100 = load_profile("h100-80gb")
 
@@ -53,6 +55,31 @@ def test_every_point_fits_the_budget_unless_asked_otherwise(model):
         tensoropt.plan(graph, Cluster(8, 8, H100), global_batch=16, budget="lots")
 
 
+@pytest.mark.slow
+def test_the_frontier_offers_what_launch_runs_at_the_price_launch_gives_it(model, tmp_path):
+    """One accounting: ``tensoropt frontier --model M`` (bf16-mixed by default) and ``tensoropt launch`` of a script
+    that builds M (benchmarks/preset_train.py, captured by the launcher as every script is) agree: the frontier's
+    fastest point within the devices' memory is the plan launch chooses, at the same time and memory, on the same
+    engine; and every point of the frontier names an engine that runs it."""
+    from workers import ENV, tensoropt_cli
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "preset_train.py"
+    env = {k: v for k, v in ENV.items() if k != "TENSOROPT_PRECISION"}        # launch's own default precision
+    launched = tensoropt_cli("launch", script, "--device", "cuda", "--gpus", 8, "--dry-run", "--run-dir", tmp_path,
+                             "--", "--model", model, "--global-batch", 16, cwd=tmp_path, env=env)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    chosen = json.loads((tmp_path / "plan.json").read_text())
+    result = CliRunner().invoke(cli, ["frontier", "--model", model, "--gpus", 8, "--global-batch", 16, "--json",
+                                      "--mem", "80GiB"])
+    assert result.exit_code == 0, result.output
+    front = json.loads(result.output)
+    best = front["chosen"]
+    assert (best["plan"]["summary"], best["engine"]) == (chosen["summary"], chosen["engine"])
+    assert best["plan"]["precision"] == chosen["precision"] == "bf16-mixed"
+    assert best["iteration_time_s"] == pytest.approx(chosen["predicted"]["iteration_time_s"], rel=1e-9)
+    assert best["peak_memory_bytes"] == chosen["predicted"]["peak_memory_bytes"]
+    assert all(not unsupported(Plan.from_json(p["plan"]), p["engine"]) for p in front["points"])
+
+
 def test_planned_for_engines_every_point_runs_on_its_engine(model):
     graph = tensoropt.capture(model).graph
     frontier = tensoropt.plan(graph, Cluster(8, 8, H100), global_batch=16, engines=("torch", "deepspeed"),
@@ -65,3 +92,36 @@ def test_planned_for_engines_every_point_runs_on_its_engine(model):
     assert folded(graph) is folded(graph)                          # the graph is folded once for every search
     with pytest.raises(TensorOptError, match="^unknown engine 'megatron': use torch or deepspeed$"):
         tensoropt.plan(graph, Cluster(8, 8, H100), global_batch=16, engines=("megatron",))
+
+
+def test_the_whole_space_prices_each_plan_as_the_engine_that_would_hold_it(model):
+    """``engines=None``: the planner's whole space, plans no engine runs included (``engine_of`` ""), each priced in
+    the states of the engine that would hold it; never slower than the engines' frontier, of which it holds every
+    point it does not beat."""
+    graph = tensoropt.capture(model, precision="bf16-mixed").graph
+    cluster = [Cluster(8, 4, H100)]
+    whole = tensoropt.plan(graph, cluster, global_batch=16, engines=None, fits=False)
+    runnable = tensoropt.plan(graph, cluster, global_batch=16, fits=False)
+    assert {whole.engine_of(p) for p in whole.points} > {"torch"}
+    for point in whole.points:
+        engine = whole.engine_of(point)
+        assert engine == "" or not unsupported(point.plan, engine)
+        assert point.plan.engine in ("torch", "deepspeed") and point.plan.precision == "bf16-mixed"
+        assert point.plan.master_weights == (point.plan.engine == "deepspeed")
+    assert whole.points[0].iteration_time_s <= runnable.points[0].iteration_time_s
+    unrunnable = [p for p in whole.points if not whole.engine_of(p)]
+    assert unrunnable and all(p.plan.offload or (p.plan.tp > 1 and p.plan.dp > 1 and p.plan.zero == 0)
+                              for p in unrunnable)
+
+
+def test_the_frontier_command_prices_the_precision_it_is_told(model):
+    def points(*precision):
+        result = CliRunner().invoke(cli, ["frontier", "--model", model, "--gpus", 8, "--global-batch", 16, "--json",
+                                          *precision])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["points"]
+    default, fp32 = points(), points("--precision", "32-true")
+    assert {p["plan"]["precision"] for p in default} == {"bf16-mixed"} and all(p["engine"] for p in default)
+    assert {(p["plan"]["precision"], p["plan"]["dtype"]) for p in fp32} == {("32-true", "float32")}
+    assert not any(p["plan"].get("grad_dtype") for p in fp32)
+    assert min(p["iteration_time_s"] for p in fp32) > min(p["iteration_time_s"] for p in default)

@@ -84,12 +84,14 @@ def test_estimate_json_contract(model):
 
 
 def test_estimate_prices_the_precision_it_is_told(model):
+    """--dtype and --master-weights/--no-master-weights price the states they describe (on no engine), as before
+    precisions were named; with neither, the plan is priced as launch runs it (next test)."""
     def est(*precision):
         code, out = run("estimate", "--model", model, "--gpus", 1, "--tp", 1, "--pp", 1, "--global-batch", 4,
                         "--micro-batch", 4, "--json", *precision)
         assert code == 0, out
         return json.loads(out)
-    mixed, pure, fp32 = est(), est("--no-master-weights"), est("--dtype", "fp32")
+    mixed, pure, fp32 = est("--master-weights"), est("--no-master-weights"), est("--dtype", "fp32")
     params = mixed["memory_breakdown"]["parameters_bytes"] / 2                      # bf16 weights: 2 bytes each
     assert mixed["memory_breakdown"]["optimizer_bytes"] == pytest.approx(12 * params)
     assert pure["memory_breakdown"]["optimizer_bytes"] == pytest.approx(4 * params)
@@ -102,6 +104,33 @@ def test_estimate_prices_the_precision_it_is_told(model):
     ratio = fp32["memory_breakdown"]["activations_bytes"] / mixed["memory_breakdown"]["activations_bytes"]
     assert 1.7 < ratio <= 2.0
     assert fp32["iteration_time_s"] > mixed["iteration_time_s"]                     # float32 peak is lower
+    assert (mixed["engine"], pure["engine"], fp32["engine"]) == (None, None, None)
+
+
+def test_estimate_prices_by_default_what_launch_runs(model):
+    """With no precision flag, a plan is priced in launch's default precision (bf16-mixed) on the engine launch
+    chooses for it (torch where it runs it, else DeepSpeed), the model captured as the launcher captures it: equal to
+    --precision bf16-mixed --engine E; DeepSpeed runs the offloading plan."""
+    def est(*extra, zero=1):      # 2 micro-batches: the first's gradients are held through the second's backward
+        code, out = run("estimate", "--model", model, "--gpus", 2, "--tp", 1, "--pp", 1, "--global-batch", 8,
+                        "--micro-batch", 2, "--zero", zero, "--json", *extra)
+        assert code == 0, out
+        return json.loads(out)
+    default = est()
+    assert default["engine"] == "torch" and default["plan"]["precision"] == "bf16-mixed"
+    assert default == est("--precision", "bf16-mixed", "--engine", "torch")
+    params = default["memory_breakdown"]["parameters_bytes"] / 2                   # FSDP2's gathered bf16 weights
+    assert default["memory_breakdown"]["gradients_bytes"] == pytest.approx(4 * params)   # float32, whole (ZeRO 1)
+    lean = est("--grad-dtype", "bf16")
+    assert lean["plan"]["grad_dtype"] == "bfloat16" and "grad:bf16" in lean["plan"]["summary"]
+    assert lean["memory_breakdown"]["gradients_bytes"] == pytest.approx(2 * params)      # bf16, whole
+    assert lean["time_breakdown"]["data_parallel_comm_s"] < default["time_breakdown"]["data_parallel_comm_s"]
+    offloaded = est("--offload")
+    assert offloaded["engine"] == "deepspeed" and offloaded["plan"]["master_weights"] is True
+    code, out = run("estimate", "--model", model, "--gpus", 2, "--tp", 1, "--pp", 1, "--global-batch", 4, "--zero",
+                    1, "--offload", "--grad-dtype", "fp32")
+    assert code == 1 and "the deepspeed engine reduces this plan's gradients in bf16" in out and \
+        out.count("\n") == 1, out
 
 
 def test_recomputation_trades_time_for_memory_in_estimates(model):
@@ -195,10 +224,11 @@ def test_estimate_prices_the_kernels_it_is_told(model):
 
 def test_estimate_prices_the_engine_it_is_told(model):
     """``--engine deepspeed`` adds DeepSpeed's own buffers (ZeRO 1: the reduce bucket of every bf16 gradient, and
-    more) to the same states; ``--engine torch`` prices as no engine does; a plan DeepSpeed cannot run is one line."""
+    more) to the same states (described by hand: --master-weights); ``--engine torch`` prices as no engine does; a
+    plan DeepSpeed cannot run is one line."""
     def est(*engine, tp=1):
         code, out = run("estimate", "--model", model, "--gpus", 2, "--tp", tp, "--pp", 1, "--global-batch", 4,
-                        "--micro-batch", 2, "--zero", 1, "--json", *engine)
+                        "--micro-batch", 2, "--zero", 1, "--json", "--master-weights", *engine)
         return code, out
     reports = {}
     for engine in ("", "torch", "deepspeed"):

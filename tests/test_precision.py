@@ -227,6 +227,45 @@ MIXED = [("torch", {}, 3e-5), ("torch", {"zero": 3}, 7e-5), ("torch", TP2, 9e-5)
          ("torch", PP2, 3e-5), ("torch", PP2 | {"zero": 1}, 7e-5)]
 
 
+# bf16 gradients (FSDP2 ZeRO 1, reduce_dtype=bfloat16) against the script alone in bf16-mixed, 3 steps of two
+# micro-batches of 2 per replica. The comparison accumulates (1) what every FSDP2 bf16-mixed run differs by (bf16
+# embedding and norm weights, the order of float32 reductions over the split batch: FSDP2 ZeRO 3's bound above,
+# 7e-5) and (2) per step, R = 2 bf16 roundings of each gradient element that float32 gradients do not make: the
+# rank's two micro-batches summed in bf16 (autograd accumulates on the bf16 weights) and the two ranks' sum in the bf16
+# reduce-scatter (AVG's halving is exact); each moves a value by at most u = 2^-8 of it (bf16's 8-bit significand).
+# AdamW scales each element's update by its own gradient (m / sqrt(v)), so a relative error e of the gradients moves
+# the updates, and the loss changes they make, by about e at most: the loss of step t moves by at most R u times the
+# losses' movement before it (sum of |L(s+1) - L(s)| for s < t, the reference's own; an over-estimate, since on
+# random tokens much of that movement is the batch's, not the update's). Measured on 2 AMD cores: 2.0e-5 at step 3,
+# where the same plan with float32 gradients read 2.3e-5: the bf16 roundings do not show over 3 steps of lr 1e-3. So
+# the test also asserts the workers were told bf16 gradients (the engine line and plan.json);
+# tests/test_bf16_gradients.py holds a real rank's bf16 gradient bytes, and tests/test_memory_check.py this very
+# launch's memory against its simulation.
+BF16_GRADIENTS = {"zero": 1, "micro_batch": 2, "grad_dtype": "bfloat16"}
+FSDP2_MIXED_RTOL, BF16_ROUNDINGS, BF16_UNIT_ROUNDOFF = 7e-5, 2, 2.0 ** -8
+
+
+def _bf16_gradient_rtol(reference: list[float]) -> np.ndarray:
+    """Per step, the bound derived above from the reference losses."""
+    moved = np.concatenate([[0.0], np.cumsum(np.abs(np.diff(reference)))])
+    return FSDP2_MIXED_RTOL + BF16_ROUNDINGS * BF16_UNIT_ROUNDOFF * moved / np.abs(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_bf16_gradients_train_as_the_script_alone_in_bf16_mixed(tmp_path, alone):
+    plan = _plan("bf16-mixed", **BF16_GRADIENTS)
+    assert plan.grad_accumulation == 2 and "grad:bf16" in plan.summary()
+    launched, reference = _launched(tmp_path, plan, "torch"), alone("bf16-mixed")
+    run = launched_once(plan, tmp_path, GPT, "--layers", str(LAYERS))            # the same launch, its output
+    assert "reduce_dtype=bfloat16" in run["stdout"] and run["written"]["grad_dtype"] == "bfloat16"
+    _report(launched, reference)
+    deviation = np.abs(np.array(launched[0]) / np.array(reference[0]) - 1)
+    assert np.all(deviation <= _bf16_gradient_rtol(reference[0])), (deviation, _bf16_gradient_rtol(reference[0]))
+    assert _first(launched, alone("32-true")) > FIRST_STEP_RTOL                # it computed in bf16
+    assert _in_bf16(launched[1]) < 0.5                                          # float32 master weights, as alone
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 @pytest.mark.parametrize("engine,change,rtol", MIXED, ids=["ddp", "fsdp2-zero3", "tp2", "deepspeed-zero2", "pp2",

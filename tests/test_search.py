@@ -86,6 +86,23 @@ def test_epsilon_dominance_error_is_bounded(write_json):
         assert estimate(model, point.plan).iteration_time_s == pytest.approx(point.iteration_time_s, rel=1e-12)
 
 
+@pytest.mark.parametrize("devices, per_node, profile", [(1, 1, "h100-80gb"), (4, 2, "h100-80gb"),
+                                                        (2, 2, CPU_PROFILE), (4, 4, CPU_PROFILE)])
+def test_ft_equals_exhaustive_enumeration_with_bf16_gradients(write_json, devices, per_node, profile):
+    """The torch engine's bf16-mixed space, float32 and bf16 gradients (ZeRO 1-3 only): FT, which drops the float32
+    layout where the bf16 one is allowed before pricing (``ft._undominated``), finds the brute force's frontier,
+    and every point is priced as ``estimate`` prices its plan."""
+    model = _model(write_json, TINY_GPT, devices, per_node, profile)
+    space = SearchSpace(global_batch=8, micro_batches=(1, 2), max_virtual_stages=2, eps=0.0, precision="bf16-mixed",
+                        master_weights=False, engine="torch", offload=False, grad_dtypes=("", "bfloat16"))
+    ft, brute = search(model, devices, space), exhaustive_search(model, devices, space)
+    np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
+    assert any(p.plan.grad_dtype for p in ft.points)
+    assert all(p.plan.zero >= 1 for p in ft.points if p.plan.grad_dtype)
+    for point in ft.points:
+        assert estimate(model, point.plan).peak_memory_bytes == pytest.approx(point.peak_memory_bytes, rel=1e-12)
+
+
 def test_grouped_copies_equal_exhaustive_enumeration(write_json):
     """With at most 2 groups per stage, 8 copies run as 2 groups of 4: FT and brute force agree."""
     model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 4, 2)

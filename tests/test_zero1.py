@@ -4,19 +4,13 @@ inside pipeline stages and over a (dp, tp) mesh; what the planner prices for it;
 to the losses of the script run alone (float32, rtol 2e-5)."""
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import SMALL_GPT
 from workers import GPT_SCRIPT, dry_run_plan, launched_with_plan, tp2
 
-from tensoropt.api import capture
-from tensoropt.cost.model import ModelCost, estimate, state_bytes
-from tensoropt.cost.profile import Cluster, load_profile
-from tensoropt.graph.fold import fold
+from tensoropt.cost.model import estimate, state_bytes
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime.data_parallel import fsdp_micro_batch
 from tensoropt.runtime.torch_engine import apply
@@ -58,13 +52,6 @@ def test_zero1_state_bytes_in_the_torch_engine():
     assert held("bf16-true", 1) == (2, 2, 2, 4 + 2, 0)
 
 
-@pytest.fixture(scope="module")
-def small_gpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt") / "gpt.json"
-    path.write_text(json.dumps(SMALL_GPT))
-    graph = capture(str(path), batch_size=1, seq_len=32).graph
-    return graph, ModelCost(graph, fold(graph), Cluster(2, 2, load_profile("h100-80gb")))
-
 
 def test_zero1_priced_bytes_for_a_known_parameter_count(small_gpt):
     """Model-state bytes per device for the small GPT (P parameters) on dp 2 under ZeRO 1: weights and gradients
@@ -82,12 +69,6 @@ def test_zero1_priced_bytes_for_a_known_parameter_count(small_gpt):
     assert tuple(held) == (2 * p, 4 * p / 2, 12 * p / 2) and other > base     # + FSDP2's buffers (torch_memory)
     assert states(_plan("32-true")) == (4 * p, 4 * p, 12 * p / 2, base)
 
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _fsdp_params(model: torch.nn.Module) -> list:

@@ -119,10 +119,10 @@ def launched_once(plan: Plan, tmp_path, script: str = GPT_SCRIPT, *script_args: 
 
 
 def gpt_plan(*, dp: int = 2, tp: int = 1, zero: int = 0, micro_batch: int, recompute: str = "none", sp: bool = False,
-             precision: str = "32-true", layers: int = 4) -> Plan:
+             precision: str = "32-true", layers: int = 4, grad_dtype: str = "") -> Plan:
     """A 2-device plan of examples/train_gpt.py's model (one block of ``layers`` copies, one strategy) at its global
     batch of 8: the plans that tests in several modules launch and share through ``launched_once``."""
     return Plan(devices=2, dp=dp, tp=tp, pp=1, micro_batch=micro_batch, global_batch=8, zero=zero,
                 tp_branches=("attn", "mlp") if tp > 1 else (), precision=precision,
                 dtype="bfloat16" if precision == "bf16-mixed" else "float32", master_weights=False,
-                blocks=(BlockPlan("layers.*", ((LayerStrategy(recompute, sp), layers),)),))
+                grad_dtype=grad_dtype, blocks=(BlockPlan("layers.*", ((LayerStrategy(recompute, sp), layers),)),))

@@ -55,9 +55,12 @@ class Loaded:
         return self.folded.summary()
 
 
-def load(model: str, device: str, seq_len: int | None, dtype: str | None = None) -> Loaded:
+def load(model: str, device: str, seq_len: int | None, dtype: str | None = None,
+         precision: str | None = None) -> Loaded:
+    """``model`` captured in ``dtype``, or in ``precision`` as the launcher captures a script in it
+    (``tensoropt.capture``), on ``device``'s profile."""
     profile = load_profile(device)
-    captured = capture(model, seq_len=seq_len, dtype=dtype)
+    captured = capture(model, seq_len=seq_len, dtype=dtype, precision=precision)
     loaded = Loaded(captured.graph, fold(captured.graph), profile, captured.capture_seconds)
     # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the
     # search (a full collection there cost gpt3-175b's search ~70 ms, a third of it)

@@ -9,23 +9,27 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..cost.model import ModelCost, state_bytes
 from ..cost.model import estimate as estimate_plan
-from ..cost.model import state_bytes
 from ..errors import TensorOptError
 from ..options import check_counts
+from ..planning import folded
+from ..search.engines import choose_engine, priced_graph, unsupported
 from ..search.engines import master_weights as engine_master_weights
-from ..search.engines import unsupported
+from ..search.limits import GRAD_DTYPE_FLAGS
 from ..space.plan import PRECISIONS, RECOMPUTE, BlockPlan, LayerStrategy, Plan, compute_dtype
-from .common import load, model_options
+from .common import Loaded, load, model_options
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DEFAULT_PRECISION = "bf16-mixed"          # tensoropt launch's (launcher.launch.default_precision)
 
 
 def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
                global_batch: int, recompute: str, sequence_parallel: bool, dtype: str,
-               master_weights: bool = True, precision: str = "", compile: bool = False, offload: bool = False) -> Plan:
+               master_weights: bool = True, precision: str = "", compile: bool = False, offload: bool = False,
+               grad_dtype: str = "") -> Plan:
     """The plan the flags describe, or one line naming every operand that does not fit."""
     problems = []
     if gpus % (tp * pp):
@@ -54,7 +58,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
     strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
     blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
     return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, offload, model_cost.branch_names if tp > 1
-                else (), DTYPES[dtype], blocks, master_weights, precision, compile)
+                else (), DTYPES[dtype], blocks, master_weights, precision, compile, grad_dtype=grad_dtype)
 
 
 def on_engine(plan: Plan, engine: str) -> Plan:
@@ -66,6 +70,35 @@ def on_engine(plan: Plan, engine: str) -> Plan:
                              f"--engine {engine}")
     keeps = engine_master_weights(engine, plan.precision) if plan.precision else plan.master_weights
     return dataclasses.replace(plan, engine=engine, master_weights=keeps)
+
+
+def as_launched(plan: Plan, engine: str | None, grad_flag: str | None) -> Plan:
+    """``plan`` as ``tensoropt launch --plan`` would run it: on ``engine``, else the engine launch chooses for it
+    (``choose_engine``: torch where it runs it, else DeepSpeed); a plan no engine runs is one line. ``grad_flag``
+    ``fp32`` must be what that engine reduces in (DeepSpeed's bf16 mode reduces bf16 gradients)."""
+    if engine:
+        plan = on_engine(plan, engine)
+    else:
+        try:
+            plan = on_engine(plan, choose_engine(plan))
+        except TensorOptError as exc:
+            raise TensorOptError(f"{exc}: change those flags, or price the plan outside the engines with --dtype and "
+                                 "--master-weights/--no-master-weights") from None
+    held = state_bytes(plan.dtype, plan.master_weights, plan.precision, max(plan.zero, 1), plan.grad_dtype)
+    if grad_flag == "fp32" and held.reduced_bytes != 4:
+        raise TensorOptError(f"the {plan.engine} engine reduces this plan's gradients in bf16 in {plan.precision} "
+                             "(DeepSpeed's bf16 mode): drop --grad-dtype fp32, or price another engine or precision")
+    return plan
+
+
+def priced(loaded: Loaded, plan: Plan, gpus: int, per_node: int) -> ModelCost:
+    """The cost model of the graph ``plan``'s engine computes with (``search.engines.priced_graph``: in bf16-mixed,
+    FSDP2 and DeepSpeed with bf16 weights, DDP and pipeline stages with float32 ones under autocast)."""
+    graph = priced_graph(loaded.graph, plan.engine, plan.zero, plan.pp, plan.precision) if plan.precision \
+        else loaded.graph
+    if graph is loaded.graph:
+        return loaded.model_cost(gpus, per_node)
+    return ModelCost(graph, folded(graph), loaded.model_cost(gpus, per_node).cluster)
 
 
 @click.command()
@@ -89,46 +122,68 @@ def on_engine(plan: Plan, engine: str) -> Plan:
               help="16-bit weights with a float32 master copy and float32 AdamW states (mixed precision, 2+2+12 "
                    "bytes per parameter), or everything in --dtype (2+2+4)")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
-              help="as `tensoropt launch --precision` (sets --dtype): 32-true 4+4+8 bytes per parameter, bf16-true "
-                   "2+2+4, bf16-mixed with --master-weights DeepSpeed's bf16 mode (2+2+12), with --no-master-weights "
-                   "the torch engine's (float32 weights 4+4+8, bf16 compute)")
+              help="as `tensoropt launch --precision` (sets --dtype; default bf16-mixed, launch's, unless --dtype or "
+                   "--master-weights is given): the model captured in it and priced as its engine holds it: 32-true "
+                   "4+4+8 bytes per parameter, bf16-true 2+2+4, bf16-mixed the torch engine's float32 weights (4+4+8, "
+                   "bf16 compute) or DeepSpeed's bf16 mode (2+2+12); with --master-weights/--no-master-weights and no "
+                   "--engine, bf16-mixed is priced with (DeepSpeed's) or without a master copy, on no engine")
+@click.option("--grad-dtype", type=click.Choice(list(GRAD_DTYPE_FLAGS)), default=None,
+              help="the dtype gradients are accumulated and reduced in: bf16 under bf16-mixed is the leaner layout "
+                   "(FSDP2 ZeRO 1-3 with reduce_dtype=bf16; plan.json \"grad_dtype\"); default the precision's own "
+                   "on its engine (float32 in the torch engine's bf16-mixed, bf16 in DeepSpeed's)")
 @click.option("--compile/--eager", "compile_", default=False, show_default=True,
               help="price blocks compiled with torch.compile (memory-bound ops fused inside each block copy, as "
                    "`launch --compile` and Megatron-LM's fused kernels run them; the ops outside blocks eager) or "
                    "eager PyTorch, one kernel per op (what the torch engine runs without --compile)")
 @click.option("--engine", type=click.Choice(["torch", "deepspeed"]), default=None,
               help="price the plan as this engine of `tensoropt launch --engine` runs it: deepspeed adds its own "
-                   "buffers (reduce bucket, ZeRO 3's gathered and prefetched weights), and with --precision each "
-                   "engine keeps its own master copy (as launch plans it); a plan the engine cannot run is refused "
-                   "(default: no engine, priced as the torch engine runs it)")
+                   "buffers (reduce bucket, ZeRO 3's gathered and prefetched weights), and each engine keeps its own "
+                   "master copy (as launch plans it); a plan the engine cannot run is refused (default: the engine "
+                   "launch chooses for the plan, torch where it runs it, else DeepSpeed; with --dtype or "
+                   "--master-weights/--no-master-weights, no engine, priced as the torch engine runs it)")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, offload, micro_batch,
-             global_batch, recompute, sequence_parallel, dtype, master_weights, precision, compile_, engine, as_json):
-    """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp))."""
+             global_batch, recompute, sequence_parallel, dtype, master_weights, precision, grad_dtype, compile_, engine,
+             as_json):
+    """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp)), by default as
+    `tensoropt launch --plan` would run it: in launch's default precision, on the engine launch chooses."""
     check_counts(devices=gpus, global_batch=global_batch)
+    context = click.get_current_context()
+    # --dtype or --master-weights describe the states by hand: priced as before precisions were named, on no engine
+    # unless one is named; otherwise as launch runs the plan
+    by_hand = any(context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+                  for name in ("dtype", "master_weights"))
+    if not by_hand:
+        precision = precision or DEFAULT_PRECISION
+    if grad_dtype == "bf16" and precision != "bf16-mixed":       # before the capture: nothing to price
+        raise TensorOptError(f"--grad-dtype bf16 departs from bf16-mixed's float32 gradients only: use --precision "
+                             f"bf16-mixed (this plan trains in {precision or 'the --dtype given'})")
     if precision:
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[compute_dtype(precision)]
-    # a 16-bit model is captured as it is (bf16); float32 training computes and keeps activations in float32
-    loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" else None)
+    # a 16-bit model is captured as it is (bf16); float32 training computes and keeps activations in float32; a named
+    # precision is captured as the launcher captures a script in it
+    loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" and not precision else None,
+                  precision if precision else None)
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
                       global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_,
-                      offload)
-    if engine:
-        plan = on_engine(plan, engine)
+                      offload, GRAD_DTYPE_FLAGS[grad_dtype] if grad_dtype == "bf16" else "")
+    if not by_hand or engine:
+        plan = as_launched(plan, engine, grad_dtype)
+    cost = priced(loaded, plan, gpus, gpus_per_node)
     result = estimate_plan(cost, plan)
     report = {"iteration_time_s": result.iteration_time_s, "peak_memory_bytes": int(result.peak_memory_bytes),
               "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},
               "time_breakdown": result.time_breakdown, "plan": plan.to_json(), "model": loaded.graph.name,
               "device_profile": loaded.profile.name,
               "precision": (f"{precision}: " if precision else "") + state_bytes(
-                  plan.dtype, plan.master_weights, plan.precision, plan.zero).precision,
-              "fits": result.peak_memory_bytes <= loaded.profile.memory_bytes}
+                  plan.dtype, plan.master_weights, plan.precision, plan.zero, plan.grad_dtype).precision,
+              "fits": result.peak_memory_bytes <= loaded.profile.memory_bytes, "engine": plan.engine or None}
     if as_json:
         click.echo(json.dumps(report))
         return
     title = f"{loaded.graph.name}: {plan.summary()} on {gpus} x {loaded.profile.name}" + \
-        (f" ({engine} engine)" if engine else "")
+        (f" ({plan.engine} engine)" if plan.engine else "")
     table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")

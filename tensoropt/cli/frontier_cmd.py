@@ -19,27 +19,32 @@ from ..options import check_counts, limit_options
 from ..paths import PLOT_SUFFIXES, check_output_file
 from ..planning import NoPlanError, NoPlanFitsError, plan
 from ..search.limits import NO_LIMITS, Limits
+from ..space.plan import PRECISIONS
 from .common import model_options, parse_bytes, parse_gpus
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 
 DEFAULT_GLOBAL_BATCH = 512
+DEFAULT_PRECISION = "bf16-mixed"      # tensoropt launch's default (launcher.launch.default_precision)
 
 
 def run_search(model: str, gpus: list[int], per_node: int, device: str, global_batch: int, seq_len: int | None,
-               no_fold: bool, limits: Limits = NO_LIMITS, compile: bool = False) -> Frontier:
-    """``tensoropt.plan`` for the command's flags: the planner's whole space, only plans that fit the profile's
-    memory (a plan the devices cannot hold is not a plan), each failure one line; ``compile``: priced with
-    compiled blocks (the whole space: ``launch --compile`` runs the part ``search.engines.COMPILE_SPACES`` says)."""
+               no_fold: bool, limits: Limits = NO_LIMITS, compile: bool = False,
+               precision: str = DEFAULT_PRECISION) -> Frontier:
+    """``tensoropt.plan`` for the command's flags: what ``tensoropt launch`` runs, each engine's part of the space in
+    ``precision`` (the model captured in it, as the launcher captures a script), each plan priced as the engine that
+    runs it holds it; only plans that fit the profile's memory (a plan the devices cannot hold is not a plan), each
+    failure one line; ``compile``: among the plans that run compiled blocks (``search.engines.COMPILE_SPACES``),
+    priced so."""
     profile = load_profile(device)
-    captured = capture(model, seq_len=seq_len)
+    captured = capture(model, seq_len=seq_len, precision=precision)
     # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the
     # search (a full collection there cost gpt3-175b's search ~70 ms, a third of it)
     gc.freeze()
     clusters = [Cluster(n, min(per_node, n), profile) for n in gpus]
     try:
         return plan(captured, clusters, global_batch=global_batch, limits=limits, fold_blocks=not no_fold,
-                    compile=compile)
+                    compile=compile, precision=precision)
     except NoPlanError:
         if limits:
             raise TensorOptError(f"no plan for {model} on {gpus} devices respects {limits.flags()} with "
@@ -55,7 +60,7 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
 
 def _check_load(ctx: click.Context, limits: Limits) -> None:
     """``--load`` answers from the saved frontier: options that would describe another search contradict it."""
-    names = ("model", "gpus", "gpus_per_node", "device", "seq_len", "global_batch", "no_fold", "compile_")
+    names = ("model", "gpus", "gpus_per_node", "device", "seq_len", "global_batch", "no_fold", "compile_", "precision")
     given = [f"--{name.rstrip('_').replace('_', '-')}" for name in names
              if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
     given += [limits.flags()] if limits else []
@@ -65,10 +70,12 @@ def _check_load(ctx: click.Context, limits: Limits) -> None:
 
 
 def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
+    precisions = {p.plan.precision for p in frontier.points if p.plan.precision}
     table = Table(title=f"{frontier.model}: {len(frontier.points)} frontier points on {frontier.device_profile} "
-                        f"(global batch {frontier.global_batch}), fastest first", title_justify="left")
-    for col in ("", "time/iter", "memory/device", "tokens/s", "MFU", "devices", "plan"):
-        table.add_column(col, justify="left" if col in ("plan", "") else "right")
+                        f"(global batch {frontier.global_batch}" + "".join(f", {name}" for name in sorted(precisions))
+                        + "), fastest first", title_justify="left")
+    for col in ("", "time/iter", "memory/device", "tokens/s", "MFU", "devices", "engine", "plan"):
+        table.add_column(col, justify="left" if col in ("plan", "", "engine") else "right")
     shown = list(frontier.points)
     if len(shown) > limit:
         step = len(shown) / limit
@@ -78,7 +85,7 @@ def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
         tokens = frontier.tokens_per_s(p)
         table.add_row("*" if p is chosen else "", f"{p.iteration_time_s:.3f} s", binary_bytes(p.peak_memory_bytes),
                       f"{tokens:,.0f}" if tokens else "-", f"{frontier.mfu(p):.1%}", str(p.plan.devices),
-                      p.plan.summary())
+                      frontier.engine_of(p) or "-", p.plan.summary())
     console = Console(width=160)
     console.print(table)
     if len(frontier.points) > len(shown):
@@ -95,14 +102,17 @@ def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
 @click.option("--compile", "compile_", is_flag=True,
               help="price every plan with its blocks compiled by torch.compile (fused memory-bound ops), as "
                    "`tensoropt launch --compile` runs them")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True,
+              help="the training precision, as `tensoropt launch --precision` names it: the model is captured in it "
+                   "and each plan priced as the engine that runs it holds it")
 @click.option("--plot", "plot_path", default=None, help="write a frontier plot (PNG)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--out", "out_path", default=None, help="save the frontier (JSON) for later queries")
 @click.option("--load", "load_path", default=None, help="answer from a saved frontier instead of searching")
 @limit_options
-def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_fold, compile_, plot_path, as_json,
-             out_path, load_path, limits):
-    """Search the Pareto frontier of plans (iteration time vs peak memory per device)."""
+def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_fold, compile_, precision, plot_path,
+             as_json, out_path, load_path, limits):
+    """Search the Pareto frontier of plans (iteration time vs peak memory per device) that `tensoropt launch` runs."""
     limit = parse_bytes(mem) if mem is not None else None
     for path, flag, suffixes in ((out_path, "--out", ()), (plot_path, "--plot", PLOT_SUFFIXES)):
         if path:                                    # before the search: a result that cannot be written is lost
@@ -115,7 +125,8 @@ def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_
             raise TensorOptError("give --model and --gpus, or --load FILE.json")
         counts = parse_gpus(gpus)
         check_counts(global_batch=global_batch, gpus_per_node=gpus_per_node, devices=counts[-1])
-        result = run_search(model, counts, gpus_per_node, device, global_batch, seq_len, no_fold, limits, compile_)
+        result = run_search(model, counts, gpus_per_node, device, global_batch, seq_len, no_fold, limits, compile_,
+                            precision)
     chosen = result.fastest_within(limit) if limit is not None else None
     if out_path:
         write_json_atomic(Path(out_path), result.to_json(chosen))

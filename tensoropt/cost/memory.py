@@ -85,13 +85,13 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     # its loose ops (``activations_bytes``); on a ZeRO 2/3 stage FSDP2's units run every micro-batch as in a flat
     # plan, and what they hold beside the loss's backward and beside a copy's is ``pipeline_memory``'s
     staged = r.piped & ~r.deepspeed & (r.zero >= 2)
-    stage_params, at_loss, in_copy = _only(staged, 3, fsdp_stage_bytes, r.zero, r.gathered, r.grad, r.unit_params,
+    stage_params, at_loss, in_copy = _only(staged, 3, fsdp_stage_bytes, r.zero, r.gathered, r.reduced, r.unit_params,
                                            r.loose_params)
     stage_working = transient + in_copy + stage_copy_backward_bytes(r)
     activations = activations_bytes(model, r, activation_bytes, np.where(r.piped, stage_working, transient), at_loss)
     flat_torch = ~r.deepspeed & ~r.piped
     held_params, torch_grads, torch_working, torch_acts = _only(
-        flat_torch, 4, fsdp_held_bytes, r.zero, r.gathered, r.grad, r.unit_params, r.loose_params, r.loss_grads,
+        flat_torch, 4, fsdp_held_bytes, r.zero, r.gathered, r.reduced, r.unit_params, r.loose_params, r.loss_grads,
         transient, grads, r.m, r.dp, activations, r.head_acts, r.copy_peak, r.tail_params, model.largest_parameter)
     grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
     working = np.where(flat_torch, torch_working,

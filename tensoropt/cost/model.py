@@ -193,6 +193,7 @@ class Context:
     precision: str = ""              # one of space.plan.PRECISIONS; "": as dtype and master_weights say
     compile: bool = False            # compiled blocks (fused kernels) rather than eager PyTorch: ModelCost.compiled
     engine: str = ""                 # the engine priced: "deepspeed" adds its own buffers (cost.deepspeed_memory)
+    grad_dtype: str = ""             # gradients accumulated and reduced in bf16 ("bfloat16"; ``Plan.grad_dtype``)
 
     @property
     def micro_batches(self) -> int:
@@ -202,13 +203,13 @@ class Context:
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
                        plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
-                       plan.compile, plan.engine)
+                       plan.compile, plan.engine, plan.grad_dtype)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision, self.compile, self.engine)
+                    self.precision, self.compile, self.engine, self.grad_dtype)
 
 
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
@@ -238,7 +239,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     # model states on stage 0 (the larger share of the tied embedding lives there too)
     params = np.asarray(parameters, dtype=float) + r.loose_params
     backward = np.asarray(layer_backward_s, dtype=float)
-    dp_comm, exposed = data_parallel_s(r.dp, r.tp, r.zero, r.m, r.gathered * params, r.grad * params, stage_s,
+    dp_comm, exposed = data_parallel_s(r.dp, r.tp, r.zero, r.m, r.gathered * params, r.reduced * params, stage_s,
                                         backward, cluster, model.units_per_stage(r.pp),
                                         serial=r.deepspeed & ~overlaps_comm(r.zero))
     opt_params = params / np.where(r.zero >= 1, r.dp, 1)

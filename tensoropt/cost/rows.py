@@ -46,6 +46,7 @@ class PlanRows:
     master: np.ndarray
     moment: np.ndarray
     partition_copy: np.ndarray
+    reduced: np.ndarray            # bytes per gradient element reduced over dp (``StateBytes.reduced_bytes``)
     loose_time_s: np.ndarray       # the slower of the first and last stage's ops outside blocks
     loose_params: np.ndarray       # elements, the larger stage's
     first_acts: np.ndarray         # the first stage's loose ops' kept activations, bytes
@@ -67,7 +68,7 @@ class PlanRows:
         return self.pp > 1
 
 
-_INTS = 18          # the first 18 fields are integers, the rest floats
+_INTS = 19          # the first 19 fields are integers, the rest floats
 
 
 def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanRows:
@@ -89,14 +90,14 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
             copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
             loss_bytes[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
                                   loss_forward_bytes(model, c.tp, c.micro_batch, logits))
-        state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine)
+        state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine, c.grad_dtype)
         if state_key not in states:
-            state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero)
+            state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero, c.grad_dtype)
             cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
             states[state_key] = state.grad, (
                 state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero), cast,
                 c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
-                state.partition_copy)
+                state.partition_copy, state.reduced_bytes)
         grad_bytes, state_ints = states[state_key]
         first, last = model.loose(c.tp, c.micro_batch, c.pp)
         head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them

@@ -29,10 +29,11 @@ class Frontier:
     search_seconds: float = 0.0
     capture_seconds: float = 0.0
     folding: dict = field(default_factory=dict)
-    engines: tuple[str, ...] = ()      # the engine that runs each point, where planned for engines (``plan``)
+    engines: tuple[str, ...] = ()      # the engine that runs each point ("" for none: ``plan(..., engines=None)``)
 
     def engine_of(self, p: FrontierPoint) -> str | None:
-        """The engine that runs ``p`` (None for a frontier of the planner's whole space)."""
+        """The engine that runs ``p``: "" for a plan no engine runs (the planner's whole space), None where the
+        frontier does not say (a file saved before points named their engine)."""
         return next((e for q, e in zip(self.points, self.engines) if q is p), None)
 
     def tokens_per_s(self, p: FrontierPoint) -> float | None:

@@ -15,7 +15,9 @@ In bf16-mixed the engines differ in what the autocast computes with. DDP and one
 autocast casts each weight per op, and the embedding's output and the residual stream between ops stay float32.
 FSDP2 (``param_dtype=bf16``) and DeepSpeed's bf16 mode compute with bf16 weights: the stream is bf16 and no
 per-op weight copy is made. The launcher captures both (``with_bf16_weights``), and each plan is priced with the
-one its engine runs (``search.engines.priced_graph``).
+one its engine runs (``search.engines.priced_graph``). ``engines_autocast`` and ``weights_in_bf16`` are the two
+conditions of those captures, shared by the launcher's (``runtime._write_capture``) and ``tensoropt.capture(...,
+precision=...)``, so a ``--model`` planned by ``tensoropt frontier`` is priced as the launcher prices its script.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+from torch import nn
 from torch.amp.autocast_mode import autocast
 
 from .ir import OpGraph
@@ -64,6 +67,52 @@ def cuda_autocast_on_cpu() -> Iterator[None]:
         yield
     finally:
         autocast.__init__ = original
+
+
+@contextlib.contextmanager
+def cuda_attention_policy() -> Iterator[None]:
+    """Within: under an autocast, ``scaled_dot_product_attention`` computes in the autocast's dtype, as CUDA's
+    autocast runs it (its lower-precision list); the CPU's leaves it to its inputs' dtype, so float32 queries
+    (after a float32 rotary embedding, say) would be captured, and priced, as float32 attention that a GPU worker
+    never runs. For captures in bf16-mixed only: nothing computes there."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def lower(query, key, value, *args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        if dtype is not None:
+            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+        return original(query, key, value, *args, **kwargs)
+    torch.nn.functional.scaled_dot_product_attention = lower
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def engines_autocast(precision: str | None) -> Iterator[None]:
+    """Within: what the engines compute under in ``precision``, for a capture: bf16-mixed's bf16 autocast (on GPUs,
+    CUDA's: ``cuda_attention_policy``; a CPU one here, see the module doc); nothing for the other precisions."""
+    with contextlib.ExitStack() as scope:
+        if precision == "bf16-mixed":
+            scope.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            scope.enter_context(cuda_attention_policy())
+        yield
+
+
+@contextlib.contextmanager
+def weights_in_bf16(model: nn.Module) -> Iterator[None]:
+    """Within: the model's floating-point parameters in bf16, as FSDP2's ``param_dtype`` gathers them (buffers
+    stay: FSDP2 casts parameters only); after, the very tensors they were, so nothing is rounded."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    kept = [p.data for p in params]
+    for param in params:
+        param.data = param.data.to(torch.bfloat16)
+    try:
+        yield
+    finally:
+        for param, data in zip(params, kept):
+            param.data = data
 
 
 def with_bf16_weights(graph: OpGraph, bf16_weights: OpGraph) -> OpGraph:

@@ -29,7 +29,6 @@ device (a GPU where one is visible).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -46,7 +45,7 @@ from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .memory_check import SIMULATE_ENV, measuring, simulate_mode
 from .param_groups import build_optimizer
-from .precision import PRECISION_ENV, autocast_forward, cast_model, cuda_attention_policy, of_plan
+from .precision import PRECISION_ENV, autocast_forward, cast_model, of_plan
 from .run import Run, exit_on_out_of_memory, plain_stepper
 
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
@@ -152,7 +151,7 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     under the script's own bf16 autocast, the graph also carries the model traced with bf16 weights, as FSDP2
     and DeepSpeed compute (``graph.precision.with_bf16_weights``)."""
     from ..graph.cache import write_json_atomic
-    from ..graph.precision import active_autocast, with_bf16_weights
+    from ..graph.precision import active_autocast, weights_in_bf16, with_bf16_weights
     from ..models import example_shape
     from ..space.tp_check import check_tensor_parallel, with_tp_checks
     from ..space.vocab import check_vocab_modules, with_vocab_check
@@ -165,35 +164,18 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     checks = check_tensor_parallel(model, inputs, graph), check_vocab_modules(model, graph)
     graph = with_vocab_check(with_tp_checks(graph, checks[0]), checks[1])
     if precision == "bf16-mixed" or (precision is None and active_autocast() == torch.bfloat16):
-        with _weights_in_bf16(model):       # as FSDP2 and DeepSpeed compute (graph.precision)
+        with weights_in_bf16(model):        # as FSDP2 and DeepSpeed compute (graph.precision)
             bf16 = _traced(model, inputs, meta, precision)
         graph = with_bf16_weights(graph, with_vocab_check(with_tp_checks(bf16, checks[0]), checks[1]))
     write_json_atomic(Path(os.environ[CAPTURE_ENV]), graph.to_json())
 
 
-@contextlib.contextmanager
-def _weights_in_bf16(model: nn.Module):
-    """Within: the model's floating-point parameters in bf16, as FSDP2's ``param_dtype`` gathers them (buffers
-    stay: FSDP2 casts parameters only); after, the very tensors they were, so nothing is rounded."""
-    params = [p for p in model.parameters() if p.is_floating_point()]
-    kept = [p.data for p in params]
-    for param in params:
-        param.data = param.data.to(torch.bfloat16)
-    try:
-        yield
-    finally:
-        for param, data in zip(params, kept):
-            param.data = data
-
-
 def _traced(model: nn.Module, inputs: tuple | Mapping, meta: dict, precision: str | None):
     """The model's graph as the engines run it in ``precision``: bf16-mixed under a bf16 autocast (on GPUs,
-    CUDA's: see precision.py)."""
+    CUDA's: ``graph.precision.engines_autocast``)."""
     from ..graph.capture import trace_module
-    with contextlib.ExitStack() as scope:
-        if precision == "bf16-mixed":
-            scope.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
-            scope.enter_context(cuda_attention_policy())
+    from ..graph.precision import engines_autocast
+    with engines_autocast(precision):
         return trace_module(model, inputs, type(model).__name__, meta, require_loss=True)
 
 

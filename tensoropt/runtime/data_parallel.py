@@ -37,7 +37,7 @@ MicroBatchHook = Callable[[bool], None]      # told before each micro-batch whet
 def shard(module: nn.Module, plan: Plan, dp_mesh, root: nn.Module | None = None) -> None:
     """ZeRO 1-3 (module doc): FSDP2 on every block copy of ``module``, then on ``root`` (``module`` itself unless
     another wraps it, a pipeline's relay), over ``dp_mesh``; reshard after forward under ZeRO 3 only."""
-    reshard, precision = plan.zero == 3, fsdp_kwargs(of_plan(plan))
+    reshard, precision = plan.zero == 3, fsdp_kwargs(of_plan(plan), plan.grad_dtype)
     for name in block_modules(module, plan):
         fully_shard(module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard, **precision)
     fully_shard(module if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, **precision)

@@ -4,7 +4,8 @@
 - ``bf16-true``: the model cast to bf16: weights, gradients and AdamW states in bf16, no float32 copy.
 - ``bf16-mixed``: float32 weights (the master copy) and AdamW states, bf16 compute. The model is cast to
   float32; under FSDP2 (ZeRO 1-3) every unit gathers its weights in bf16 and reduces its gradients in float32
-  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``, as torchtitan trains); everywhere (DDP,
+  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``, as torchtitan trains), or in bf16 for a plan
+  with bf16 gradients (``Plan.grad_dtype``, ``reduce_dtype=bf16``: the leaner state layout); everywhere (DDP,
   tensor parallel, one process, pipeline stages, and over FSDP2 and DeepSpeed too) the forward, which returns
   the loss, runs under ``torch.autocast(bf16)``. Over FSDP2's bf16 weights autocast casts nothing more, but
   keeps the ops autocast runs in float32 (softmax, norms, losses) in float32 exactly as the script run alone
@@ -28,12 +29,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ..errors import TensorOptError
+from ..graph.precision import cuda_attention_policy  # noqa: F401  (where the launcher's capture finds it)
 from ..space.plan import PRECISIONS, Plan
 
 PRECISION_ENV = "TENSOROPT_PRECISION"
@@ -74,12 +75,17 @@ def cast_model(model: nn.Module, precision: str | None) -> None:
             tie(model, names)
 
 
-def fsdp_kwargs(precision: str | None) -> dict:
-    """``fully_shard`` arguments for ``precision``: bf16-mixed gathers bf16, reduces float32."""
+def fsdp_kwargs(precision: str | None, grad_dtype: str = "") -> dict:
+    """``fully_shard`` arguments for ``precision``: bf16-mixed gathers bf16 and reduces float32 gradients, or with
+    ``grad_dtype`` "bfloat16" (the plan's bf16 gradients) reduces them in bf16: FSDP2 then keeps the gradients
+    autograd makes on the bf16 weights as they are (a ``reduce_dtype`` equal to ``param_dtype`` is no cast,
+    ``FSDPParam.init_dtype_attrs``), accumulating them in bf16 while gradient sync is off (ZeRO 1), and casts each
+    reduced shard to the float32 parameters' dtype (``cost.states`` says what is held)."""
     if precision != "bf16-mixed":
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy  # here: the launcher imports this module too
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    reduce_dtype = torch.bfloat16 if grad_dtype == "bfloat16" else torch.float32
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)}
 
 
 def _under_autocast(forward, device_type: str, *args, **kwargs):
@@ -93,26 +99,6 @@ def autocast_forward(module: nn.Module, precision: str | None, device: torch.dev
     are as they were."""
     if precision == "bf16-mixed":
         module.forward = functools.partial(_under_autocast, module.forward, device.type)
-
-
-@contextlib.contextmanager
-def cuda_attention_policy() -> Iterator[None]:
-    """Within: under an autocast, ``scaled_dot_product_attention`` computes in the autocast's dtype, as CUDA's
-    autocast runs it (its lower-precision list); the CPU's leaves it to its inputs' dtype, so float32 queries
-    (after a float32 rotary embedding, say) would be captured, and priced, as float32 attention that a GPU worker
-    never runs. For the launcher's capture in bf16-mixed only: nothing computes there."""
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def lower(query, key, value, *args, **kwargs):
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-        if dtype is not None:
-            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
-        return original(query, key, value, *args, **kwargs)
-    torch.nn.functional.scaled_dot_product_attention = lower
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
 
 
 def traced_autocast(precision: str | None, device: torch.device):
@@ -129,8 +115,8 @@ def traced_autocast(precision: str | None, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def words(precision: str | None, engine: str, zero: int) -> str:
-    """What the engine holds and computes in under ``precision``, for the launch summary."""
+def words(precision: str | None, engine: str, zero: int, grad_dtype: str = "") -> str:
+    """What the engine holds and computes in under ``precision`` (and ``grad_dtype``), for the launch summary."""
     if precision is None:
         return "as the script built the model"
     if precision == "32-true":
@@ -140,8 +126,10 @@ def words(precision: str | None, engine: str, zero: int) -> str:
     if engine == "deepspeed":
         return "bf16-mixed: DeepSpeed bf16 (bf16 weights and gradients, float32 master weights and AdamW states)"
     if zero >= 1:
+        reduce = "bfloat16" if grad_dtype == "bfloat16" else "float32"
         return ("bf16-mixed: float32 weights and AdamW states; FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, "
-                "reduce_dtype=float32) and autocast(bfloat16) around the forward")
+                f"reduce_dtype={reduce}) and autocast(bfloat16) around the forward"
+                + ("; gradients accumulated and reduced in bf16" if reduce == "bfloat16" else ""))
     return "bf16-mixed: float32 weights, gradients and AdamW states; autocast(bfloat16) around the forward"
 
 

@@ -59,8 +59,8 @@ def expert_grid(model: ModelCost, devices: int, global_batch: int) -> SearchResu
             strategy = LayerStrategy(recompute, tp > 1)
             if recompute == "selective" and not any(s.attention_core for s in model.spaces):
                 continue
-            for v, z, off in globals_:
-                if v == 1 and z <= 1 and not off:
+            for v, z, off, grad in globals_:
+                if v == 1 and z <= 1 and not off and not grad:
                     plans.append(_plan(model, devices, Context(dp, tp, pp, v, mb, global_batch, z, off, branches),
                                        {strategy: 1.0}))
     return _result(model, plans, start)
@@ -78,7 +78,7 @@ def nsga2(model: ModelCost, devices: int, global_batch: int, seconds: float, see
     start = time.perf_counter()
     space = SearchSpace(global_batch)
     ctxs = [Context(dp, tp, pp, v, mb, global_batch, z, off, br)
-            for dp, tp, pp, br, mb, globals_ in contexts(model, devices, space) for v, z, off in globals_]
+            for dp, tp, pp, br, mb, globals_ in contexts(model, devices, space) for v, z, off, _ in globals_]
     strategies = [LayerStrategy(r, sp) for r in RECOMPUTE for sp in (False, True)]
     evaluated: list[Plan] = []
 

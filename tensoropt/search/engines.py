@@ -38,6 +38,14 @@ COMPILE_SPACES = {
 COMPILED_PLANS = "no or full recomputation, no sequence parallelism"
 
 
+def grad_dtypes(engine: str, precision: str | None) -> tuple[str, ...]:
+    """The gradient layouts (``Plan.grad_dtype``) ``engine`` runs in ``precision``: the precision's own, and under
+    bf16-mixed the torch engine's bf16 gradients too (FSDP2 ``reduce_dtype=bfloat16``, ZeRO 1-3:
+    ``runtime.precision.fsdp_kwargs``; the search pairs them with ZeRO 1-3 only). DeepSpeed's bf16 mode accumulates
+    in bf16 as its own layout (``cost.states``), so it has nothing to add."""
+    return ("", "bfloat16") if engine == "torch" and precision == "bf16-mixed" else ("",)
+
+
 def unsupported(plan: Plan, engine: str) -> list[str]:
     """What ``plan`` needs that ``engine`` does not apply; empty when it can run it."""
     return _unsupported(plan, engine) + (_not_compiled(plan, engine) if plan.compile else [])
@@ -64,6 +72,8 @@ def _sequence_parallel(plan: Plan) -> bool:
 
 
 def _unsupported(plan: Plan, engine: str) -> list[str]:
+    if plan.grad_dtype and plan.precision != "bf16-mixed":   # bf16-true's are bf16 already, 32-true's float32
+        return [f"{plan.grad_dtype} gradients in {plan.precision_name}"]
     if engine == "deepspeed":
         return [what for what, needed in [
             ("interleaved virtual pipeline stages", plan.virtual_stages > 1),
@@ -75,6 +85,8 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
         ] if needed]
     return [what for what, needed in [
         ("optimizer offload", plan.offload),
+        # DDP keeps gradients in the weights' dtype (float32 under bf16-mixed): bf16 ones are FSDP2's reduce dtype
+        ("bf16 gradients without ZeRO 1, 2 or 3", bool(plan.grad_dtype) and plan.zero == 0),
         # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh
         ("tensor and data parallelism without ZeRO 1, 2 or 3", plan.tp > 1 and plan.dp > 1 and plan.zero == 0),
     ] if needed]
@@ -117,4 +129,4 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
 
 
 __all__ = ["COMPILED_PLANS", "COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine",
-           "computes_with_bf16_weights", "master_weights", "priced_graph", "unsupported"]
+           "computes_with_bf16_weights", "grad_dtypes", "master_weights", "priced_graph", "unsupported"]

@@ -24,7 +24,7 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
     values, plans = [], []
     for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
         chains_of = {}                 # the blocks' priced sequences for each number of virtual stages
-        for v, z, off in globals_:
+        for v, z, off, grad in globals_:
             per_block = chains_of.setdefault(v, [])
             for block, cost in model.blocks if not per_block else ():
                 options = layer_options(cost, tp, space)
@@ -38,7 +38,7 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
                                    device_chain_sums(cost, [(o, size) for o in seq], tp, branches, mb, v))
                                   for seq in itertools.product(options, repeat=groups)])
             ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                          space.master_weights, space.precision, engine=space.engine)
+                          space.master_weights, space.precision, engine=space.engine, grad_dtype=grad)
             combos = list(itertools.product(*per_block))
             sums = np.array([[c[1] for c in combo] for combo in combos])     # (combination, block, sum)
             # one call per context: evaluate prices each entry of its arrays as it would price it alone

@@ -20,7 +20,7 @@ stage holding SP copies): the device's set is the Minkowski sum of v chain sets 
 runs (``space.plan.chain_order``: whole copies first, so the SP ones fill the fewest stages).
 
 Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
-which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload.
+which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload, gradient dtype.
 Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
 ``evaluate`` is the one-plan case), and the non-dominated (time, peak memory) points form the frontier.
 
@@ -76,6 +76,9 @@ class SearchSpace:
     master_weights: bool = True        # a float32 master copy of 16-bit weights (mixed precision)
     precision: str = ""                # one of space.plan.PRECISIONS ("": as dtype and master_weights say)
     engine: str = ""                   # the engine the plans are priced for ("": the torch engine's memory)
+    # gradient layouts searched (``Plan.grad_dtype``): "" the precision's own; "bfloat16" bf16 accumulation and
+    # reduction, a sharded optimizer's layout (ZeRO 1-3: under ZeRO 0 the gradients are the weights' dtype)
+    grad_dtypes: tuple[str, ...] = ("",)
 
 
 @dataclass(frozen=True)
@@ -255,8 +258,9 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                 virtual = [v for v in divisors(copies) if v <= space.max_virtual_stages and (v == 1 or m % pp == 0)] \
                     if pp > 1 else [1]
                 zeros = list(space.zero_stages)
-                globals_ = [(v, z, off) for v in virtual for z in zeros
-                            for off in ((False, True) if space.offload and z >= 1 else (False,))]
+                globals_ = [(v, z, off, g) for v in virtual for z in zeros
+                            for off in ((False, True) if space.offload and z >= 1 else (False,))
+                            for g in space.grad_dtypes if z >= 1 or not g]
                 yield dp, tp, pp, branches, mb, globals_
 
 
@@ -267,8 +271,8 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     blocks = range(len(model.blocks))
     choices = [(dp, tp, pp, branches, mb, [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
                                                    space.master_weights, space.precision, model.compiled,
-                                                   space.engine)
-                                           for v, z, off in _undominated(globals_, dp, pp)])
+                                                   space.engine, g)
+                                           for v, z, off, g in _undominated(globals_, dp, pp)])
                for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
     choices = [c for c in choices if c[-1]]
     split = {(b, pp): space.groups(model.blocks[b][0].repeats // pp, model.blocks[b][0].repeats)
@@ -339,24 +343,36 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
                         {"chains": len(stages), "contexts": len(ctxs)})
 
 
-def _undominated(globals_: list[tuple[int, int, bool]], dp: int, pp: int) -> list[tuple[int, int, bool]]:
-    """Drop ZeRO stages the cost model proves dominated, before pricing them.
+def _undominated(globals_: list[tuple[int, int, bool, str]], dp: int, pp: int) -> list[tuple[int, int, bool, str]]:
+    """Drop global choices the cost model proves dominated, before pricing them.
 
+    - bf16 gradients (``grad_dtype``, ZeRO 1-3) against the same choice with the precision's own float32 ones:
+      the same states but for the gradients held whole under ZeRO 1 (2 bytes per parameter instead of 4), half the
+      bytes reduced and copied into FSDP2's reduce-scatter input, the same compute (``cost.states.torch_mixed``):
+      no more time, less memory. Where both are allowed, the float32 one goes.
     - dp = 1: nothing is communicated and no stage divides anything, so every stage without offload
       prices ZeRO 0's time with ZeRO 0's memory or more (ZeRO 1 and 2 add the optimizer's partition copy
       when there is no master copy); with offload, every stage prices the same. ZeRO 0 (where allowed)
-      and the lowest offloading stage stand for all.
+      and the lowest offloading stage stand for all of the precision's own gradients.
     - dp > 1: ZeRO 1 communicates what ZeRO 0 does (one all-reduce of the gradients) and divides the
       optimizer's states and step over dp: (K + copy) / dp <= K for dp >= 2 (the copy is 0 or half of K),
       so ZeRO 0 goes where ZeRO 1 is allowed. ZeRO 2 is not comparable with them: it reduce-scatters
       every micro-batch and gathers once, at each collective's own bandwidth (gloo's run at a third of
       its all-reduce rate), so it can be slower; ZeRO 3 keeps the least.
     The exhaustive reference does not prune: the tests that compare it with FT check this is sound."""
-    stages = {z for _, z, off in globals_ if not off}
-    if dp == 1:
-        offloading = min((z for _, z, off in globals_ if off), default=None)
-        return [g for g in globals_ if (g[1] == offloading if g[2] else 0 not in stages or g[1] == 0)]
-    return [g for g in globals_ if not (g[1] == 0 and 1 in stages)]
+    lean = {(v, z, off) for v, z, off, grad in globals_ if grad}
+    stages = {z for _, z, off, grad in globals_ if not off and not grad}
+    offloading = min((z for _, z, off, grad in globals_ if off and not grad), default=None)
+
+    def kept(v: int, z: int, off: bool, grad: str) -> bool:
+        if grad:
+            return True
+        if (v, z, off) in lean:
+            return False
+        if dp == 1:
+            return z == offloading if off else 0 not in stages or z == 0
+        return not (z == 0 and 1 in stages)
+    return [g for g in globals_ if kept(*g)]
 
 
 def _front_2d(values: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Limits the user puts on the search space (``--tp``, ``--max-tp``, ``--pp``, ``--zero``, ``--no-offload``,
-``--recompute`` of ``tensoropt frontier`` and ``tensoropt launch``).
+``--recompute``, ``--grad-dtype`` of ``tensoropt frontier`` and ``tensoropt launch``).
 
 A limit narrows a ``SearchSpace``; it never widens one. The launcher searches one space per engine
 (each engine's part of the space), so the limits are intersected with each part, and a part they
@@ -11,7 +11,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..cost.states import state_bytes
 from .ft import SearchSpace
+
+# the dtypes gradients may be accumulated and reduced in, by the names ``--grad-dtype`` gives them, and their widths
+GRAD_DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16"}
+_WIDTHS = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -24,14 +29,17 @@ class Limits:
     zero_stages: tuple[int, ...] | None = None
     offload: bool = True                             # False: never offload the optimizer
     recompute: tuple[str, ...] | None = None         # allowed recomputation strategies
+    grad_dtypes: tuple[str, ...] | None = None       # dtypes the gradients may be reduced in (float32, bfloat16)
 
     def _parts(self) -> list[tuple[str, str]]:
         """(flag, words) of each limit given."""
         def listed(values):
             return ",".join(map(str, values))
+        flags = {dtype: flag for flag, dtype in GRAD_DTYPE_FLAGS.items()}
+        grads = self.grad_dtypes and tuple(flags[d] for d in self.grad_dtypes)
         parts = [("--tp", "tp", self.tensor_parallel), ("--max-tp", "tp <=", self.max_tp and (self.max_tp,)),
                  ("--pp", "pp", self.pipeline_stages), ("--zero", "ZeRO", self.zero_stages),
-                 ("--recompute", "recompute", self.recompute)]
+                 ("--recompute", "recompute", self.recompute), ("--grad-dtype", "gradients in", grads)]
         out = [(f"{flag} {listed(v)}", f"{words} {listed(v)}") for flag, words, v in parts if v]
         return out + ([("--no-offload", "no offload")] if not self.offload else [])
 
@@ -52,10 +60,21 @@ class Limits:
         pp = _allowed(space.pipeline_stages, self.pipeline_stages, None)
         zero = _allowed(space.zero_stages, self.zero_stages, None)
         recompute = tuple(r for r in space.recompute if self.recompute is None or r in self.recompute)
-        if any(values == () for values in (tp, pp, zero, recompute)):
+        grads = tuple(g for g in space.grad_dtypes if self.grad_dtypes is None or _reduced_in(space, g)
+                      in self.grad_dtypes)
+        if grads == ("bfloat16",) and zero is not None:     # bf16 gradients are a ZeRO 1-3 layout (``ft.contexts``)
+            zero = tuple(z for z in zero if z >= 1)
+        if any(values == () for values in (tp, pp, zero, recompute, grads)):
             return None
         return dataclasses.replace(space, tensor_parallel=tp, pipeline_stages=pp, zero_stages=zero,
-                                   recompute=recompute, offload=space.offload and self.offload)
+                                   recompute=recompute, offload=space.offload and self.offload, grad_dtypes=grads)
+
+
+def _reduced_in(space: SearchSpace, grad_dtype: str) -> str:
+    """The dtype a plan of ``space`` with gradient layout ``grad_dtype`` reduces its gradients in, as its engine
+    holds them (``cost.states``: DeepSpeed's bf16 mode reduces bf16 gradients with no ``grad_dtype`` named)."""
+    width = state_bytes(space.dtype, space.master_weights, space.precision, 1, grad_dtype).reduced_bytes
+    return next((dtype for dtype, size in _WIDTHS.items() if size == width), "")
 
 
 def _allowed(current: tuple[int, ...] | None, wanted: tuple[int, ...] | None,

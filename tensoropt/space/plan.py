@@ -16,6 +16,10 @@ PLAN_SCHEMA_VERSION = 1
 # training precisions, named as PyTorch Lightning names them: float32 weights with bf16 compute, everything in
 # bf16, everything in float32 (what each engine holds under each: cost.model.state_bytes, runtime.precision)
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
+# gradient layouts a plan may name beside its precision's own (``Plan.grad_dtype``): bf16 gradient accumulation and
+# reduction under bf16-mixed, as DeepSpeed's ``data_types.grad_accum_dtype`` and Megatron-LM's ``--grad-reduce-in-bf16``
+# offer it (what each engine holds: cost.states; how the torch engine runs it: runtime.precision.fsdp_kwargs)
+GRAD_DTYPES = ("bfloat16",)
 
 
 def derived_precision(dtype: str, master_weights: bool) -> str:
@@ -82,6 +86,11 @@ class Plan:
     # the model states (``cost.deepspeed_memory``); "" (plans made by hand, the planner's engine-free space):
     # priced as the torch engine runs it. plan.json's ``engine`` (``space.run_plan``)
     engine: str = ""
+    # the dtype gradients are accumulated over micro-batches and reduced in, where the plan departs from its
+    # precision's own (``GRAD_DTYPES``): "bfloat16" under bf16-mixed, the leaner state layout (the torch engine's
+    # FSDP2 ZeRO 1-3 with ``reduce_dtype=bfloat16``; DeepSpeed's bf16 mode accumulates in bf16 anyway); "": the
+    # precision's own (float32 in the torch engine's bf16-mixed). plan.json key ``grad_dtype``, written when set
+    grad_dtype: str = ""
 
     @property
     def precision_name(self) -> str:
@@ -100,6 +109,8 @@ class Plan:
             parts.append("offload")
         if self.compile:
             parts.append("compiled")
+        if self.grad_dtype:
+            parts.append("grad:" + {"bfloat16": "bf16"}.get(self.grad_dtype, self.grad_dtype))
         if self.tp > 1 and self.tp_branches:
             parts.append("tp:" + "+".join(sorted(set(self.tp_branches))))
         for bp in self.blocks:
@@ -118,7 +129,8 @@ class Plan:
                 for s, n in bp.strategies]} for bp in self.blocks],
             "summary": self.summary(),
             "compile": self.compile,
-        } | ({"precision": self.precision} if self.precision else {}) | ({"engine": self.engine} if self.engine else {})
+        } | {key: value for key, value in (("precision", self.precision), ("engine", self.engine),
+                                            ("grad_dtype", self.grad_dtype)) if value}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
@@ -135,7 +147,7 @@ class Plan:
                 (LayerStrategy(s["recompute"], s["sequence_parallel"]), s["copies"])
                 for s in b["strategies"])) for b in d["blocks"]),
             master_weights=d.get("master_weights", True), precision=d.get("precision") or "",
-            compile=d.get("compile", False), engine=d.get("engine") or "",
+            compile=d.get("compile", False), engine=d.get("engine") or "", grad_dtype=d.get("grad_dtype") or "",
         )
 
 
@@ -173,12 +185,27 @@ def plan_problems(d: object) -> list[str]:
         problems.append(f'"dtype" must be one of {", ".join(DTYPES)}, got {d["dtype"]!r}')
     if d.get("precision") not in (None, "", *PRECISIONS):
         problems.append(f'"precision" {d["precision"]!r} is not one of {", ".join(PRECISIONS)}')
+    problems += _grad_problems(d)
     branches = d.get("tp_branches", [])
     if not (isinstance(branches, list) and all(isinstance(b, str) for b in branches)):
         problems.append(f'"tp_branches" must be a list of branch names, got {branches!r}')
     if counts_valid:
         problems += _mesh_problems(d)
     return problems + _block_problems(d["blocks"], d.get("virtual_stages", 1) if counts_valid else 1)
+
+
+def _grad_problems(d: dict[str, Any]) -> list[str]:
+    """A ``grad_dtype`` that is no gradient layout, or one its precision does not have: bf16 gradients depart from
+    bf16-mixed's float32 ones only (bf16-true's are bf16 already, 32-true trains in float32)."""
+    grad = d.get("grad_dtype")
+    if grad in (None, ""):
+        return []
+    if grad not in GRAD_DTYPES:
+        return [f'"grad_dtype" must be {" or ".join(map(repr, GRAD_DTYPES))} (or left out for the precision\'s own '
+                f'gradients), got {grad!r}']
+    if d.get("precision") != "bf16-mixed":
+        return [f'"grad_dtype" {grad!r} needs "precision" "bf16-mixed", got {d.get("precision")!r}']
+    return []
 
 
 def _mesh_problems(d: dict[str, Any]) -> list[str]:
