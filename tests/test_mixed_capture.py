@@ -59,7 +59,8 @@ def _plan(zero: int, pp: int = 1) -> Plan:
 @pytest.mark.parametrize("engine, zero, pp, with_bf16_weights", [
     ("torch", 0, 1, False),         # DDP: float32 weights under autocast
     ("torch", 3, 1, True),          # FSDP2 gathers bf16 weights
-    ("torch", 1, 2, False),         # pipeline stages are traced from the float32 model
+    ("torch", 1, 2, True),          # pipeline stages under FSDP2 are traced with its bf16 weights
+    ("torch", 0, 2, False),         # under DDP with the float32 ones
     ("deepspeed", 1, 1, True),      # DeepSpeed's bf16 module
 ])
 def test_each_plan_is_priced_with_the_graph_its_engine_runs(mixed, engine, zero, pp, with_bf16_weights):
@@ -75,8 +76,8 @@ def test_each_plan_is_priced_with_the_graph_its_engine_runs(mixed, engine, zero,
 
 
 def test_the_frontier_prices_each_point_as_price_does(mixed):
-    """The search splits the space by graph (ZeRO 0, ZeRO 1-3 without stages, pipelines): every point it returns is
-    priced as ``price`` prices that plan alone, on both engines."""
+    """The search splits the space by graph (ZeRO 0 on the float32 weights, ZeRO 1-3 on the bf16 ones): every point
+    it returns is priced as ``price`` prices that plan alone, on both engines."""
     front = runnable_front(mixed, DEVICES, 4, precision="bf16-mixed")
     assert {engine for _, engine in front} == {"torch", "deepspeed"}
     assert any(p.plan.zero >= 1 and p.plan.pp == 1 for p, _ in front)

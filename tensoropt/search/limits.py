@@ -1,7 +1,9 @@
 """Limits the user puts on the search space (``--tp``, ``--max-tp``, ``--pp``, ``--zero``, ``--no-offload``,
 ``--recompute``, ``--grad-dtype`` of ``tensoropt frontier`` and ``tensoropt launch``).
 
-A limit narrows a ``SearchSpace``; it never widens one. The launcher searches one space per engine
+A limit narrows a ``SearchSpace``; it never widens one, but for ``--grad-dtype``: the space holds both gradient
+layouts the torch engine runs in bf16-mixed, and without the flag only the precision's own (float32) is searched,
+so ``--grad-dtype bf16`` (or ``fp32,bf16``) opts in to bf16 gradients. The launcher searches one space per engine
 (each engine's part of the space), so the limits are intersected with each part, and a part they
 empty is not searched at all.
 """
@@ -60,8 +62,11 @@ class Limits:
         pp = _allowed(space.pipeline_stages, self.pipeline_stages, None)
         zero = _allowed(space.zero_stages, self.zero_stages, None)
         recompute = tuple(r for r in space.recompute if self.recompute is None or r in self.recompute)
-        grads = tuple(g for g in space.grad_dtypes if self.grad_dtypes is None or _reduced_in(space, g)
-                      in self.grad_dtypes)
+        # without --grad-dtype each engine keeps its precision's own gradients (float32 under FSDP2 in bf16-mixed, as
+        # Megatron-LM and torchtitan train bf16 by default; DeepSpeed's bf16 mode its bf16 ones); naming bf16 offers
+        # the torch engine's bf16 gradients too
+        grads = tuple(g for g in space.grad_dtypes if (not g if self.grad_dtypes is None
+                                                       else _reduced_in(space, g) in self.grad_dtypes))
         if grads == ("bfloat16",) and zero is not None:     # bf16 gradients are a ZeRO 1-3 layout (``ft.contexts``)
             zero = tuple(z for z in zero if z >= 1)
         if any(values == () for values in (tp, pp, zero, recompute, grads)):
