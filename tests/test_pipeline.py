@@ -133,76 +133,48 @@ def test_only_messages_a_gradient_flows_through_require_one():
 
 
 class _Residual(torch.nn.Module):
-    """A stage whose output is a residual sum (its backward reads no output), or an ``exp`` (which keeps it)."""
+    """A stage whose output is a residual sum (its backward reads no output), a view of the whole of one (as a
+    sequence-parallel share handed on: ``DTensor.to_local()``'s view), a partial view of one, or an ``exp`` (whose
+    backward reads its output)."""
 
-    def __init__(self, keeps_output: bool) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
-        self.linear, self.keeps_output = torch.nn.Linear(8, 8), keeps_output
+        self.linear, self.kind = torch.nn.Linear(8, 8), kind
 
     def forward(self, x):
         y = self.linear(x)
-        return (torch.exp(y) if self.keeps_output else y + x,)
+        if self.kind == "exp":
+            return (torch.exp(y),)
+        y = y + x
+        return ({"view": y.view_as(y), "partial": y[:, :4]}.get(self.kind, y),)
 
 
-@pytest.mark.parametrize("keeps_output", [False, True])
-def test_a_sent_output_keeps_no_storage_and_its_backward_is_exact(keeps_output):
-    """After its send a stage output's storage is freed where its own backward does not read it (a residual sum),
-    kept where it does (``exp``), and either way the backward from the received gradient gives the input's and the
-    weights' gradients of the stage run plainly."""
+@pytest.mark.parametrize("kind, freed", [("sum", True), ("view", True), ("partial", False), ("exp", False)])
+def test_a_sent_output_keeps_no_storage_and_its_backward_is_exact(kind, freed):
+    """After its send a stage output's storage is freed where no backward reads it (a residual sum, or a view of the
+    whole of one: its base goes too), kept where a backward does (``exp``) or where it views part of a tensor; and
+    either way the backward from the received gradient gives the input's and the weights' gradients of the stage run
+    plainly."""
     from tensoropt.runtime.pipeline_executor import StageRunner
     torch.manual_seed(0)
-    module, x, grad = _Residual(keeps_output), torch.randn(4, 8), torch.randn(4, 8)
+    module, x = _Residual(kind), torch.randn(4, 8)
+    width = 4 if kind == "partial" else 8
+    grad = torch.randn(4, width)
     reference = x.clone().requires_grad_()
     module(reference)[0].backward(grad)
     expected = (reference.grad.clone(), module.linear.weight.grad.clone())
     module.zero_grad(set_to_none=True)
-    meta = torch.empty(4, 8, device="meta").requires_grad_()
-    runner = StageRunner(module, 1, 3, (meta,), (meta,), torch.device("cpu"))
+    received, sent = torch.empty(4, 8, device="meta").requires_grad_(), torch.empty(4, width, device="meta")
+    runner = StageRunner(module, 1, 3, (received,), (sent.requires_grad_(),), torch.device("cpu"))
     (output,) = runner.forward(0, [x.clone()], {})
     runner.release(0)
-    assert output.untyped_storage().nbytes() == (4 * 8 * 4 if keeps_output else 0)
+    storages = [output] + ([output._base] if output._base is not None else [])
+    assert all(t.untyped_storage().nbytes() == 0 for t in storages) == freed
+    assert output.untyped_storage().nbytes() == (0 if freed else (4 * 8 * 4))
     (input_grad,) = runner.backward(0, [grad], None, last=True)
     torch.testing.assert_close(input_grad, expected[0], rtol=0, atol=0)
     torch.testing.assert_close(module.linear.weight.grad, expected[1], rtol=0, atol=0)
     assert not runner.pending
-
-
-@pytest.mark.parametrize("bf16_weights", [False, True])
-def test_stages_traced_with_the_weights_fsdp2_gathers(bf16_weights):
-    """bf16-mixed: traced with the float32 master weights under autocast, a stage hands on a float32 stream; traced
-    with the bf16 weights FSDP2 gathers (ZeRO 1-3), a bf16 one, as Megatron-LM's. Either way the stage modules hold
-    the model's float32 parameters, the master copy FSDP2 shards (traced on fakes, the very objects)."""
-    from tensoropt.runtime.pipeline_trace import trace_pipeline
-    model = _small_gpt()
-    inputs = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
-    pipe = trace_pipeline(model, (), inputs, split_spec(model, _plan(2, 2)), "bf16-mixed", bf16_weights)
-    _, sent = stage_messages(pipe, 0)
-    (stream,) = [m for m in sent if m.requires_grad]
-    assert stream.dtype == (torch.bfloat16 if bf16_weights else torch.float32)
-    own = dict(model.named_parameters(remove_duplicate=False))
-    for s in range(2):
-        params = dict(pipe.get_stage_module(s).named_parameters())
-        assert params and all(p.dtype == torch.float32 and torch.equal(p, own[n]) for n, p in params.items())
-        assert all(p is own[n] for n, p in params.items()) == bf16_weights
-
-
-def test_the_stream_crosses_a_boundary_as_a_share_where_both_sides_are_sequence_parallel():
-    """A boundary between two stages whose copies on both sides run sequence-parallel carries the rank's s / tp share
-    of the stream (Megatron-LM's message), not the whole; elsewhere, or where the boundary's messages hold no single
-    stream, the whole. pp2 x 2 virtual stages, a device's copies [whole, SP]: stages 0 and 1 whole, 2 and 3 SP, so
-    only the boundary between stages 2 and 3 is a share's."""
-    from tensoropt.runtime.pipeline_tp import sequence_parallel_boundaries, shard_stream, stream_message
-    mixed = Plan(devices=4, dp=1, tp=2, pp=2, virtual_stages=2, micro_batch=1, global_batch=4,
-                 blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), 1), (LayerStrategy("none", True), 1))),))
-    assert [sequence_parallel_boundaries(mixed, s, (True, True)) for s in range(4)] == \
-        [(False, False), (False, False), (False, True), (True, False)]
-    every = dataclasses.replace(mixed, virtual_stages=1, blocks=(BlockPlan("layers.*", ((LayerStrategy("none", True),
-                                                                                       2),)),))
-    assert [sequence_parallel_boundaries(every, s, (True, True)) for s in range(2)] == [(False, True), (True, False)]
-    assert sequence_parallel_boundaries(every, 0, (True, False)) == (False, False)     # no single stream there
-    stream, mask = torch.empty(2, 16, 32, device="meta").requires_grad_(), torch.empty(16, 16, device="meta")
-    assert stream_message((stream, mask), 2) == 0 and stream_message((stream, stream), 2) is None
-    assert [tuple(m.shape) for m in shard_stream((mask, stream), 2)] == [(16, 16), (2, 8, 32)]
 
 
 def test_a_plan_the_model_cannot_be_cut_into_is_refused():

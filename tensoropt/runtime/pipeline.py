@@ -96,7 +96,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     if tp > 1:
         check_before_cutting(model, run_plan, mesh["tp"], device, example_inputs)
     if materializer is not None:        # a meta-built model is cut on meta, buffers too (their values are kept)
-        model._apply(lambda t: t.to("meta"))
+        _to_meta(model)
     trace_device = next(iter(model.parameters())).device
     args, kwargs = to_device(example_micro_batch(example_inputs, plan.micro_batch), trace_device)
     # bf16-mixed: the stages' graphs compute in bf16 (a meta-built model is traced on fake CPU tensors), with bf16
@@ -153,6 +153,24 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan.micro_batch, plan.grad_accumulation,
               plan.global_batch, run_plan, "torch", stepper, device=device)
     return (modules[0] if virtual == 1 else merged_view(modules)), optimizer, run
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Every parameter and buffer of ``model`` not on meta moved there, a tied one once (``Module._apply`` would also
+    convert what is on meta already; under the memory simulation's ``FakeTensorMode`` it then swaps each tensor with
+    its own conversion, which fails for a parameter registered under two names)."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            slots = getattr(module, kind)
+            for name, tensor in list(slots.items()):
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in moved:
+                    meta = tensor.detach().to("meta")
+                    moved[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) \
+                        if isinstance(tensor, nn.Parameter) else meta
+                slots[name] = moved[id(tensor)]
 
 
 def merged_view(modules: list[nn.Module]) -> nn.Module:

@@ -96,16 +96,28 @@ class StageRunner:
         """Free the storage of the outputs just sent (module doc): only their autograd history is needed now."""
         outputs, _ = self.pending[micro_batch]
         for output in outputs:
-            if _releasable(output):
-                output.data = torch.empty(0, dtype=output.dtype, device=output.device)
+            for tensor in _releasable(output):
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
-def _releasable(output: torch.Tensor) -> bool:
-    """Whether a sent output's storage can go: a tensor computed here (not a view, not a leaf such as a relayed
-    input) that its own backward does not read (a node that saves its result, e.g. ``exp``, keeps
-    ``_saved_result``). A DTensor's storage is its local shard's: left alone."""
-    return (isinstance(output, torch.Tensor) and not is_traceable_wrapper_subclass(output)
-            and output.grad_fn is not None and output._base is None and not hasattr(output.grad_fn, "_saved_result"))
+def _releasable(output: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storage goes when a sent output's does (none where it must stay): the output, computed here
+    (not a leaf such as a relayed input or a view of a buffer: it has a history) and not read by its own backward (a
+    node that saves its result, e.g. ``exp``, keeps ``_saved_result``); and where it views the whole of another
+    tensor (a sequence-parallel share handed on is ``DTensor.to_local()``'s view of the DTensor's local tensor), that
+    one too, if nothing reads it in a backward either: computed with a history that does not save it, or below
+    autograd (no history, no gradient: a DTensor's local tensor). A tensor subclass (a DTensor, whose storage is its
+    local shard's) or a partial view is left alone."""
+    def plain(t) -> bool:
+        return isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)
+    if not plain(output) or output.grad_fn is None or hasattr(output.grad_fn, "_saved_result"):
+        return []
+    base = output._base
+    if base is None:
+        return [output]
+    unread = (base.grad_fn is not None and not hasattr(base.grad_fn, "_saved_result")) or \
+        (base.grad_fn is None and not base.requires_grad)
+    return [output, base] if plain(base) and base._base is None and base.numel() == output.numel() and unread else []
 
 
 def _ddp(module: nn.Module) -> bool:
