@@ -42,7 +42,10 @@ def _ranks(recipe: Recipe) -> tuple[int, ...]:
 def simulated(recipe: Recipe, cache_dir: str) -> dict:
     """The recipe's row: each rank's simulated peak, the larger one's breakdown, and the prediction."""
     plan = recipe.plan(PRECISION)
-    checks = [check_memory(SCRIPT, recipe.launch_args(), recipe.script_args(), plan, cache_dir,
+    # simulated on the h200-141gb profile: the launcher refuses a --plan its devices cannot hold, and a recipe that
+    # does not fit 80 GiB is simulated all the same (the tensors simulated do not depend on the profile)
+    launch = [a if a != "h100-80gb" else "h200-141gb" for a in recipe.launch_args()]
+    checks = [check_memory(SCRIPT, launch, recipe.script_args(), plan, cache_dir,
                            {"TENSOROPT_SIMULATE_RANK": str(rank)}, timeout_s=3600) for rank in _ranks(recipe)]
     peak = max(checks, key=lambda check: check["simulated"]["peak_bytes"])
     return {"family": "recipe", "recipe": recipe.name, "model": recipe.model, "plan": plan.summary(),
@@ -82,7 +85,7 @@ def rows(quick: bool = False, family: str | None = None, simulate: bool = False)
         cache_dir = os.environ.get("TENSOROPT_CACHE_DIR", temporary)
         for recipe in (r for r in RECIPES if r.memory_row):
             found = stored.get(recipe.name)
-            row = priced(found, recipe, cache_dir) if found else _kept(simulated(recipe, cache_dir))
+            row = priced(found or _kept(simulated(recipe, cache_dir)), recipe, cache_dir)
             out.append(row)
             print(f"  {recipe.name:16s} {row['plan']:62s} {row['actual_bytes'] / 2**30:7.2f} GiB simulated "
                   f"{memory_error(row):+7.1%}{'' if found else ' (simulated)'}", file=sys.stderr, flush=True)

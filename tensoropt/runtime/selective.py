@@ -11,7 +11,9 @@ random one with the RNG state it drew from. A ``saved_tensors_hooks`` pair store
 saves as it is, except those whose storage a core op made: for these it stores only where they lie in
 that storage. The first of them the backward needs replays the tape, in place of the forward's (the
 same kernels on the same inputs: bitwise the same values, so the gradients are exact), and the replayed
-tensors are dropped once the last of them is unpacked.
+tensors are dropped once the last of them is unpacked. The dispatch mode, a Python call per ATen op, runs in a
+copy's first forward only: that forward also learns where in the sequence of saved tensors the core's are and the
+ones it reads, and every later forward runs under the saved-tensor hooks alone (``runtime.selective_replay``).
 
 Why not torch's selective activation checkpointing (``create_selective_checkpoint_contexts``): it
 caches the output of every op its policy saves, including ones autograd never keeps (the output
@@ -32,14 +34,24 @@ gathered inputs reach this pack as their shares).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..errors import TensorOptError
+from .selective_replay import (
+    Input,
+    LearnedCore,
+    Pack,
+    Place,
+    cuda_devices,
+    generator_states,
+    learn,
+    replay,
+    rng_state,
+    signature,
+    tensors,
+)
 
 _aten = torch.ops.aten
 # products and the positions of their two matrix operands
@@ -77,50 +89,22 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-class _Place:
-    """Where a tensor lies in a storage a core op made: output ``slot`` of tape entry ``entry``."""
-
-    __slots__ = ("entry", "slot", "size", "stride", "offset", "dtype")
-
-    def __init__(self, entry: int, slot: int, t: torch.Tensor) -> None:
-        self.entry, self.slot = entry, slot
-        self.size, self.stride, self.offset, self.dtype = t.size(), t.stride(), t.storage_offset(), t.dtype
-
-    def find(self, outputs: list[list[torch.Tensor | None]]) -> torch.Tensor:
-        base = outputs[self.entry][self.slot]
-        if base.dtype != self.dtype:
-            base = base.view(self.dtype)
-        if (base.size(), base.stride(), base.storage_offset()) == (self.size, self.stride, self.offset):
-            return base
-        return base.as_strided(self.size, self.stride, self.offset)
-
-
-class _Input:
-    """A tensor the core reads that no core op made (Q, K, the mask), as the forward read it."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor, self.version = t, t._version
-
-    def read(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise TensorOptError("selective recomputation: a tensor the attention core read was changed in place "
-                                 "after the forward; plan this block with full recomputation instead")
-        return self.tensor
-
-
 class AttentionCore:
     """The attention core of one forward of one block copy: found and taped while it runs (``CoreMode``),
     its saved tensors replaced by places (``pack``), replayed when the backward first needs one (``unpack``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, learning: bool = False) -> None:
         self.activations: set[StorageWeakRef] = set()
         self.made: dict[StorageWeakRef, tuple[int, int]] = {}     # core storage -> (entry, slot) that made it
         self.tape: list[tuple] = []                                 # (op, args, kwargs, RNG state or None)
         self.replayed: list[list[torch.Tensor | None]] | None = None
         self.pending = 0                                            # places packed and not yet unpacked
         self.saved: set[tuple[int, int]] = set()                    # (entry, slot) of the storages packed
+        # the first forward of a copy also records what ``selective_replay.learn`` needs: ops run before each tape
+        # entry, and every pack
+        self.learning, self.ops = learning, 0
+        self.tape_ops: list[int] = []
+        self.packs: list[Pack] = []
 
     def mark_inputs(self, tree) -> None:
         self.activations.update(_keys(tree))
@@ -137,12 +121,13 @@ class AttentionCore:
         return all(k in self.made for k in _keys(_written(func, args, kwargs)))
 
     def run(self, func, args: tuple, kwargs: dict):
+        self.ops += 1
         core = self.is_core(func, args, kwargs)
         rng = None
         if core and torch.Tag.nondeterministic_seeded in func.tags:
-            rng = _rng_state(_tensors((args, kwargs)))
+            rng = rng_state(tensors((args, kwargs)))
         out = func(*args, **kwargs)
-        outputs = _tensors(out)
+        outputs = tensors(out)
         if not core:
             if any(k in self.activations for k in _keys((args, kwargs))):
                 self.activations.update(_keys(outputs))
@@ -151,6 +136,7 @@ class AttentionCore:
         if new or func._schema.is_mutable:       # views of core tensors need no replay: places find them
             entry = len(self.tape)
             self.tape.append((func, *tree_map(self._place, (args, kwargs)), rng))
+            self.tape_ops.append(self.ops)
             for slot, s in new:
                 self.made[s] = (entry, slot)
         return out
@@ -160,52 +146,32 @@ class AttentionCore:
             return x
         key = _storage(x)
         if key is not None and (made := self.made.get(key)) is not None:
-            return _Place(*made, x)
-        return _Input(x)
+            return Place(*made, x)
+        return Input(x)
 
     def pack(self, t: torch.Tensor):
         key = _storage(t)
         made = self.made.get(key) if key is not None else None
-        if made is None:     # kept as autograd keeps it; a tensor with a history detached (it may be the
+        place = Place(*made, t) if made is not None else None
+        if self.learning:
+            self.packs.append(Pack(self.ops, signature(t), place, generator_states()))
+        if place is None:     # kept as autograd keeps it; a tensor with a history detached (it may be the
             return t if t.grad_fn is None else t.detach()     # saving node's output: no reference cycle)
         self.pending += 1
         self.saved.add(made)
-        return _Place(*made, t)
+        return place
 
     def unpack(self, packed) -> torch.Tensor:
-        if not isinstance(packed, _Place):
+        if not isinstance(packed, Place):
             return packed
         if self.replayed is None:
-            self.replayed = self._replay()
+            self.replayed = replay(self.tape, self.saved, lambda x: x.read() if isinstance(x, Input) else x,
+                                   lambda entry: self.tape[entry][3], cuda_devices(self.tape))
         out = packed.find(self.replayed)
         self.pending -= 1
         if self.pending <= 0:               # every place is unpacked: the replayed tensors go
             self.replayed, self.pending = None, 0
         return out
-
-    def _replay(self) -> list[list[torch.Tensor | None]]:
-        """The tape run again; of its outputs only what the backward unpacks is kept, each other one dropped
-        after its last reader, as the forward would have (the working set the plan prices, no more)."""
-        last_read: dict[tuple[int, int], int] = {}
-        for i, (_, args, kwargs, _) in enumerate(self.tape):
-            last_read.update(((x.entry, x.slot), i) for x in tree_leaves((args, kwargs)) if isinstance(x, _Place))
-        outputs: list[list[torch.Tensor | None]] = []
-
-        def value(x):
-            if isinstance(x, _Place):
-                return x.find(outputs)
-            return x.read() if isinstance(x, _Input) else x
-        # the taped ops are those autocast already chose: replayed as they are, whatever autocast is on now
-        with torch.random.fork_rng(devices=_cuda_devices(self.tape)), torch.no_grad(), _no_autocast():
-            for i, (func, args, kwargs, rng) in enumerate(self.tape):
-                if rng is not None:
-                    _set_rng_state(rng)
-                outputs.append(_tensors(func(*tree_map(value, args), **tree_map(value, kwargs))))
-                for e, slots in enumerate(outputs):
-                    for slot in range(len(slots)):
-                        if (e, slot) not in self.saved and last_read.get((e, slot), -1) <= i:
-                            slots[slot] = None
-        return outputs
 
 
 class CoreMode(TorchDispatchMode):
@@ -219,42 +185,26 @@ class CoreMode(TorchDispatchMode):
         return self.core.run(func, args, kwargs or {})
 
 
-def _rng_state(tensors: list[torch.Tensor]) -> tuple:
-    device = next((t.device for t in tensors if t.device.type == "cuda"), torch.device("cpu"))
-    if device.type == "cuda":
-        return device, torch.cuda.get_rng_state(device)
-    return device, torch.get_rng_state()
-
-
-def _set_rng_state(state: tuple) -> None:
-    device, values = state
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(values, device)
-    else:
-        torch.set_rng_state(values)
-
-
-def _no_autocast() -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
-        stack.enter_context(torch.autocast(device_type, enabled=False))
-    return stack
-
-
-def _cuda_devices(tape: list[tuple]) -> list[int]:
-    return sorted({rng[0].index or 0 for *_, rng in tape if rng is not None and rng[0].type == "cuda"})
-
-
 NO_CORE = "_tensoropt_no_attention_core"     # set on a copy whose first forward found no core
+LEARNED = "_tensoropt_attention_core_plan"    # a copy's CorePlan, or False where it could not be learned
 
 
 def selective_checkpoint(module: torch.nn.Module, *args, **kwargs):
     """Run ``module`` keeping all it saves for backward but its attention core (see module doc); the
     ``checkpoint_fn`` of a ``checkpoint_wrapper``, so the block's parameter names stay what they are under
-    full recomputation. A copy whose first forward found no core runs plainly from then on (module doc)."""
-    if not torch.is_grad_enabled() or getattr(module, NO_CORE, False):
+    full recomputation. A copy whose first forward found no core runs plainly from then on, one whose core it
+    learned under saved-tensor hooks alone (module doc)."""
+    owner = getattr(module, "__self__", module)       # DeepSpeed's engine hands over the copy's bound forward
+    if not torch.is_grad_enabled() or getattr(owner, NO_CORE, False):
         return module(*args, **kwargs)
-    core = AttentionCore()
+    plan = getattr(owner, LEARNED, None)
+    if plan:
+        learned = LearnedCore(plan)
+        with torch.autograd.graph.saved_tensors_hooks(learned.pack, learned.unpack):
+            out = module(*args, **kwargs)
+        learned.check()
+        return out
+    core = AttentionCore(learning=plan is None)
     core.mark_inputs((args, kwargs))
     try:
         with torch.autograd.graph.saved_tensors_hooks(core.pack, core.unpack), CoreMode(core):
@@ -262,7 +212,10 @@ def selective_checkpoint(module: torch.nn.Module, *args, **kwargs):
     finally:
         core.activations, core.made = set(), {}      # packing is over; the tape and places stay
     if not core.tape:
-        setattr(module, NO_CORE, True)
+        setattr(owner, NO_CORE, True)
+    elif core.learning:
+        setattr(owner, LEARNED, learn(core.tape, core.tape_ops, core.packs, core.saved) or False)
+    core.packs = []
     return out
 
 
