@@ -31,7 +31,7 @@ from ..space.plan import LayerStrategy
 from ..space.vocab import VocabLayout
 from .comm import all_gather_s, all_reduce_s
 from .ops import OpArrays, op_times
-from .pipeline_memory import backward_working_bytes, embedding_table_elements
+from .pipeline_memory import backward_working_bytes
 from .profile import Cluster
 
 
@@ -204,7 +204,6 @@ class LooseCost:
     activation_bytes: float
     parameters: float
     backward_bytes: float = 0.0      # the largest working set of one op's backward (pipeline_memory)
-    table_grad_elements: float = 0.0  # the embedding table's elements, whole (``pipeline_memory``)
 
 
 class LooseOps:
@@ -234,7 +233,6 @@ class LooseOps:
         self.arrays = OpArrays.of(ops, cluster.profile, compiled) if ops else None
         self.params = _param_elements(ops, range(len(ops)))
         self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
-        self.table_elements = embedding_table_elements(ops)
 
     def split(self, tp: int) -> bool:
         """Whether the vocabulary is split over ``tp`` ranks (as the runtime decides: ``VocabLayout.why_not``)."""
@@ -250,4 +248,4 @@ class LooseOps:
         comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, self.cluster) if hidden_bytes else 0.0
         activations = float((self.arrays.saved_bytes * micro_batch / shard).sum())
         return LooseCost(float((fwd + bwd).sum()) + comm, activations, float((self.params / shard).sum()),
-                         float((self.backward_bytes * micro_batch / shard).max()), self.table_elements)
+                         float((self.backward_bytes * micro_batch / shard).max()))

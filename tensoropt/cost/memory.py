@@ -45,12 +45,10 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     loss's)."""
     carried = model.carried_bytes
     # the last stage runs the loss's backward: at least its float32 logit-sized gradients (``loss_gradient_bytes``:
-    # three of a rank's share under the vocabulary-parallel loss, more than one op's inputs and outputs)
-    # the first stage's embedding backward also holds its whole table's gradient under the vocabulary split
-    # (``table_gradient_elements``), in the dtype autograd makes it: the weights' as gathered
+    # three of a rank's share under the vocabulary-parallel loss, more than one op's inputs and outputs); the first
+    # stage's embedding backward makes its rows' gradient only (``runtime.vocab_parallel.VocabEmbedding``)
     back_first, back_last = (np.maximum(b - transient_bytes, 0.0)
-                             for b in (r.first_back + r.gathered * r.first_table_grad,
-                                       np.maximum(r.last_back, r.loss_grads) + at_loss_bytes))
+                             for b in (r.first_back, np.maximum(r.last_back, r.loss_grads) + at_loss_bytes))
     messages_first, messages_last = message_bytes(r.pp, r.v, r.m, r.mb, carried)
     acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
         r.piped, messages_first + back_first, 0.0)

@@ -36,25 +36,6 @@ def backward_working_bytes(op: Op) -> float:
     return float(outputs + inputs)
 
 
-def embedding_table_elements(ops) -> float:
-    """Elements of the largest table an embedding op among ``ops`` reads (the stage's token embedding), whole: the
-    size of its gradient before any split (``table_gradient_elements``); 0 where no embedding is among them."""
-    return float(max((m.numel for op in ops if op.kind == "embedding"
-                      for m, r in zip(op.inputs, op.sources) if r.kind == "param"), default=0))
-
-
-def table_gradient_elements(pp: int, vocab_split: bool, table_elements: float) -> float:
-    """Elements of the table gradient the first stage's embedding backward holds beside its working set, with the
-    next micro-batch's activations in flight (1F1B), under the vocabulary-parallel split: DTensor's embedding
-    backward has no rule that shards the weight's gradient by vocabulary (``torch/distributed/tensor/_ops/
-    _embedding_ops.py``: Partial or Shard(1)), so each rank makes the whole table's gradient and reduces it to its
-    shard afterwards (simulated: a 1.05 GB Llama-3-8B table gradient on a tp2 rank, at stage 0's peak). Without the
-    split the gradient is the rank's own, counted with the states: the simulated stages show no fresh table gradient
-    at their peak (priced so, an 8-layer 32-true pp2 stage read +6.6%). 0 without pipeline stages: a flat plan's
-    embedding backward runs last, once the activations are freed."""
-    return table_elements if pp > 1 and vocab_split else 0.0
-
-
 def copy_backward_bytes(model, tp: int, tp_branches: tuple[str, ...], micro_batch: int, grad_bytes: float
                         ) -> tuple[float, float]:
     """(gradients of one op's backward, the same with its parameters' fresh gradients) of the block copy's op that

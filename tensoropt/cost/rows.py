@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .deepspeed_memory import master_and_moment_bytes
-from .pipeline_memory import copy_backward_bytes, table_gradient_elements
+from .pipeline_memory import copy_backward_bytes
 from .states import state_bytes
 from .torch_memory import (
     largest_copy_parameters,
@@ -61,7 +61,6 @@ class PlanRows:
     tail_params: np.ndarray        # elements of the loose ops after the blocks (the final norm and head)
     copy_back: np.ndarray          # the largest op backward's gradients in a block copy, bytes (``pipeline_memory``)
     copy_back_fresh: np.ndarray    # the same with its parameters' fresh gradients (accumulating micro-batches)
-    first_table_grad: np.ndarray   # elements of the first stage's whole embedding-table gradient (pipeline_memory)
 
     @property
     def piped(self) -> np.ndarray:
@@ -81,7 +80,6 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     loss_bytes: dict = {}             # (backward, forward) working sets of the loss per micro-batch key
     states: dict = {}
     copy_back: dict = {}              # the copy's largest op backward per (tp, branches, micro-batch, gradient bytes)
-    vocab_split = {tp: model.vocab.split(tp) for tp in {c.tp for c in ctxs}}
     for c in ctxs:
         tp_key, mb_key = (c.tp, c.tp_branches), (c.tp, c.tp_branches, c.micro_batch)
         if tp_key not in largest_copy:
@@ -109,8 +107,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
         floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
                        largest_copy[tp_key], *loss_bytes[mb_key], copy_peak[mb_key], head.activation_bytes,
-                       tail.parameters, *copy_back[back_key],
-                       table_gradient_elements(c.pp, vocab_split[c.tp], first.table_grad_elements)))
+                       tail.parameters, *copy_back[back_key]))
     columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
     names = [f.name for f in fields(PlanRows)]
     assert len(names) == len(columns) and len(ints[0]) == _INTS

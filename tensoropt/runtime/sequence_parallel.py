@@ -151,10 +151,25 @@ class _GatherOnce:
                                      "without sequence parallelism")
             key = id(x)
             if key not in self.done:
-                self.done[key] = (x, x.redistribute(self.mesh, [Replicate()]))
+                share = _autocast(x)
+                self.done[key] = (share, share.redistribute(self.mesh, [Replicate()]))
             whole = self.done[key][1]
             return (whole.to_local() if local else whole, *args[1:])
         return gather
+
+
+def _autocast(x: torch.Tensor) -> torch.Tensor:
+    """A column linear's share as the linear will compute with it: under an autocast (bf16-mixed with float32
+    weights, ZeRO 0) cast to the autocast's dtype before it is gathered, as autocast would cast the gathered whole
+    (the same values): the gather moves half the bytes, and the linear saves the gathered tensor itself, which the
+    copy then keeps as its share (``_SavedShares``); cast after the gather, the linear would save autocast's copy
+    of it, whole."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if x.dtype != dtype:
+            return x.to(dtype)
+    return x
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -258,8 +273,11 @@ def _enter(name: str, mesh, arrives_sharded: bool, gathers: _GatherOnce, relay: 
                 raise TensorOptError(f"sequence parallelism over {tp} devices splits dim {SEQUENCE_DIM} of {name}'s "
                                      f"input {tuple(x.shape)}, which {tp} does not divide: use a sequence length "
                                      f"that {tp} divides, or plan without sequence parallelism")
+            # the share copied out of the whole, as Megatron-LM's scatter to the sequence-parallel region does:
+            # a view would keep the whole stream alive as long as the copy's first op saves its share (the whole
+            # embedding output of every micro-batch in flight on a pipeline's first stage)
             stream = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(
-                mesh, [Shard(SEQUENCE_DIM)])
+                mesh, [Shard(SEQUENCE_DIM)]).clone()
         if torch.is_grad_enabled():
             gathers.save_shares()
         if where == "args":

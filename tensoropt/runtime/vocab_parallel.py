@@ -4,9 +4,13 @@ Which modules are the embedding and the head, and whether the model allows the s
 plan.json's ``vocab_parallel`` (``tensoropt.space.vocab``, derived by the launcher from the captured graph, the
 same analysis the cost model prices); the runtime never guesses from names. When enabled:
 
-- the embedding (``nn.Embedding``) gets ``RowwiseParallel``: rank r holds rows [r V/tp, (r+1) V/tp) of the
-  table, looks up the tokens it holds (zeros for the others) and one all-reduce sums the ranks' partial
-  embeddings (torch's ``MaskPartial``);
+- the embedding (``nn.Embedding``) gets ``VocabEmbedding``: rank r holds rows [r V/tp, (r+1) V/tp) of the table
+  (a ``Shard(0)`` DTensor), looks up the tokens it holds in its own rows (zeros for the others) and one all-reduce
+  sums the ranks' partial embeddings, whose backward hands each rank the whole output gradient (Megatron-LM's
+  ``VocabParallelEmbedding``: ``reduce_from_tensor_model_parallel_region``). So the backward makes the gradient of
+  the rank's rows only; torch's ``RowwiseParallel`` (``MaskPartial``) computed the whole table's gradient on every
+  rank and reduced it to the shard after (``_embedding_ops.py``: no vocabulary-sharded rule for its backward): a
+  transient V x h per rank, 8.8 GiB for Nemotron-4 340B's table in bf16;
 - the head (``nn.Linear``) gets ``ColwiseParallel`` with ``output_layouts=Shard(-1)`` and
   ``use_local_output=False``: each rank computes its V/tp logits, kept as a DTensor sharded on the vocabulary;
 - the model's own ``F.cross_entropy`` then runs on the sharded logits under torch's ``loss_parallel()``, which the
@@ -17,9 +21,8 @@ A tied embedding and head (``lm_head.weight is wte.weight``) stay one parameter:
 (the vocabulary), so after sharding the head is given the embedding's DTensor parameter again, and its gradient
 is the sum of both uses, as in the model run alone.
 
-Sequence parallelism would take the embedding's output as ``Shard(1)`` (reduce-scattered along the sequence)
-and the head's input as ``Shard(1)``: ``vocab_styles(sequence_parallel=True)`` names those layouts, but nothing
-calls it so yet (the sequence-parallel runtime decides when it does).
+Under sequence parallelism the stream enters the first sequence-parallel copy whole and leaves the last whole
+(``runtime.sequence_parallel``), so the embedding and the head see it whole.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..errors import TensorOptError
 from ..space.run_plan import RunPlan, VocabSplit
@@ -43,12 +49,52 @@ def vocab_entry(run_plan: RunPlan) -> VocabSplit:
     return run_plan.vocab_parallel or VocabSplit(False, reason="plan.json does not say (written by an older launcher)")
 
 
-def vocab_styles(sequence_parallel: bool = False) -> tuple[RowwiseParallel, ColwiseParallel]:
-    """(embedding style, head style). With sequence parallelism the stream between them is split along the
-    sequence (dim 1), so the embedding's sum is reduce-scattered there and the head gathers its input."""
-    stream = Shard(1) if sequence_parallel else Replicate()
-    return (RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-            ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False))
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) in the forward, the gradient handed on as it is in the backward: every rank's partial
+    embedding is added into the output every rank uses (Megatron-LM's ``_ReduceFromModelParallelRegion``)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+        ctx.mark_dirty(partial)             # summed in place: the rank's partial embedding is not kept
+        dist.all_reduce(partial, group=group)
+        return partial
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class VocabEmbedding(ParallelStyle):
+    """An ``nn.Embedding`` split by vocabulary over a 1-D mesh, looked up on each rank's own rows (module doc)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.max_norm is not None or module.sparse:
+            raise TensorOptError(f"the vocabulary split runs plain nn.Embedding tables: {module} has max_norm or "
+                                 "sparse gradients; plan with --tp 1")
+        weight = module.weight
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(weight.detach(), device_mesh, [Shard(0)]),
+                                                         requires_grad=weight.requires_grad))
+        group = device_mesh.get_group()
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            table = module.weight.to_local()
+            rows = table.shape[0]
+            start = device_mesh.get_local_rank() * rows
+            outside = (ids < start) | (ids >= start + rows)
+            padding = module.padding_idx - start if module.padding_idx is not None and \
+                start <= module.padding_idx < start + rows else None
+            partial = F.embedding((ids - start).masked_fill(outside, 0), table, padding)
+            return _SumOverRanks.apply(partial.masked_fill(outside.unsqueeze(-1), 0), group)
+        module.forward = forward
+        return module
+
+
+def vocab_styles() -> tuple[ParallelStyle, ColwiseParallel]:
+    """(embedding style, head style). The embedding's output is whole (each copy that runs sequence-parallel slices
+    its share); the head computes its V/tp logits from a whole input."""
+    return VocabEmbedding(), ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                             use_local_output=False)
 
 
 def apply_vocab_parallel(model: nn.Module, run_plan: RunPlan, tp_mesh) -> bool:
