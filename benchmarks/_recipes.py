@@ -2,11 +2,14 @@
 needs for them. Shared by ``vs_recipes.py`` (the launcher's choice against the recipe, priced the same way) and
 ``_memory_recipes.py`` (the recipes simulated at full size, for ``memory_accuracy.py``).
 
-Each recipe is a model (a built-in preset or a JSON config in ``benchmarks/data/``), a cluster of H100s and one
-plan: mesh, interleaved stages, ZeRO 1 (Megatron-LM's distributed optimizer), sequence parallelism, micro-batch,
-global batch, recomputation. The models with flash attention (``"attention": "flash"``) keep no attention scores,
-as Transformer Engine's fused attention; the GPT-3 preset computes its attention eagerly (Megatron's layout), so its
-recipes recompute the attention core (selective recomputation), which leaves what flash attention leaves.
+Each recipe is a model (a JSON config in ``benchmarks/data/``), a cluster of H100s and one plan: mesh, interleaved
+stages, ZeRO 1 (Megatron-LM's distributed optimizer), sequence parallelism, micro-batch, global batch, recomputation.
+The models with flash attention (``"attention": "flash"``) keep no attention scores, as Transformer Engine's fused
+attention; the GPT-3 175B-shaped model computes its attention eagerly (Megatron's layout, as the ``gpt3-175b``
+preset), so its recipes recompute the attention core (selective recomputation), which leaves what flash attention
+leaves. The models train without dropout: simulated on the CPU a dropout keeps its mask in the activations' dtype,
+where the GPU kernels the capture prices keep a byte per element (a 22B or 175B GPT's memory rows would read a few
+percent under their simulation for a CPU artifact; the ``gpt3-175b`` preset has dropout 0.1).
 
 - GPT-3 175B (Brown et al. 2020), dp4 tp4 pp8 with 6 or 12 interleaved stages, micro-batch 1, global batch 256, on
   128 GPUs: the layout issue 33 names for it.
@@ -69,10 +72,10 @@ class Recipe:
 
 
 RECIPES = [
-    Recipe("gpt3-175b-v6", "gpt3-175b", 96, 128, 256, dp=4, tp=4, pp=8, virtual_stages=6, micro_batch=1,
-           recompute="selective"),
-    Recipe("gpt3-175b-v12", "gpt3-175b", 96, 128, 256, dp=4, tp=4, pp=8, virtual_stages=12, micro_batch=1,
-           recompute="selective"),
+    Recipe("gpt3-175b-v6", "benchmarks/data/gpt3-175b.json", 96, 128, 256, dp=4, tp=4, pp=8, virtual_stages=6,
+           micro_batch=1, recompute="selective"),
+    Recipe("gpt3-175b-v12", "benchmarks/data/gpt3-175b.json", 96, 128, 256, dp=4, tp=4, pp=8, virtual_stages=12,
+           micro_batch=1, recompute="selective"),
     Recipe("nemotron4-340b", "benchmarks/data/nemotron4-340b.json", 96, 128, 32, dp=2, tp=8, pp=8,
            virtual_stages=12, micro_batch=1),
     Recipe("megatron-22b", "benchmarks/data/megatron-22b.json", 48, 8, 4, dp=1, tp=8, pp=1, virtual_stages=1,
