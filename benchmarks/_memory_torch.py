@@ -157,7 +157,8 @@ def cases(quick: bool = False, family: str | None = None) -> list[Case]:
     model_8b = "llama3-8b-like" + (" (4 layers)" if quick else "")
     script_8b = tuple(LLAMA3_8B[:1] + [str(layers)] + LLAMA3_8B[2:])
     todo = [Case(c[0], model_8b, *c[1:], layers, tuple(ON_8), script_8b) for c in CASES_8B]
-    todo += [Case(c[0], model_8b, *c[1:], layers, tuple(ON_8), script_8b, "bfloat16") for c in CASES_8B_BF16_GRADIENTS]
+    todo += [Case(c[0], model_8b, *c[1:], layers, tuple(ON_8), script_8b,
+                  grad_dtype="bfloat16") for c in CASES_8B_BF16_GRADIENTS]
     if not quick:
         todo += [Case(c[0], "llama2-70b", *c[1:], 80, tuple(ON_64), ()) for c in CASES_70B]
         todo += [Case(c[0], "gpt-22b", *c[1:], 48, ON_8_H100, GPT_22B, GPT_SCRIPT) for c in CASES_22B]
