@@ -36,20 +36,22 @@ from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from .selective_replay import (
     Input,
     LearnedCore,
     Pack,
     Place,
+    Replaying,
     cuda_devices,
     generator_states,
     learn,
     replay,
     rng_state,
     signature,
+    storage_key,
     tensors,
 )
 
@@ -59,24 +61,9 @@ _PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.matmul: (0, 1), _aten.do
              _aten.addmm: (1, 2), _aten.baddbmm: (1, 2), _aten.addbmm: (1, 2)}
 
 
-def _storage(t: torch.Tensor) -> StorageWeakRef | None:
-    """The storage a tensor's values lie in (a tensor subclass's, e.g. a DTensor's: its local tensor's)."""
-    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return _storage(getattr(t, names[0])) if names else None
-    try:
-        return StorageWeakRef(t.untyped_storage())
-    except (RuntimeError, NotImplementedError):     # a tensor without storage: neither activation nor core
-        return None
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
-
 def _keys(tree) -> list[StorageWeakRef]:
     """The storages of the tensors in ``tree`` (those that have one)."""
-    return [k for k in map(_storage, _tensors(tree)) if k is not None]
+    return [k for k in map(storage_key, tensors(tree)) if k is not None]
 
 
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -85,20 +72,19 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            out += _tensors(value)
+            out += tensors(value)
     return out
 
 
-class AttentionCore:
+class AttentionCore(Replaying):
     """The attention core of one forward of one block copy: found and taped while it runs (``CoreMode``),
     its saved tensors replaced by places (``pack``), replayed when the backward first needs one (``unpack``)."""
 
     def __init__(self, learning: bool = False) -> None:
+        super().__init__()
         self.activations: set[StorageWeakRef] = set()
         self.made: dict[StorageWeakRef, tuple[int, int]] = {}     # core storage -> (entry, slot) that made it
         self.tape: list[tuple] = []                                 # (op, args, kwargs, RNG state or None)
-        self.replayed: list[list[torch.Tensor | None]] | None = None
-        self.pending = 0                                            # places packed and not yet unpacked
         self.saved: set[tuple[int, int]] = set()                    # (entry, slot) of the storages packed
         # the first forward of a copy also records what ``selective_replay.learn`` needs: ops run before each tape
         # entry, and every pack
@@ -112,7 +98,7 @@ class AttentionCore:
     def is_core(self, func, args: tuple, kwargs: dict) -> bool:
         """The rule of the module doc, decided from an op's inputs (so before it runs)."""
         if (operands := _PRODUCTS.get(func.overloadpacket)) is not None:
-            keys = [_storage(args[i]) if i < len(args) and isinstance(args[i], torch.Tensor) else None
+            keys = [storage_key(args[i]) if i < len(args) and isinstance(args[i], torch.Tensor) else None
                     for i in operands]
             return all(k is not None and k in self.activations and k not in self.made for k in keys)
         if not any(k in self.made for k in _keys((args, kwargs))):
@@ -132,7 +118,7 @@ class AttentionCore:
             if any(k in self.activations for k in _keys((args, kwargs))):
                 self.activations.update(_keys(outputs))
             return out
-        new = [(slot, s) for slot, s in enumerate(map(_storage, outputs)) if s is not None and s not in self.made]
+        new = [(slot, s) for slot, s in enumerate(map(storage_key, outputs)) if s is not None and s not in self.made]
         if new or func._schema.is_mutable:       # views of core tensors need no replay: places find them
             entry = len(self.tape)
             self.tape.append((func, *tree_map(self._place, (args, kwargs)), rng))
@@ -144,13 +130,13 @@ class AttentionCore:
     def _place(self, x):
         if not isinstance(x, torch.Tensor):
             return x
-        key = _storage(x)
+        key = storage_key(x)
         if key is not None and (made := self.made.get(key)) is not None:
             return Place(*made, x)
         return Input(x)
 
     def pack(self, t: torch.Tensor):
-        key = _storage(t)
+        key = storage_key(t)
         made = self.made.get(key) if key is not None else None
         place = Place(*made, t) if made is not None else None
         if self.learning:
@@ -161,17 +147,9 @@ class AttentionCore:
         self.saved.add(made)
         return place
 
-    def unpack(self, packed) -> torch.Tensor:
-        if not isinstance(packed, Place):
-            return packed
-        if self.replayed is None:
-            self.replayed = replay(self.tape, self.saved, lambda x: x.read() if isinstance(x, Input) else x,
-                                   lambda entry: self.tape[entry][3], cuda_devices(self.tape))
-        out = packed.find(self.replayed)
-        self.pending -= 1
-        if self.pending <= 0:               # every place is unpacked: the replayed tensors go
-            self.replayed, self.pending = None, 0
-        return out
+    def _replay(self) -> list[list[torch.Tensor | None]]:
+        return replay(self.tape, self.saved, lambda x: x.read() if isinstance(x, Input) else x,
+                      lambda entry: self.tape[entry][3], cuda_devices(self.tape))
 
 
 class CoreMode(TorchDispatchMode):

@@ -19,9 +19,22 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import TensorOptError
+
+
+def storage_key(t: torch.Tensor) -> StorageWeakRef | None:
+    """The storage a tensor's values lie in (a tensor subclass's, e.g. a DTensor's: its local tensor's)."""
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return storage_key(getattr(t, names[0])) if names else None
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):     # a tensor without storage: neither activation nor core
+        return None
 
 
 class Place:
@@ -51,10 +64,15 @@ class Input:
         self.tensor, self.version = t, t._version
 
     def read(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise TensorOptError("selective recomputation: a tensor the attention core read was changed in place "
-                                 "after the forward; plan this block with full recomputation instead")
-        return self.tensor
+        return unchanged(self.tensor, self.version)
+
+
+def unchanged(tensor: torch.Tensor, version: int) -> torch.Tensor:
+    """``tensor``, which the core read at ``version``; refused where it was changed in place since."""
+    if tensor._version != version:
+        raise TensorOptError("selective recomputation: a tensor the attention core read was changed in place "
+                             "after the forward; plan this block with full recomputation instead")
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -126,8 +144,7 @@ def generator_states() -> dict:
 
 def signature(t: torch.Tensor) -> tuple:
     """What identifies a tensor between the core's reads and autograd's saves: its object, else storage and view."""
-    from .selective import _storage
-    return (_storage(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype) \
+    return (storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype) \
         if type(t) is torch.Tensor else (id(t),)
 
 
@@ -167,15 +184,38 @@ def learn(tape: list[tuple], tape_ops: list[int], packs: list[Pack], saved: set[
     return CorePlan(template, frozenset(saved), len(packs), dropped, bound, rng_pack, rng_entry, rng_device)
 
 
-class LearnedCore:
+class Replaying:
+    """The backward's side of a copy's saved-tensor hooks: the first place unpacked replays the core (``_replay``),
+    the others are found in that replay, and the replayed tensors go once the last place is unpacked."""
+
+    def __init__(self) -> None:
+        self.replayed: list[list[torch.Tensor | None]] | None = None
+        self.pending = 0                    # places packed and not yet unpacked
+
+    def unpack(self, packed) -> torch.Tensor:
+        if not isinstance(packed, Place):
+            return packed
+        if self.replayed is None:
+            self.replayed = self._replay()
+        out = packed.find(self.replayed)
+        self.pending -= 1
+        if self.pending <= 0:               # every place is unpacked: the replayed tensors go
+            self.replayed, self.pending = None, 0
+        return out
+
+    def _replay(self) -> list[list[torch.Tensor | None]]:
+        raise NotImplementedError
+
+
+class LearnedCore(Replaying):
     """One later forward of a learned copy: its saved-tensor hooks (``pack``, ``unpack``) and what its backward's
     replay needs (module doc)."""
 
     def __init__(self, plan: CorePlan) -> None:
-        self.plan, self.count, self.pending = plan, 0, 0
+        super().__init__()
+        self.plan, self.count = plan, 0
         self.bound: dict[int, tuple[torch.Tensor, int]] = {}
         self.rng: tuple | None = None
-        self.replayed: list[list[torch.Tensor | None]] | None = None
 
     def pack(self, t: torch.Tensor):
         plan, index = self.plan, self.count
@@ -194,29 +234,18 @@ class LearnedCore:
             self.bound[index] = (t, t._version)
         return t if t.grad_fn is None else t.detach()
 
-    def unpack(self, packed) -> torch.Tensor:
-        if not isinstance(packed, Place):
-            return packed
-        if self.replayed is None:
-            device = self.plan.rng_device
-            self.replayed = replay(list(self.plan.tape), set(self.plan.saved), self._value,
-                                   lambda entry: self.rng if entry == self.plan.rng_entry else None,
-                                   [device.index or 0] if device is not None and device.type == "cuda" else [])
-            self.bound = {}                 # the inputs read: autograd keeps its own references to them
-        out = packed.find(self.replayed)
-        self.pending -= 1
-        if self.pending <= 0:               # every place is unpacked: the replayed tensors go
-            self.replayed, self.pending = None, 0
-        return out
+    def _replay(self) -> list[list[torch.Tensor | None]]:
+        device = self.plan.rng_device
+        replayed = replay(list(self.plan.tape), set(self.plan.saved), self._value,
+                          lambda entry: self.rng if entry == self.plan.rng_entry else None,
+                          [device.index or 0] if device is not None and device.type == "cuda" else [])
+        self.bound = {}                     # the inputs read: autograd keeps its own references to them
+        return replayed
 
     def _value(self, x):
         if not isinstance(x, Bound):
             return x
-        tensor, version = self.bound[x.index]
-        if tensor._version != version:
-            raise TensorOptError("selective recomputation: a tensor the attention core read was changed in place "
-                                 "after the forward; plan this block with full recomputation instead")
-        return tensor
+        return unchanged(*self.bound[x.index])
 
     def check(self) -> None:
         """After the forward: it saved what the learning forward saved."""
@@ -243,8 +272,7 @@ def tensors(tree) -> list[torch.Tensor]:
 
 
 def rng_state(tensors_: list[torch.Tensor]) -> tuple:
-    device = next((t.device for t in tensors_ if t.device.type == "cuda"), torch.device("cpu"))
-    return device, rng_state_of(device)[1]
+    return rng_state_of(next((t.device for t in tensors_ if t.device.type == "cuda"), torch.device("cpu")))
 
 
 def rng_state_of(device: torch.device) -> tuple:
@@ -273,5 +301,6 @@ def cuda_devices(tape) -> list[int]:
     return sorted({rng[0].index or 0 for *_, rng in tape if rng is not None and rng[0].type == "cuda"})
 
 
-__all__ = ["Bound", "CorePlan", "Input", "LearnedCore", "Pack", "Place", "cuda_devices", "generator_states", "learn",
-           "replay", "rng_state", "set_rng_state", "signature", "tensors"]
+__all__ = ["Bound", "CorePlan", "Input", "LearnedCore", "Pack", "Place", "Replaying", "cuda_devices",
+           "generator_states", "learn", "replay", "rng_state", "set_rng_state", "signature", "storage_key", "tensors",
+           "unchanged"]
