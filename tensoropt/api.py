@@ -20,7 +20,7 @@ from .space.tp_check import check_tensor_parallel, with_tp_checks
 from .space.vocab import check_vocab_modules, with_vocab_check
 
 # Bump when capture, op rules or the IR change what a captured graph contains.
-CAPTURE_VERSION = 10
+CAPTURE_VERSION = 11
 # the weights' dtype a precision captures a --model in (``runtime.precision.parameter_dtype``: bf16-mixed keeps
 # float32 master weights and computes under autocast)
 WEIGHT_DTYPES = {"bf16-mixed": "float32", "bf16-true": "bfloat16", "32-true": "float32"}

@@ -25,8 +25,10 @@ unit's, in the working set as under ZeRO 3).
 The loss's backward, at the start of every backward (any engine: torch's ``cross_entropy``), works in float32 on
 tensors the size of the logits, beside all the activations kept: ``log_softmax_backward_data`` and
 ``nll_loss_backward`` make float32 logit-sized gradients, two live at once with the vocabulary replicated;
-under the vocabulary-parallel loss (``torch.distributed.tensor.parallel.loss_parallel``, its
-``_nll_loss_and_log_softmax_backward``) three of the rank's share. ``loss_gradient_bytes`` prices them.
+under the vocabulary-parallel loss, torch's ``loss_parallel`` (its ``_nll_loss_and_log_softmax_backward``) makes
+three of the rank's share; the runtime's own (``runtime.vocab_loss``, Megatron-LM's layout), which runs a loss that
+comes through ``F.cross_entropy``, turns the saved softmax into the gradient in place and makes only its cast to
+the logits' dtype (none for float32 logits). ``loss_gradient_bytes`` prices them.
 
 With one micro-batch (the optimizer's ``zero_grad`` leaves no gradient before the backward) FSDP2's gradient
 shards grow as the copies' activations are freed, so the backward's peak is at one of its ends, not their sum
@@ -81,9 +83,18 @@ def loss_gradient_bytes(model, tp: int, micro_batch: int, logits: float | None =
     one per token (shifted slices of the batch, which the embedding's and ``cross_entropy``'s flattening may
     copy; ``embedding`` and ``nll_loss`` save them), and the loss's scalars; ``logits``: ``logits_elements(model)``
     when the caller has it (the search prices thousands of contexts)."""
-    split = model.vocab.split(tp)
+    vocab = model.vocab
     logits = logits_elements(model) if logits is None else logits
-    return logits * micro_batch * FLOAT32 * (3 / tp if split else 2) + _targets_bytes(model, micro_batch, logits)
+    return logits * micro_batch * _loss_gradient_bytes_per_logit(vocab, tp) + _targets_bytes(model, micro_batch, logits)
+
+
+def _loss_gradient_bytes_per_logit(vocab, tp: int) -> float:
+    """Bytes per logit of the loss backward's working set beside the saved log-softmax (module doc)."""
+    if not vocab.split(tp):
+        return 2 * FLOAT32
+    if vocab.fused_loss:
+        return (vocab.logit_bytes if vocab.logit_bytes != FLOAT32 else 0) / tp
+    return 3 * FLOAT32 / tp
 
 
 def _targets_bytes(model, micro_batch: int, logits: float) -> float:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
 from .ir import Op, OpGraph, Ref, TensorMeta
-from .loss import check_loss, describe
+from .loss import CROSS_ENTROPY_CALLS, check_loss, counting_cross_entropy, describe
 from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
 from .precision import active_autocast, cuda_autocast_on_cpu
 from .views import FULL, footprint
@@ -240,17 +240,19 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     ``CaptureError`` (``loss``); the graph records what it returned either way.
     """
     model.train()
-    with cuda_autocast_on_cpu():
+    calls = [0]
+    with cuda_autocast_on_cpu(), counting_cross_entropy(calls):
         dtype = active_autocast()
         graph, output, autocast_inside = _trace(model, example_inputs, name, dtype)
         if dtype is None and autocast_inside:          # the forward enters autocast itself: trace where it acts
+            calls[0] = 0
             graph, output, _ = _trace(model, example_inputs, name, autocast_inside)
     if require_loss:
         owner = type(model).__name__
         check_loss(output, owner if name == owner else f"{name}: {owner}")
     precision = {"autocast": _dtype_name(dtype or autocast_inside)} if (dtype or autocast_inside) else {}
     return replace(graph, metadata=tuple(sorted({
-        **(metadata or {}), **precision, "returns": describe(output),
+        **(metadata or {}), **precision, "returns": describe(output), CROSS_ENTROPY_CALLS: str(calls[0]),
         # pipeline stages need a forward that returns the loss tensor itself (not a Hugging Face output)
         "output": "tensor" if isinstance(output, torch.Tensor) else "structured"}.items())))
 

@@ -9,7 +9,8 @@ step alike, and describes anything else in one line: ``a tuple (Tensor[4, 64, 10
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -46,6 +47,27 @@ def describe(value: object, top: bool = True) -> str:
         items = [f"{k!r}: {describe(v, False)}" for k, v in list(value.items())[:_MAX_ITEMS]]
         return f"{article}{type(value).__name__} {{{', '.join(items + (['...'] if len(value) > _MAX_ITEMS else []))}}}"
     return f"{article}{type(value).__name__}"
+
+
+CROSS_ENTROPY_CALLS = "cross_entropy_calls"    # graph metadata: calls of torch's cross-entropy entry point
+
+
+@contextlib.contextmanager
+def counting_cross_entropy(calls: list[int]) -> Iterator[None]:
+    """Count, in ``calls[0]``, the calls of the entry point that ``F.cross_entropy`` and ``nn.CrossEntropyLoss``
+    run (``torch._C._nn.cross_entropy_loss``, looked up on every call) while inside: a loss that comes through it
+    runs on the runtime's lean vocabulary-parallel cross-entropy (``runtime.vocab_loss``), one made of
+    ``log_softmax`` and ``nll_loss`` called apart on torch's ``loss_parallel``, and the two are priced apart."""
+    original = torch._C._nn.cross_entropy_loss
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+    torch._C._nn.cross_entropy_loss = counted
+    try:
+        yield
+    finally:
+        torch._C._nn.cross_entropy_loss = original
 
 
 def loss_problem(output: object) -> str | None:

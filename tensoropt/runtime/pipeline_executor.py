@@ -211,25 +211,39 @@ def run_schedule(steps: Sequence[Step], runners: Mapping[int, StageRunner], mode
     for step in steps:
         if isinstance(step, Boundary):
             exchange(step, runners, outbox, inbox, pp_group)
-            continue
-        runner, mb = runners[step.stage], step.micro_batch
-        if step.kind == FORWARD:
-            inputs = () if runner.is_first else inbox.pop(Message(ACTIVATION, step.stage - 1, mb))
-            output = runner.forward(mb, inputs, model_inputs[mb])
-            if runner.is_last:
-                losses[mb] = loss_of(output)
-                values[mb] = local_tensor(losses[mb]).detach()
-            else:
-                outbox[Message(ACTIVATION, step.stage, mb)] = list(output)
-            continue
-        gradients = None if runner.is_last else inbox.pop(Message(GRADIENT, step.stage + 1, mb))
-        loss = losses.pop(mb) / micro_batches if runner.is_last else None
-        sent = runner.backward(mb, gradients, loss, last_backward[step.stage] == mb)
-        if not runner.is_first:
-            outbox[Message(GRADIENT, step.stage, mb)] = sent
+        elif step.kind == FORWARD:
+            _forward(step, runners[step.stage], model_inputs[step.micro_batch], loss_of, inbox, outbox, losses, values)
+        else:
+            _backward(step, runners[step.stage], micro_batches, last_backward[step.stage] == step.micro_batch,
+                      inbox, outbox, losses)
     if outbox or inbox or losses or any(r.pending for r in runners.values()):
         raise AssertionError("the pipeline schedule left messages or micro-batches behind")
     return [values[mb] for mb in sorted(values)]
+
+
+# One action each, in a function of its own: what an action reads or makes is referenced from the inbox, the outbox,
+# the losses and the runner's pending micro-batches only, never from a local of the schedule's loop, which would keep
+# it (the last received input, the last input gradient sent) alive through the next action.
+def _forward(step: Action, runner: StageRunner, model_inputs: Mapping, loss_of: Callable[[object], torch.Tensor],
+             inbox: dict, outbox: dict, losses: dict, values: dict) -> None:
+    mb = step.micro_batch
+    inputs = () if runner.is_first else inbox.pop(Message(ACTIVATION, step.stage - 1, mb))
+    output = runner.forward(mb, inputs, model_inputs)
+    if runner.is_last:
+        losses[mb] = loss_of(output)
+        values[mb] = local_tensor(losses[mb]).detach()
+    else:
+        outbox[Message(ACTIVATION, step.stage, mb)] = list(output)
+
+
+def _backward(step: Action, runner: StageRunner, micro_batches: int, last: bool, inbox: dict, outbox: dict,
+              losses: dict) -> None:
+    mb = step.micro_batch
+    gradients = None if runner.is_last else inbox.pop(Message(GRADIENT, step.stage + 1, mb))
+    loss = losses.pop(mb) / micro_batches if runner.is_last else None
+    sent = runner.backward(mb, gradients, loss, last)
+    if not runner.is_first:
+        outbox[Message(GRADIENT, step.stage, mb)] = sent
 
 
 __all__ = ["StageRunner", "exchange", "peer_rank", "run_schedule"]

@@ -13,9 +13,10 @@ same analysis the cost model prices); the runtime never guesses from names. When
   transient V x h per rank, 8.8 GiB for Nemotron-4 340B's table in bf16;
 - the head (``nn.Linear``) gets ``ColwiseParallel`` with ``output_layouts=Shard(-1)`` and
   ``use_local_output=False``: each rank computes its V/tp logits, kept as a DTensor sharded on the vocabulary;
-- the model's own ``F.cross_entropy`` then runs on the sharded logits under torch's ``loss_parallel()``, which the
-  step enters around the forward *and* the backward (torch's docs require both; ``loss_context``): the
-  log-softmax's max and sum are all-reduced over the ranks, and no rank ever holds the full logits.
+- the model's own ``F.cross_entropy`` then runs on the sharded logits as Megatron-LM's does (``vocab_loss``: the
+  rows' max and sum all-reduced over the ranks, one float32 share saved and turned into the gradient in place),
+  and any other op on them under torch's ``loss_parallel()``; the step enters both around the forward *and* the
+  backward (``loss_context``). No rank ever holds the full logits.
 
 A tied embedding and head (``lm_head.weight is wte.weight``) stay one parameter: both shard the weight on dim 0
 (the vocabulary), so after sharding the head is given the embedding's DTensor parameter again, and its gradient
@@ -28,7 +29,7 @@ Under sequence parallelism the stream enters the first sequence-parallel copy wh
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
@@ -40,6 +41,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..errors import TensorOptError
 from ..space.run_plan import RunPlan, VocabSplit
+from .vocab_loss import fused_loss
 
 LossContext = Callable[[], AbstractContextManager]
 
@@ -140,9 +142,16 @@ def check_vocab(entry: VocabSplit, embedding: nn.Embedding, head: nn.Linear, tp:
 
 
 def loss_context(enabled: bool) -> LossContext:
-    """What the step enters around each micro-batch's forward and backward: ``loss_parallel`` when the logits
-    are sharded by vocabulary, else nothing."""
-    return loss_parallel if enabled else contextlib.nullcontext
+    """What the step enters around each micro-batch's forward and backward when the logits are sharded by
+    vocabulary: the lean cross-entropy for a loss that comes through ``F.cross_entropy`` (``vocab_loss``), torch's
+    ``loss_parallel`` for any other op on the split logits; else nothing."""
+    return _split_loss if enabled else contextlib.nullcontext
+
+
+@contextlib.contextmanager
+def _split_loss() -> Iterator[None]:
+    with loss_parallel(), fused_loss():
+        yield
 
 
 __all__ = ["LossContext", "apply_vocab_parallel", "check_vocab", "loss_context", "vocab_entry", "vocab_styles"]

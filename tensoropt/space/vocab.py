@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from ..graph.ir import Op, OpGraph
+from ..graph.ir import Op, OpGraph, dtype_bytes
+from ..graph.loss import CROSS_ENTROPY_CALLS
 
 VOCAB_META = "vocab_check"          # graph metadata: {"refused": why} when the model's modules cannot be sharded
 VOCAB_PARALLEL_KEY = "vocab_parallel"   # plan.json: the layout the workers apply (``VocabLayout.for_tp``)
@@ -42,6 +43,10 @@ class VocabLayout:
     tied: bool = False               # the head reads the embedding's weight
     params: tuple[str, ...] = ()     # the (captured) names of the table and head weights
     refused: str = ""
+    # the loss is the model's one call of torch's cross-entropy entry point, without class weights: split, it runs on
+    # the runtime's lean cross-entropy (``runtime.vocab_loss``); else on torch's ``loss_parallel``
+    fused_loss: bool = False
+    logit_bytes: int = 4             # bytes per element of the head's output (the logits' gradient is cast to it)
 
     def why_not(self, tp: int) -> str:
         """Why the vocabulary is not split over ``tp`` ranks; '' when it is."""
@@ -94,7 +99,9 @@ def vocab_layout(graph: OpGraph) -> VocabLayout:
                                    f"{others[0].module_path or 'the model'}")
     if not head.module_path or not table.module_path:
         return VocabLayout(refused="the embedding or the LM head is not called as a module")
-    layout = VocabLayout(vocab, table.module_path, head.module_path, table.sources[0].name == head_weight, params)
+    fused = graph.meta(CROSS_ENTROPY_CALLS) == "1" and len(loss[0].inputs) == 2     # no class weights
+    layout = VocabLayout(vocab, table.module_path, head.module_path, table.sources[0].name == head_weight, params,
+                         fused_loss=fused, logit_bytes=dtype_bytes(head.outputs[0].dtype))
     return replace(layout, refused=recorded.get("refused", ""))
 
 

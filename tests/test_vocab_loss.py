@@ -1,0 +1,96 @@
+"""The lean vocabulary-parallel cross-entropy (``runtime.vocab_loss``): the same loss and logit gradient as torch's
+``F.cross_entropy`` on the whole logits, on 2 gloo workers; a backward that makes no logit-sized tensor but the cast
+to the logits' dtype; the capture telling a loss that comes through ``F.cross_entropy`` from one made of
+``log_softmax`` and ``nll_loss``; and the cost model pricing each as it runs."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO
+from test_vocab_parallel import capture, gpt
+from workers import ENV
+
+from tensoropt.cost.torch_memory import FLOAT32, loss_gradient_bytes
+from tensoropt.models.transformer import DecoderLM
+from tensoropt.space.vocab import vocab_layout
+
+PROBE = REPO / "tests" / "vocab_loss_probe.py"
+TOKENS, VOCAB = 24, 32                  # the probe's logits
+EPS = {"float32": torch.finfo(torch.float32).eps, "bfloat16": torch.finfo(torch.bfloat16).eps}
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("vocab_loss") / "out"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(PROBE), str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(out.with_name(f"out.{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_the_lean_loss_equals_cross_entropy_on_the_whole_logits(probed):
+    for results in probed:
+        for key, r in results.items():
+            if key.endswith("loss_parallel"):
+                continue
+            # both sum the same float32 exponentials of each row (V terms, in two shares here) and reduce the
+            # tokens' losses: a few roundings per term
+            assert r["loss_error"] <= r["loss_scale"] * TOKENS * VOCAB * EPS["float32"], key
+            # the gradient: float32 as the reference's, or cast from float32 to bfloat16 by both (one rounding)
+            dtype = r["grad_dtype"].removeprefix("torch.")
+            assert r["grad_error"] <= r["grad_scale"] * (VOCAB * EPS["float32"] + EPS[dtype]), key
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_the_lean_backward_makes_only_the_cast_and_runs_once(probed):
+    for results in probed:
+        for key, r in results.items():
+            if key.endswith("loss_parallel"):
+                assert r["made"], key       # torch's makes its gradient (and, inside its op, three shares)
+                continue
+            assert r["made"] == ([] if key.startswith("float32") or key == "module" else
+                                 ["aten::_to_copy:bfloat16"]), key
+            assert "backward through this loss once" in r["twice"], key
+
+
+class SplitLoss(DecoderLM):
+    """The built-in decoder, its loss made of ``log_softmax`` and ``nll_loss`` called apart."""
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, self.causal_mask, None)
+        logits = self.head(self.norm(x)).float()
+        return F.nll_loss(F.log_softmax(logits.view(-1, logits.shape[-1]), dim=-1), labels.reshape(-1))
+
+
+class Priced:
+    """What ``loss_gradient_bytes`` reads of a ``ModelCost``: the vocabulary layout."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+
+def test_the_capture_tells_how_the_loss_is_called_and_the_price_follows():
+    fused = vocab_layout(capture(gpt()))
+    apart_model = gpt()
+    apart_model.__class__ = SplitLoss
+    apart = vocab_layout(capture(apart_model))
+    assert (fused.fused_loss, apart.fused_loss, fused.refused, apart.refused) == (True, False, "", "")
+    assert fused.logit_bytes == FLOAT32                  # a float32 model: its logits need no cast
+    tokens = 1000.0
+    logits = tokens * fused.vocab
+    targets = 2 * tokens * 8 + 2 * FLOAT32               # int64 ids and targets, the loss's float32 scalars
+    assert loss_gradient_bytes(Priced(fused), 2, 1, logits) == targets
+    assert loss_gradient_bytes(Priced(apart), 2, 1, logits) == logits * 3 * FLOAT32 / 2 + targets
+    assert loss_gradient_bytes(Priced(fused), 1, 1, logits) == logits * 2 * FLOAT32 + targets
+    half = Priced(dataclasses.replace(fused, logit_bytes=2))     # bf16 logits: the gradient's cast to them
+    assert loss_gradient_bytes(half, 2, 1, logits) == logits * 2 / 2 + targets
