@@ -89,8 +89,10 @@ def test_the_capture_tells_how_the_loss_is_called_and_the_price_follows():
     tokens = 1000.0
     logits = tokens * fused.vocab
     targets = 2 * tokens * 8 + 2 * FLOAT32               # int64 ids and targets, the loss's float32 scalars
-    assert loss_gradient_bytes(Priced(fused), 2, 1, logits) == targets
+    # the lean loss's moment is its forward: the head's logits (and a float32 copy of bf16 ones) beside the saved
+    # softmax; torch's loss_parallel's is its backward, three float32 shares; unsplit, torch's two whole gradients
+    assert loss_gradient_bytes(Priced(fused), 2, 1, logits) == logits * FLOAT32 / 2 + targets
     assert loss_gradient_bytes(Priced(apart), 2, 1, logits) == logits * 3 * FLOAT32 / 2 + targets
     assert loss_gradient_bytes(Priced(fused), 1, 1, logits) == logits * 2 * FLOAT32 + targets
-    half = Priced(dataclasses.replace(fused, logit_bytes=2))     # bf16 logits: the gradient's cast to them
-    assert loss_gradient_bytes(half, 2, 1, logits) == logits * 2 / 2 + targets
+    half = Priced(dataclasses.replace(fused, logit_bytes=2))
+    assert loss_gradient_bytes(half, 2, 1, logits) == logits * (2 + FLOAT32) / 2 + targets

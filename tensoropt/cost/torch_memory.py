@@ -28,7 +28,9 @@ tensors the size of the logits, beside all the activations kept: ``log_softmax_b
 under the vocabulary-parallel loss, torch's ``loss_parallel`` (its ``_nll_loss_and_log_softmax_backward``) makes
 three of the rank's share; the runtime's own (``runtime.vocab_loss``, Megatron-LM's layout), which runs a loss that
 comes through ``F.cross_entropy``, turns the saved softmax into the gradient in place and makes only its cast to
-the logits' dtype (none for float32 logits). ``loss_gradient_bytes`` prices them.
+the logits' dtype (none for float32 logits), so the loss's peak is its forward's: the logits as the head makes them
+and the float32 copy the loss reads (the model's upcast), beside the saved softmax. ``loss_gradient_bytes`` prices
+the larger of the two moments.
 
 With one micro-batch (the optimizer's ``zero_grad`` leaves no gradient before the backward) FSDP2's gradient
 shards grow as the copies' activations are freed, so the backward's peak is at one of its ends, not their sum
@@ -92,8 +94,8 @@ def _loss_gradient_bytes_per_logit(vocab, tp: int) -> float:
     """Bytes per logit of the loss backward's working set beside the saved log-softmax (module doc)."""
     if not vocab.split(tp):
         return 2 * FLOAT32
-    if vocab.fused_loss:
-        return (vocab.logit_bytes if vocab.logit_bytes != FLOAT32 else 0) / tp
+    if vocab.fused_loss:            # its forward's working set, more than its backward's cast to the logits' dtype
+        return (vocab.logit_bytes + (FLOAT32 if vocab.logit_bytes != FLOAT32 else 0)) / tp
     return 3 * FLOAT32 / tp
 
 
