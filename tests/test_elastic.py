@@ -10,14 +10,14 @@ import time
 import numpy as np
 import psutil
 import pytest
-from workers import ENV, GPT_SCRIPT
+from workers import ENV, GPT_SCRIPT, assert_weights_alike
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 SCRIPT = GPT_SCRIPT
 STEPS = 12
-# between two plans (dp2 ZeRO 3 against one process) the parameters differ by ~5e-6 after 12 AdamW
-# steps (summation order); the same plan resumed from a checkpoint differs by less
-PLAN_CHANGE_ATOL = 2e-5
+# between two plans (dp2 ZeRO 3 against one process) the parameters differ by ~5e-6 after 12 AdamW steps (summation
+# order; measured on AMD EPYC), the same plan resumed from a checkpoint by less: workers.assert_weights_alike derives
+# the tolerance for any CPU
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_killed_worker_resumes_from_the_last_checkpoint(reference, tmp_path):
     resumed = int(log[1].rsplit(" ", 1)[1])
     assert resumed >= 4                                                # nothing checkpointed was lost
     assert log[1].split("plan ")[1].split(" -> ")[0] == log[1].split(" -> ")[1].split(" on ")[0]   # same plan
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
+    assert_weights_alike(np.load(tmp_path / "out.npy"), reference, steps=STEPS)
 
 
 @pytest.mark.xdist_group("multiprocess")
@@ -80,7 +80,7 @@ def test_shrink_and_grow_replan_and_reshard(reference, tmp_path):
     assert "devices changed 2 -> 1" in log[1] and "on 1 devices" in log[1] and " -> dp1 " in log[1]
     assert "devices changed 1 -> 2" in log[2] and "on 2 devices" in log[2] and " -> dp2 " in log[2]
     assert int(log[1].rsplit(" ", 1)[1]) >= 4 and int(log[2].rsplit(" ", 1)[1]) >= 8
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
+    assert_weights_alike(np.load(tmp_path / "out.npy"), reference, steps=STEPS)
 
 
 @pytest.mark.xdist_group("multiprocess")
@@ -95,7 +95,7 @@ def test_less_memory_per_device_replans(reference, tmp_path):
     log = finish(proc)
     assert "memory per device changed" in log[1] and f"-> {first['summary']} on" not in log[1]
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["predicted"]["peak_memory_bytes"] <= less
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
+    assert_weights_alike(np.load(tmp_path / "out.npy"), reference, steps=STEPS)
 
 
 @pytest.mark.xdist_group("multiprocess")
@@ -113,7 +113,7 @@ def test_out_of_memory_moves_to_a_plan_with_less_memory(reference, tmp_path):
     assert log[1].split(" -> ")[1].split(" on ")[0] != fastest["summary"]
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["predicted"]["peak_memory_bytes"] < needed
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
+    assert_weights_alike(np.load(tmp_path / "out.npy"), reference, steps=STEPS)
 
 
 @pytest.mark.xdist_group("multiprocess")
@@ -129,7 +129,7 @@ def test_crash_while_checkpointing_keeps_the_previous_checkpoint(reference, tmp_
     assert (checkpoints / ".step-00000004.partial").is_dir()            # the torn one is never used
     log = finish(start(tmp_path, pause_s=0))                            # no more crashes: resumes at step 2
     assert log[0].endswith("resuming from step 2")
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference, atol=PLAN_CHANGE_ATOL, rtol=0)
+    assert_weights_alike(np.load(tmp_path / "out.npy"), reference, steps=STEPS)
 
 
 def test_elastic_bad_input_is_one_line(tmp_path):

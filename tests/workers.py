@@ -19,6 +19,32 @@ GPT_SCRIPT = str(EXAMPLES / "train_gpt.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TENSOROPT_PRECISION": "32-true"}
 
 
+ADAMW_LR = 1e-3             # examples/train_gpt.py's AdamW
+BULK_RTOL, BULK_ATOL = 2e-5, 1e-5
+OUTLIER_SHARE = 1e-3
+
+
+def assert_weights_alike(got, want, steps: int, lr: float = ADAMW_LR) -> None:
+    """A launched run's final float32 weights against the script's alone, after ``steps`` AdamW steps.
+
+    Why these tolerances, on any CPU (AVX2 or AVX-512 sum in different orders, and the launched run splits the
+    batch and sums shards): each gradient differs from the script's by float32 roundings of its reductions, a few
+    hundred eps of its size at most here (~1e-5 relative). AdamW moves a weight by lr * m / sqrt(v): about lr whatever
+    the gradient's size (at most ~1.05 lr in the first steps, where the bias-corrected moments hold one to three
+    gradients). A weight whose gradient is well above its rounding noise moves the same to ~1e-5 of lr per step: the
+    bulk is within ``BULK_RTOL`` relative and ``BULK_ATOL`` absolute (100x below lr). A weight whose gradient is
+    itself near the noise (a bias or norm weight whose gradient nearly cancels) may move by up to lr either way in
+    each step, whichever rounding it got: at most ``OUTLIER_SHARE`` of the weights may leave the bulk tolerance, and
+    none by more than 2 lr per step."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    deviation = np.abs(got - want)
+    outside = deviation > BULK_ATOL + BULK_RTOL * np.abs(want)
+    assert outside.mean() <= OUTLIER_SHARE, \
+        f"{outside.sum()} of {got.size} weights outside the bulk tolerance (largest deviation {deviation.max():.3g})"
+    assert deviation.max() <= 2 * lr * steps, f"a weight moved {deviation.max():.3g} from the script's alone"
+
+
 def ctrl_c_reaches_it() -> None:
     """``preexec_fn`` of a process a test interrupts with SIGINT: Ctrl-C as a terminal delivers it. A suite started in
     the background of a shell without job control (``cmd &`` in a script, as CI runners and ``nohup`` may) hands
