@@ -96,3 +96,28 @@ def test_the_capture_tells_how_the_loss_is_called_and_the_price_follows():
     assert loss_gradient_bytes(Priced(fused), 1, 1, logits) == logits * 2 * FLOAT32 + targets
     half = Priced(dataclasses.replace(fused, logit_bytes=2))
     assert loss_gradient_bytes(half, 2, 1, logits) == logits * (2 + FLOAT32) / 2 + targets
+
+
+def test_a_pipeline_stage_calls_the_loss_through_the_entry_point_the_step_routes():
+    """A traced pipeline stage records ``F.cross_entropy`` as the aten op, which no patch of torch's Python entry point
+    reaches; the stage's graph is given the entry point back (``pipeline_tp._route_cross_entropy``), so the lean
+    loss runs on the last stage of a pipeline as in the whole model; the stage computes the same loss."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from tensoropt.graph.loss import counting_cross_entropy
+    from tensoropt.runtime.pipeline_tp import _route_cross_entropy
+    model = gpt()
+    ids = torch.randint(0, 128, (1, 32))
+    pipe = pipeline(model, mb_args=(ids, ids), split_spec={"layers.1": SplitPoint.BEGINNING})
+    first, last = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    inputs = first(ids)
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    before = [0]
+    with counting_cross_entropy(before):
+        expected = last(*inputs, ids)
+    _route_cross_entropy(last)
+    after = [0]
+    with counting_cross_entropy(after):
+        got = last(*inputs, ids)
+    assert (before[0], after[0]) == (0, 1)
+    assert torch.equal(got, expected) and torch.equal(got, model(ids, ids))

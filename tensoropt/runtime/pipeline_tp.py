@@ -41,6 +41,7 @@ from .sequence_parallel import FROM_MESSAGE
 from .tensor_parallel import check_degree, sharded_branches
 from .tp_guard import check_sharded_blocks
 from .tp_styles import shard_copy
+from .vocab_loss import cross_entropy_loss
 from .vocab_parallel import vocab_entry, vocab_styles
 
 
@@ -177,6 +178,7 @@ def shard_vocabulary(stage_module: nn.Module, run_plan: RunPlan, tp_mesh) -> boo
         split |= kind is nn.Linear
     if split:
         _drop_metadata_asserts(stage_module)
+        _route_cross_entropy(stage_module)
     return split
 
 
@@ -189,6 +191,18 @@ def _drop_metadata_asserts(stage_module: nn.Module) -> None:
     for node in asserts:
         graph.erase_node(node)
     if asserts:
+        stage_module.recompile()
+
+
+def _route_cross_entropy(stage_module: nn.Module) -> None:
+    """The trace records ``F.cross_entropy`` as the aten op it calls; call it through the Python entry point
+    instead (``vocab_loss.cross_entropy_loss``, the same arguments), which the step's loss context routes to the
+    lean vocabulary-parallel loss, as in the model run whole."""
+    calls = [n for n in stage_module.graph.nodes if n.op == "call_function"
+             and n.target is torch.ops.aten.cross_entropy_loss.default]
+    for node in calls:
+        node.target = cross_entropy_loss
+    if calls:
         stage_module.recompile()
 
 
