@@ -44,16 +44,18 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     ``transient_bytes`` is the copies' backward working set, ``at_loss_bytes`` what FSDP2 holds beside the
     loss's)."""
     carried = model.carried_bytes
-    # the last stage runs the loss's backward: at least its float32 logit-sized gradients (``loss_gradient_bytes``:
-    # three of a rank's share under the vocabulary-parallel loss, more than one op's inputs and outputs); the first
+    # the last stage runs the loss: its working set (``stage_loss_bytes``: torch's float32 logit-sized gradients,
+    # or the lean vocabulary-parallel loss's forward) and the loose ops' kept activations (the saved softmax among
+    # them) live only around it: the copies' backward, whose working set is ``transient_bytes``, runs after the loose
+    # ops' backward freed them (the last stage runs each micro-batch's backward right after its forward). The first
     # stage's embedding backward makes its rows' gradient only (``runtime.vocab_parallel.VocabEmbedding``)
-    back_first, back_last = (np.maximum(b - transient_bytes, 0.0)
-                             for b in (r.first_back, np.maximum(r.last_back, r.loss_grads) + at_loss_bytes))
+    back_first = np.maximum(r.first_back - transient_bytes, 0.0)
+    back_last = np.maximum(r.last_acts + np.maximum(r.last_back, r.stage_loss) + at_loss_bytes - transient_bytes, 0.0)
     messages_first, messages_last = message_bytes(r.pp, r.v, r.m, r.mb, carried)
     acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
         r.piped, messages_first + back_first, 0.0)
-    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + r.last_acts
-                         + messages_last + back_last, acts_first)
+    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + messages_last + back_last,
+                         acts_first)
     return np.maximum(acts_first, acts_last)
 
 

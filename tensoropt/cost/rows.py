@@ -17,6 +17,7 @@ from .torch_memory import (
     loss_forward_bytes,
     loss_gradient_bytes,
     one_copy_peak_bytes,
+    stage_loss_bytes,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class PlanRows:
     unit_params: np.ndarray        # elements of the largest block copy on one device (one FSDP2 unit)
     loss_grads: np.ndarray         # the loss backward's float32 logit-sized gradients, bytes
     loss_forward: np.ndarray       # the loss forward's float32 logits beside what it saves, bytes
+    stage_loss: np.ndarray         # the loss's working set on a pipeline's last stage (``stage_loss_bytes``), bytes
     copy_peak: np.ndarray          # the most one block copy keeps and recomputes in its backward, bytes
     head_acts: np.ndarray          # kept activations of the loose ops before the blocks (the embedding's), bytes
     tail_params: np.ndarray        # elements of the loose ops after the blocks (the final norm and head)
@@ -87,7 +89,8 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
         if mb_key not in copy_peak:
             copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
             loss_bytes[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
-                                  loss_forward_bytes(model, c.tp, c.micro_batch, logits))
+                                  loss_forward_bytes(model, c.tp, c.micro_batch, logits),
+                                  stage_loss_bytes(model, c.tp, c.micro_batch, logits))
         state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine, c.grad_dtype)
         if state_key not in states:
             state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero, c.grad_dtype)

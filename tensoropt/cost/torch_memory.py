@@ -99,6 +99,19 @@ def _loss_gradient_bytes_per_logit(vocab, tp: int) -> float:
     return 3 * FLOAT32 / tp
 
 
+def stage_loss_bytes(model, tp: int, micro_batch: int, logits: float | None = None) -> float:
+    """The loss's working set on a pipeline's last stage, whose module is a traced graph that frees each value after
+    its last use: under the lean vocabulary-parallel loss the head's logits are gone once the model's float32 copy of
+    them exists, so its forward holds that copy (``loss_forward_bytes``) and its backward the gradient's cast; any
+    other loss as ``loss_gradient_bytes``."""
+    vocab = model.vocab
+    if not (vocab.split(tp) and vocab.fused_loss):
+        return loss_gradient_bytes(model, tp, micro_batch, logits)
+    logits = logits_elements(model) if logits is None else logits
+    cast = logits * micro_batch * (vocab.logit_bytes if vocab.logit_bytes != FLOAT32 else 0) / tp
+    return max(loss_forward_bytes(model, tp, micro_batch, logits), cast + _targets_bytes(model, micro_batch, logits))
+
+
 def _targets_bytes(model, micro_batch: int, logits: float) -> float:
     """The token ids and targets (int64, one per token) and the loss's scalars of one micro-batch."""
     tokens = logits / model.vocab.vocab if model.vocab.vocab else 0.0
@@ -184,4 +197,4 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
 
 
 __all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_forward_bytes", "loss_gradient_bytes",
-           "one_copy_peak_bytes", "unit_backward_bytes"]
+           "one_copy_peak_bytes", "stage_loss_bytes", "unit_backward_bytes"]
