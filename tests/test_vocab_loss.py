@@ -33,19 +33,21 @@ def probed(tmp_path_factory) -> list[dict]:
     return [json.loads(out.with_name(f"out.{rank}.json").read_text()) for rank in (0, 1)]
 
 
+def lean_cases(probed: list[dict]):
+    """(key, result) of every case the lean loss ran, on both ranks."""
+    return [(key, r) for results in probed for key, r in results.items() if not key.endswith("loss_parallel")]
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_the_lean_loss_equals_cross_entropy_on_the_whole_logits(probed):
-    for results in probed:
-        for key, r in results.items():
-            if key.endswith("loss_parallel"):
-                continue
-            # both sum the same float32 exponentials of each row (V terms, in two shares here) and reduce the
-            # tokens' losses: a few roundings per term
-            assert r["loss_error"] <= r["loss_scale"] * TOKENS * VOCAB * EPS["float32"], key
-            # the gradient: float32 as the reference's, or cast from float32 to bfloat16 by both (one rounding)
-            dtype = r["grad_dtype"].removeprefix("torch.")
-            assert r["grad_error"] <= r["grad_scale"] * (VOCAB * EPS["float32"] + EPS[dtype]), key
+    for key, r in lean_cases(probed):
+        # both sum the same float32 exponentials of each row (V terms, in two shares here) and reduce the
+        # tokens' losses: a few roundings per term
+        assert r["loss_error"] <= r["loss_scale"] * TOKENS * VOCAB * EPS["float32"], key
+        # the gradient: float32 as the reference's, or cast from float32 to bfloat16 by both (one rounding)
+        dtype = r["grad_dtype"].removeprefix("torch.")
+        assert r["grad_error"] <= r["grad_scale"] * (VOCAB * EPS["float32"] + EPS[dtype]), key
 
 
 @pytest.mark.slow
@@ -55,10 +57,10 @@ def test_the_lean_backward_makes_only_the_cast_and_runs_once(probed):
         for key, r in results.items():
             if key.endswith("loss_parallel"):
                 assert r["made"], key       # torch's makes its gradient (and, inside its op, three shares)
-                continue
-            assert r["made"] == ([] if key.startswith("float32") or key == "module" else
-                                 ["aten::_to_copy:bfloat16"]), key
-            assert "backward through this loss once" in r["twice"], key
+    for key, r in lean_cases(probed):
+        assert r["made"] == ([] if key.startswith("float32") or key == "module" else
+                             ["aten::_to_copy:bfloat16"]), key
+        assert "backward through this loss once" in r["twice"], key
 
 
 class SplitLoss(DecoderLM):
