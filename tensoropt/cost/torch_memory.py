@@ -94,9 +94,16 @@ def _loss_gradient_bytes_per_logit(vocab, tp: int) -> float:
     """Bytes per logit of the loss backward's working set beside the saved log-softmax (module doc)."""
     if not vocab.split(tp):
         return 2 * FLOAT32
-    if vocab.fused_loss:            # its forward's working set, more than its backward's cast to the logits' dtype
-        return (vocab.logit_bytes + (FLOAT32 if vocab.logit_bytes != FLOAT32 else 0)) / tp
+    if vocab.fused_loss:
+        # its forward's working set, more than its backward's cast: the float32 logits the loss reads, and the head's
+        # own logits beside them where those are another dtype (the model's upcast)
+        return (FLOAT32 + _cast_bytes_per_logit(vocab)) / tp
     return 3 * FLOAT32 / tp
+
+
+def _cast_bytes_per_logit(vocab) -> int:
+    """Bytes per logit of the lean loss's gradient cast to the logits' dtype: none for float32 logits."""
+    return vocab.logit_bytes if vocab.logit_bytes != FLOAT32 else 0
 
 
 def stage_loss_bytes(model, tp: int, micro_batch: int, logits: float | None = None) -> float:
@@ -108,7 +115,7 @@ def stage_loss_bytes(model, tp: int, micro_batch: int, logits: float | None = No
     if not (vocab.split(tp) and vocab.fused_loss):
         return loss_gradient_bytes(model, tp, micro_batch, logits)
     logits = logits_elements(model) if logits is None else logits
-    cast = logits * micro_batch * (vocab.logit_bytes if vocab.logit_bytes != FLOAT32 else 0) / tp
+    cast = logits * micro_batch * _cast_bytes_per_logit(vocab) / tp
     return max(loss_forward_bytes(model, tp, micro_batch, logits), cast + _targets_bytes(model, micro_batch, logits))
 
 

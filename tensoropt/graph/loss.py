@@ -10,7 +10,7 @@ step alike, and describes anything else in one line: ``a tuple (Tensor[4, 64, 10
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -53,21 +53,27 @@ CROSS_ENTROPY_CALLS = "cross_entropy_calls"    # graph metadata: calls of torch'
 
 
 @contextlib.contextmanager
-def counting_cross_entropy(calls: list[int]) -> Iterator[None]:
-    """Count, in ``calls[0]``, the calls of the entry point that ``F.cross_entropy`` and ``nn.CrossEntropyLoss``
-    run (``torch._C._nn.cross_entropy_loss``, looked up on every call) while inside: a loss that comes through it
-    runs on the runtime's lean vocabulary-parallel cross-entropy (``runtime.vocab_loss``), one made of
-    ``log_softmax`` and ``nll_loss`` called apart on torch's ``loss_parallel``, and the two are priced apart."""
+def wrapped_cross_entropy(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """While inside, torch's cross-entropy entry point (``torch._C._nn.cross_entropy_loss``, which ``F.cross_entropy``
+    and ``nn.CrossEntropyLoss`` look up on every call) is ``wrap(the entry point)``; restored on the way out."""
     original = torch._C._nn.cross_entropy_loss
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-    torch._C._nn.cross_entropy_loss = counted
+    torch._C._nn.cross_entropy_loss = wrap(original)
     try:
         yield
     finally:
         torch._C._nn.cross_entropy_loss = original
+
+
+def counting_cross_entropy(calls: list[int]) -> contextlib.AbstractContextManager:
+    """Count, in ``calls[0]``, the calls of the cross-entropy entry point while inside: a loss that comes through it
+    runs on the runtime's lean vocabulary-parallel cross-entropy (``runtime.vocab_loss``), one made of
+    ``log_softmax`` and ``nll_loss`` called apart on torch's ``loss_parallel``, and the two are priced apart."""
+    def counting(original: Callable) -> Callable:
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+        return counted
+    return wrapped_cross_entropy(counting)
 
 
 def loss_problem(output: object) -> str | None:

@@ -27,9 +27,10 @@ through this entry point (``graph.capture``: ``cross_entropy_calls``), so the co
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
+
+from ..graph.loss import wrapped_cross_entropy
 
 MEAN, SUM, NONE = 1, 2, 0           # torch's reduction enum (``torch.nn._reduction``), as the entry point takes it
 
@@ -79,15 +80,13 @@ class _SplitCrossEntropy(torch.autograd.Function):
         return gradient, None, None, None, None, None
 
 
-def _split_share(logits):
-    """(mesh, share) when ``logits`` is a 2-D DTensor sharded on its class dim over a 1-D mesh; else None."""
+def _split_mesh(logits):
+    """The mesh when ``logits`` is a 2-D DTensor sharded on its class dim over a 1-D mesh; else None."""
     from torch.distributed.tensor import DTensor, Shard
     if not isinstance(logits, DTensor) or logits.ndim != 2 or logits.device_mesh.ndim != 1:
         return None
     placement = logits.placements[0]
-    if not isinstance(placement, Shard) or placement.dim % 2 != 1:
-        return None
-    return logits.device_mesh, logits
+    return logits.device_mesh if isinstance(placement, Shard) and placement.dim % 2 == 1 else None
 
 
 def _whole_target(target):
@@ -103,13 +102,12 @@ def _whole_target(target):
 def _routed(original):
     """The entry point, running split logits on ``_SplitCrossEntropy`` and everything else on ``original``."""
     def cross_entropy_loss(logits, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
-        split = _split_share(logits)
-        whole = _whole_target(target) if split is not None else None
+        mesh = _split_mesh(logits)
+        whole = _whole_target(target) if mesh is not None else None
         if whole is None or weight is not None or label_smoothing or reduction not in (MEAN, SUM, NONE):
             return original(logits, target, weight, reduction, ignore_index, label_smoothing)
         from torch.distributed.tensor import DTensor, Replicate
-        mesh, dtensor = split
-        share = dtensor.to_local()
+        share = logits.to_local()
         loss = _SplitCrossEntropy.apply(share, whole, ignore_index, reduction, mesh.get_group(),
                                         mesh.get_local_rank() * share.shape[-1])
         return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
@@ -124,15 +122,9 @@ def cross_entropy_loss(self, target, weight=None, reduction: int = MEAN, ignore_
     return torch._C._nn.cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing)
 
 
-@contextlib.contextmanager
-def fused_loss() -> Iterator[None]:
+def fused_loss() -> contextlib.AbstractContextManager:
     """Route the cross-entropy of vocabulary-split logits to ``_SplitCrossEntropy`` while inside (module doc)."""
-    original = torch._C._nn.cross_entropy_loss
-    torch._C._nn.cross_entropy_loss = _routed(original)
-    try:
-        yield
-    finally:
-        torch._C._nn.cross_entropy_loss = original
+    return wrapped_cross_entropy(_routed)
 
 
 __all__ = ["cross_entropy_loss", "fused_loss"]
