@@ -110,7 +110,8 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
             for priced, part in by_graph(graph, space.engine, space, cluster.num_devices):
                 cost = costs.get(id(priced)) or ModelCost(priced, folded(priced), cluster, compiled=compile)
                 costs[id(priced)] = cost
-                points = search(cost, cluster.num_devices, part, doubling=fold_blocks).points
+                points = search(cost, cluster.num_devices, part, doubling=fold_blocks,
+                                runs=lambda p, runs=runs: runs(p) is not None).points
                 candidates += [(p, engine) for p in points if (engine := runs(p.plan)) is not None]
     if not candidates:
         raise NoPlanError(f"no plan splits global batch {global_batch} over {[c.num_devices for c in clusters]} "

@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,8 +45,6 @@ from ..cost.layer import BlockCost
 from ..cost.model import Context, ModelCost, evaluate_rows
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .pareto import ParetoSet, ParetoSets, combine, combine_sets, nondominated, union_sets
-
-Matrix = dict[tuple[bool, bool], ParetoSets]
 
 
 @dataclass(frozen=True)
@@ -102,83 +101,77 @@ def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStr
     return [LayerStrategy(r, sp) for r in recompute for sp in sps]
 
 
-def _layer_matrix(cost: BlockCost, options: list[LayerStrategy], tp: int, keys: list[tuple[tuple[str, ...], int]],
-                  group: int = 1) -> Matrix:
-    """One step of the chain: a group of ``group`` consecutive copies running one strategy, one Pareto
-    set per (branches, micro-batch) key."""
-    layouts = sorted({o.sequence_parallel for o in options})
-    matrix: Matrix = {}
-    for a in layouts:
-        for b in layouts:
-            rows = [i for i, o in enumerate(options) if o.sequence_parallel == b]
-            values = []
-            for branches, micro_batch in keys:
-                change = cost.layout_change_s(tp, micro_batch)
-                costs = [cost.layer(options[i], tp, branches, micro_batch) for i in rows]
-                values += [[group * c.time_s + (change if a != b else 0.0), group * c.activation_bytes,
-                            c.transient_bytes] for c in costs]
-            counts = np.tile(group * np.eye(len(options), dtype=np.int64)[rows], (len(keys), 1))
-            matrix[(a, b)] = ParetoSets.of(np.array(values, dtype=float), counts,
-                                           np.repeat(np.arange(len(keys)), len(rows)), len(keys))
-    return matrix
-
-
-def _multiply(p: Matrix, q: Matrix, eps: float) -> Matrix:
-    layouts = sorted({a for a, _ in p})
-    out: Matrix = {}
-    for a in layouts:
-        for c in layouts:
-            pairs = [(p[(a, b)], q[(b, c)]) for b in layouts if (a, b) in p and (b, c) in q]
-            if any(len(x.values) and len(y.values) for x, y in pairs):
-                out[(a, c)] = combine_sets(pairs, eps)
-    return out
+def _layer_sets(cost: BlockCost, options: list[LayerStrategy], tp: int, keys: list[tuple[tuple[str, ...], int]],
+                group: int, rows: list[int]) -> ParetoSets:
+    """One step of the chain: a group of ``group`` consecutive copies running one strategy (one of ``options``
+    listed in ``rows``), one Pareto set per (branches, micro-batch) key; layout changes are added when a chain is
+    closed."""
+    values = [[group * c.time_s, group * c.activation_bytes, c.transient_bytes] for branches, micro_batch in keys
+              for c in (cost.layer(options[i], tp, branches, micro_batch) for i in rows)]
+    counts = np.tile(group * np.eye(len(options), dtype=np.int64)[rows], (len(keys), 1))
+    return ParetoSets.of(np.array(values, dtype=float), counts, np.repeat(np.arange(len(keys)), len(rows)),
+                         len(keys))
 
 
 class Chain:
     """Pareto sets of k consecutive copies of one block for one tp and several (branches, micro-batch)
     keys at once (one set per key, all held in one ``ParetoSets``), entered and left with a replicated
-    stream. Powers 2^i of the one-copy matrix are kept, so every pipeline depth (k = copies / pp)
-    costs only the products its binary digits need; each key is carried only as far as the chain
-    lengths it is needed for (``needs``: key -> the k asked of it)."""
+    stream.
+
+    Times, kept activations and parameters add over a chain's copies and the transient takes their max, whatever
+    their order; only the layout changes depend on it, and a chain with sequence-parallel copies pays exactly two
+    of them (in and out) when those copies run together, the fewest any order pays (``space.plan.chain_order``
+    runs them so). So the k-copy set is the multisets of k strategies: those without sequence parallelism
+    (``plain``) as they are, the others (``any``, restricted to the sums holding a sequence-parallel copy) plus two
+    changes. Each of the two is a single Pareto set per key, composed by repeated doubling: powers 2^i are kept, so
+    every pipeline depth (k = copies / pp) costs only the sums its binary digits need; each key is carried only as
+    far as the chain lengths it is needed for (``needs``: key -> the k asked of it). A product of two sets is one
+    Minkowski sum, where a matrix over the stream's layouts (the DP's states) took eight."""
 
     def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int,
                  needs: dict[tuple[tuple[str, ...], int], set[int]], eps: float = 0.0, group: int = 1) -> None:
         self.eps, self.keys = eps, {key: g for g, key in enumerate(needs)}
         self.needs = list(needs.values())
         self.change = np.array([cost.layout_change_s(tp, mb) for _, mb in needs], dtype=float)
-        self.powers = [_layer_matrix(cost, options, tp, list(needs), group)]
+        self.split = np.array([o.sequence_parallel for o in options])       # the options' columns in counts
+        self.powers = {"any": [_layer_sets(cost, options, tp, list(needs), group, list(range(len(options))))]}
+        if self.split.any():
+            plain = [i for i, o in enumerate(options) if not o.sequence_parallel]
+            self.powers["plain"] = [_layer_sets(cost, options, tp, list(needs), group, plain)]
         self._copies: dict[tuple[int, int, bool], ParetoSets] = {}
 
-    def _power(self, i: int) -> Matrix:
-        while len(self.powers) <= i:
-            wanted = np.array([max(ks).bit_length() > len(self.powers) for ks in self.needs])
-            half = _restrict(self.powers[-1], wanted)
-            self.powers.append(_multiply(half, half, self.eps))
-        return self.powers[i]
+    def _power(self, kind: str, i: int) -> ParetoSets:
+        powers = self.powers[kind]
+        while len(powers) <= i:
+            wanted = np.array([max(ks).bit_length() > len(powers) for ks in self.needs])
+            half = _restrict(powers[-1], wanted)
+            powers.append(combine_sets([(half, half)], self.eps))
+        return powers[i]
+
+    def _multisets(self, kind: str, k: int, wanted: np.ndarray, doubling: bool) -> ParetoSets:
+        """The sets of k copies' strategies drawn from ``kind`` (wanted keys only)."""
+        result = None
+        for i in range(k.bit_length()) if doubling else range(k):
+            if doubling and not k >> i & 1:
+                continue
+            step = _restrict(self._power(kind, i if doubling else 0), wanted)
+            result = step if result is None else combine_sets([(result, step)], self.eps)
+        return result
 
     def copies(self, k: int, doubling: bool = True) -> ParetoSets:
         """The sets of k copies (only the keys that asked for k are filled)."""
         if (k, 1, doubling) in self._copies:
             return self._copies[(k, 1, doubling)]
         wanted = np.array([k in ks for ks in self.needs])
-        result: Matrix | None = None
-        if doubling:
-            for i in range(k.bit_length()):
-                if k >> i & 1:
-                    power = _restrict(self._power(i), wanted)
-                    result = power if result is None else _multiply(result, power, self.eps)
-        else:
-            step = _restrict(self.powers[0], wanted)
-            for _ in range(k):
-                result = step if result is None else _multiply(result, step, self.eps)
-        exits = []
-        for (a, b), s in result.items():
-            if not a:
-                values = s.values.copy()
-                values[:, 0] += self.change[s.group] if b else 0.0
-                exits.append(ParetoSets(values, s.counts, s.group, s.size))
-        self._copies[(k, 1, doubling)] = union_sets(exits, self.eps)
-        return self._copies[(k, 1, doubling)]
+        every = self._multisets("any", k, wanted, doubling)
+        if "plain" in self.powers:
+            split = (every.counts[:, self.split] > 0).any(axis=1)
+            values = every.values[split]
+            values[:, 0] += 2 * self.change[every.group[split]]
+            every = union_sets([self._multisets("plain", k, wanted, doubling),
+                                ParetoSets(values, every.counts[split], every.group[split], every.size)], self.eps)
+        self._copies[(k, 1, doubling)] = every
+        return every
 
     def device(self, k: int, chains: int, doubling: bool = True) -> ParetoSets:
         """The sets of ``chains`` chains of k copies run one after another (a device's virtual stages, see
@@ -204,15 +197,12 @@ def _chains_sum(one: ParetoSets, chains: int, eps: float) -> ParetoSets:
     return total
 
 
-def _restrict(matrix: Matrix, wanted: np.ndarray) -> Matrix:
-    """The matrix with only the wanted keys' sets (the others empty)."""
+def _restrict(sets: ParetoSets, wanted: np.ndarray) -> ParetoSets:
+    """The sets of the wanted keys only (the others empty)."""
     if wanted.all():
-        return matrix
-    out = {}
-    for ab, s in matrix.items():
-        rows = wanted[s.group]
-        out[ab] = ParetoSets(s.values[rows], s.counts[rows], s.group[rows], s.size)
-    return out
+        return sets
+    rows = wanted[sets.group]
+    return ParetoSets(sets.values[rows], sets.counts[rows], sets.group[rows], sets.size)
 
 
 def _combine_blocks(parts: list[ParetoSet], eps: float) -> ParetoSet:
@@ -264,16 +254,15 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                 yield dp, tp, pp, branches, mb, globals_
 
 
-def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True) -> SearchResult:
+def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True,
+           runs: Callable[[Plan], bool] | None = None) -> SearchResult:
     """The frontier of ``space`` on ``devices``, every plan priced for ``model``'s kernels (``model.compiled``:
-    compiled blocks, and the plans say ``compile``)."""
+    compiled blocks, and the plans say ``compile``). ``runs``: whether an engine runs a plan's global choices
+    (asked of a plan without blocks): the others are left out before any chain is built, so they cost nothing and
+    dominate no plan that runs."""
     start = time.perf_counter()
     blocks = range(len(model.blocks))
-    choices = [(dp, tp, pp, branches, mb, [Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                                                   space.master_weights, space.precision, model.compiled,
-                                                   space.engine, g)
-                                           for v, z, off, g in _undominated(globals_, dp, pp)])
-               for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
+    choices = _choices(model, devices, space, runs)
     choices = [c for c in choices if c[-1]]
     split = {(b, pp): space.groups(model.blocks[b][0].repeats // pp, model.blocks[b][0].repeats)
              for b in blocks for pp in {c[2] for c in choices}}         # (groups, copies per group)
@@ -341,6 +330,26 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         points.append(FrontierPoint(plan, float(all_values[k, 0]), float(all_values[k, 1])))
     return SearchResult(points, time.perf_counter() - start, len(all_values),
                         {"chains": len(stages), "contexts": len(ctxs)})
+
+
+def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[[Plan], bool] | None) -> list[tuple]:
+    """(dp, tp, pp, branches, micro-batch, contexts) of every mesh, branches and micro-batch: the contexts to price,
+    those ``runs`` refuses left out. ``runs`` is asked once per (mesh, virtual stages, ZeRO, offload, gradients):
+    what an engine applies does not depend on the micro-batch or the branches tp shards (``search.engines``)."""
+    asked: dict[tuple, bool] = {}
+
+    def kept(ctx: Context) -> bool:
+        if runs is None:
+            return True
+        key = (ctx.dp, ctx.tp, ctx.pp, ctx.virtual_stages, ctx.zero, ctx.offload, ctx.grad_dtype)
+        if key not in asked:
+            asked[key] = runs(ctx.plan(devices, ()))
+        return asked[key]
+    return [(dp, tp, pp, branches, mb, [ctx for v, z, off, g in _undominated(globals_, dp, pp)
+                                        if kept(ctx := Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches,
+                                                               space.dtype, space.master_weights, space.precision,
+                                                               model.compiled, space.engine, g))])
+            for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
 
 
 def _undominated(globals_: list[tuple[int, int, bool, str]], dp: int, pp: int) -> list[tuple[int, int, bool, str]]:
