@@ -101,22 +101,25 @@ def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStr
     return [LayerStrategy(r, sp) for r in recompute for sp in sps]
 
 
-def _layer_sets(cost: BlockCost, options: list[LayerStrategy], tp: int, keys: list[tuple[tuple[str, ...], int]],
-                group: int, rows: list[int]) -> ParetoSets:
-    """One step of the chain: a group of ``group`` consecutive copies running one strategy (one of ``options``
-    listed in ``rows``), one Pareto set per (branches, micro-batch) key; layout changes are added when a chain is
-    closed."""
-    values = [[group * c.time_s, group * c.activation_bytes, c.transient_bytes] for branches, micro_batch in keys
-              for c in (cost.layer(options[i], tp, branches, micro_batch) for i in rows)]
-    counts = np.tile(group * np.eye(len(options), dtype=np.int64)[rows], (len(keys), 1))
-    return ParetoSets.of(np.array(values, dtype=float), counts, np.repeat(np.arange(len(keys)), len(rows)),
-                         len(keys))
+Key = tuple[int, int, tuple[str, ...], int]        # a chain's (tp, copies per group, branches, micro-batch)
+
+
+def _layer_sets(cost: BlockCost, options: list[LayerStrategy], keys: list[Key], rows: list[list[int]]) -> ParetoSets:
+    """One step of the chains: a group of consecutive copies running one strategy (for each key, one of the
+    ``options`` listed in its ``rows``), one Pareto set per key; layout changes are added when a chain is closed."""
+    values = [[size * c.time_s, size * c.activation_bytes, c.transient_bytes]
+              for (tp, size, branches, micro_batch), mine in zip(keys, rows)
+              for c in (cost.layer(options[i], tp, branches, micro_batch) for i in mine)]
+    eye = np.eye(len(options), dtype=np.int64)
+    counts = np.concatenate([size * eye[mine] for (_, size, _, _), mine in zip(keys, rows)])
+    group = np.repeat(np.arange(len(keys)), [len(mine) for mine in rows])
+    return ParetoSets.of(np.array(values, dtype=float).reshape(-1, 3), counts, group, len(keys))
 
 
 class Chain:
-    """Pareto sets of k consecutive copies of one block for one tp and several (branches, micro-batch)
-    keys at once (one set per key, all held in one ``ParetoSets``), entered and left with a replicated
-    stream.
+    """Pareto sets of k consecutive copies of one block, entered and left with a replicated stream, for every
+    (tp, copies per group, branches, micro-batch) key the search needs at once: one set per key, all held in one
+    ``ParetoSets``, so each step below is one numpy pass over every key.
 
     Times, kept activations and parameters add over a chain's copies and the transient takes their max, whatever
     their order; only the layout changes depend on it, and a chain with sequence-parallel copies pays exactly two
@@ -125,26 +128,35 @@ class Chain:
     (``plain``) as they are, the others (``any``, restricted to the sums holding a sequence-parallel copy) plus two
     changes. Each of the two is a single Pareto set per key, composed by repeated doubling: powers 2^i are kept, so
     every pipeline depth (k = copies / pp) costs only the sums its binary digits need; each key is carried only as
-    far as the chain lengths it is needed for (``needs``: key -> the k asked of it). A product of two sets is one
-    Minkowski sum, where a matrix over the stream's layouts (the DP's states) took eight."""
+    far as the chain lengths it is needed for (``needs``: key -> the (k, chains) asked of it). A product of two sets
+    is one Minkowski sum, where a matrix over the stream's layouts (the DP's states) took eight.
 
-    def __init__(self, cost: BlockCost, options: list[LayerStrategy], tp: int,
-                 needs: dict[tuple[tuple[str, ...], int], set[int]], eps: float = 0.0, group: int = 1) -> None:
-        self.eps, self.keys = eps, {key: g for g, key in enumerate(needs)}
+    The counts (provenance) have a column per strategy of ``options`` (every tp's options of the block);
+    ``set`` gives a key's set with its tp's columns only."""
+
+    def __init__(self, cost: BlockCost, options: dict[int, list[LayerStrategy]], needs: dict[Key, set[tuple[int, int]]],
+                 eps: float = 0.0) -> None:
+        self.eps, self.index = eps, {key: g for g, key in enumerate(needs)}
+        self.options = list(dict.fromkeys(o for tp in sorted(options) for o in options[tp]))
+        self.columns = {tp: [self.options.index(o) for o in opts] for tp, opts in options.items()}
         self.needs = list(needs.values())
-        self.change = np.array([cost.layout_change_s(tp, mb) for _, mb in needs], dtype=float)
-        self.split = np.array([o.sequence_parallel for o in options])       # the options' columns in counts
-        self.powers = {"any": [_layer_sets(cost, options, tp, list(needs), group, list(range(len(options))))]}
-        if self.split.any():
-            plain = [i for i, o in enumerate(options) if not o.sequence_parallel]
-            self.powers["plain"] = [_layer_sets(cost, options, tp, list(needs), group, plain)]
-        self._copies: dict[tuple[int, int, bool], ParetoSets] = {}
+        keys = list(needs)
+        self.change = np.array([cost.layout_change_s(tp, mb) for tp, _, _, mb in keys], dtype=float)
+        self.split = np.array([o.sequence_parallel for o in self.options])       # the strategies' columns
+        rows = [self.columns[tp] for tp, _, _, _ in keys]
+        plain = [[i for i in mine if not self.split[i]] for mine in rows]
+        self.has_split = np.array([len(p) < len(r) for p, r in zip(plain, rows)])
+        self.powers = {"any": [_layer_sets(cost, self.options, keys, rows)]}
+        if self.has_split.any():
+            self.powers["plain"] = [_layer_sets(cost, self.options, keys, plain)]
+        self._copies: dict[tuple[int, bool], ParetoSets] = {}            # (k, doubling): every key asking k
+        self._devices: dict[tuple[int, int, bool], ParetoSets] = {}      # (k, chains, doubling)
 
     def _power(self, kind: str, i: int) -> ParetoSets:
         powers = self.powers[kind]
         while len(powers) <= i:
-            wanted = np.array([max(ks).bit_length() > len(powers) for ks in self.needs])
-            half = _restrict(powers[-1], wanted)
+            wanted = np.array([max(k for k, _ in ks).bit_length() > len(powers) for ks in self.needs])
+            half = _restrict(powers[-1], wanted & (self.has_split if kind == "plain" else True))
             powers.append(combine_sets([(half, half)], self.eps))
         return powers[i]
 
@@ -160,33 +172,36 @@ class Chain:
 
     def copies(self, k: int, doubling: bool = True) -> ParetoSets:
         """The sets of k copies (only the keys that asked for k are filled)."""
-        if (k, 1, doubling) in self._copies:
-            return self._copies[(k, 1, doubling)]
-        wanted = np.array([k in ks for ks in self.needs])
-        every = self._multisets("any", k, wanted, doubling)
-        if "plain" in self.powers:
-            split = (every.counts[:, self.split] > 0).any(axis=1)
-            values = every.values[split]
-            values[:, 0] += 2 * self.change[every.group[split]]
-            every = union_sets([self._multisets("plain", k, wanted, doubling),
-                                ParetoSets(values, every.counts[split], every.group[split], every.size)], self.eps)
-        self._copies[(k, 1, doubling)] = every
-        return every
+        if (k, doubling) not in self._copies:
+            wanted = np.array([any(n == k for n, _ in ks) for ks in self.needs])
+            every = self._multisets("any", k, wanted, doubling)
+            if "plain" in self.powers and (wanted & self.has_split).any():
+                holds = (every.counts[:, self.split] > 0).any(axis=1)
+                rows = holds | ~self.has_split[every.group]       # the plain sums of a split key come from plain
+                values = every.values[rows]
+                values[:, 0] += np.where(holds[rows], 2 * self.change[every.group[rows]], 0.0)
+                every = union_sets([ParetoSets(values, every.counts[rows], every.group[rows], every.size),
+                                    self._multisets("plain", k, wanted & self.has_split, doubling)], self.eps)
+            self._copies[(k, doubling)] = every
+        return self._copies[(k, doubling)]
 
     def device(self, k: int, chains: int, doubling: bool = True) -> ParetoSets:
         """The sets of ``chains`` chains of k copies run one after another (a device's virtual stages, see
-        ``device_split``): Minkowski sums of the k-copy sets, every key at once; 4 by doubling."""
-        if (k, chains, doubling) not in self._copies:
-            one = self.copies(k, doubling)
+        ``device_split``): Minkowski sums of the k-copy sets, every key asking for them at once."""
+        if (k, chains, doubling) not in self._devices:
+            wanted = np.array([(k, chains) in ks for ks in self.needs])
+            one = _restrict(self.copies(k, doubling), wanted)
             if chains in (2, 4):
                 two = combine_sets([(one, one)], self.eps)
-                self._copies[(k, chains, doubling)] = two if chains == 2 else combine_sets([(two, two)], self.eps)
+                self._devices[(k, chains, doubling)] = two if chains == 2 else combine_sets([(two, two)], self.eps)
             else:
-                self._copies[(k, chains, doubling)] = _chains_sum(one, chains, self.eps)
-        return self._copies[(k, chains, doubling)]
+                self._devices[(k, chains, doubling)] = _chains_sum(one, chains, self.eps)
+        return self._devices[(k, chains, doubling)]
 
-    def set(self, k: int, key: tuple[tuple[str, ...], int], doubling: bool = True, chains: int = 1) -> ParetoSet:
-        return self.device(k, chains, doubling).set(self.keys[key])
+    def set(self, key: Key, k: int, chains: int = 1, doubling: bool = True) -> ParetoSet:
+        """The set of ``chains`` chains of k copies for ``key``, its counts in the key's tp's strategies."""
+        found = self.device(k, chains, doubling).set(self.index[key])
+        return ParetoSet(found.values, found.counts[:, self.columns[key[0]]])
 
 
 def _chains_sum(one: ParetoSets, chains: int, eps: float) -> ParetoSets:
@@ -282,19 +297,19 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         for ctx in priced:
             by_split.setdefault(splits(tp, pp, ctx.virtual_stages), []).append(ctx)
         grouped += [(tp, branches, mb, layout, same) for layout, same in by_split.items()]
-    # one chain per (block, tp, group size), with a Pareto set per (branches, micro-batch) it is needed for
-    needs: dict[tuple[int, int, int], dict[tuple[tuple[str, ...], int], set[int]]] = {}
+    # one chain per block, with a Pareto set per (tp, group size, branches, micro-batch) it is needed for
+    needs: dict[int, dict[Key, set[tuple[int, int]]]] = {b: {} for b in blocks}
     for tp, branches, mb, layout, _ in grouped:
-        for b, (_, groups, size) in zip(blocks, layout):
-            needs.setdefault((b, tp, size), {}).setdefault((branches, mb), set()).add(groups)
-    builders = {(b, tp, size): Chain(model.blocks[b][1], options[(b, tp)], tp, keys, space.eps, size)
-                for (b, tp, size), keys in needs.items()}
+        for b, (chains, groups, size) in zip(blocks, layout):
+            needs[b].setdefault((tp, size, branches, mb), set()).add((groups, chains))
+    builders = {b: Chain(model.blocks[b][1], {tp: options[(b, tp)] for tp, _, _, _ in keys}, keys, space.eps)
+                for b, keys in needs.items() if keys}
     per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb) -> per strategy: backward s, parameters
     ctxs: list[Context] = []
     stages = []          # per (tp, branches, micro-batch, pp, split): (stage set, option lists, backward, parameters)
     ctx_stage = []       # per context: index into stages
     for tp, branches, mb, layout, priced in grouped:
-        parts = [builders[(b, tp, size)].set(groups, (branches, mb), doubling, chains)
+        parts = [builders[b].set((tp, size, branches, mb), groups, chains, doubling)
                  for b, (chains, groups, size) in zip(blocks, layout)]
         option_lists = [options[(b, tp)] for b in blocks]
         stage = _combine_blocks(parts, space.eps) if parts else \

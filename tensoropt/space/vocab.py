@@ -72,7 +72,6 @@ class VocabLayout:
 def vocab_layout(graph: OpGraph) -> VocabLayout:
     """The vocabulary layout of ``graph`` (module doc); refused with a reason when it cannot be split."""
     recorded = json.loads(graph.meta(VOCAB_META) or "{}")
-    consumers = _consumers(graph.ops)
     loss = [op for op in graph.ops if op.target.startswith("aten.nll_loss")]
     if len(loss) != 1:
         return VocabLayout(refused=f"the loss is not one cross-entropy ({len(loss)} nll_loss ops)")
@@ -84,7 +83,8 @@ def vocab_layout(graph: OpGraph) -> VocabLayout:
     if head_weight is None:
         return VocabLayout(refused=f"the logits' matmul ({head.module_path or 'the model'}) reads no "
                                    f"{vocab}-row weight")
-    if why := _only_feeds_loss(graph.ops, consumers, head):
+    # the logits' users come after the head: the ops from it on are all that needs a consumer map
+    if why := _only_feeds_loss(graph.ops, _consumers(graph.ops[head.index:]), head):
         return VocabLayout(refused=why)
     tables = [op for op in graph.ops if op.kind == "embedding" and op.inputs[0].shape[0] == vocab
               and op.sources[0].kind == "param"]
