@@ -109,6 +109,10 @@ def _keep(values: np.ndarray, group: np.ndarray | None, eps: float) -> np.ndarra
     """Indices to keep. With eps > 0 dominance is decided on values rounded up to a (1 + eps) grid,
     but the kept points keep their exact values (so they still price exactly as ``estimate``)."""
     if eps > 0 and len(values):
+        cells = _grid_cells(values, eps)
+        packed = None if cells is None else _pack(cells, group)
+        if packed is not None:
+            return _keep_packed(values, cells, packed, group)
         grid = np.log1p(eps)
         snapped = np.where(values > 0, np.exp(np.ceil(np.log(np.maximum(values, 1e-300)) / grid) * grid), values)
         # among points equal on the grid, the stable pass keeps the first: make it the exactly best
@@ -116,6 +120,63 @@ def _keep(values: np.ndarray, group: np.ndarray | None, eps: float) -> np.ndarra
         order = np.lexsort(keys)
         return order[nondominated(snapped[order], None if group is None else group[order])]
     return nondominated(values, group)
+
+
+def _grid_cells(values: np.ndarray, eps: float) -> np.ndarray | None:
+    """Each value's cell on the (1 + eps) grid as an integer (ceil of its log in steps of log(1 + eps)), in the
+    order the rounded-up values have; None where a value is not positive (kept exact by the general path)."""
+    if not (values > 0).all():
+        return None
+    return np.ceil(np.log(values) / np.log1p(eps)).astype(np.int64)
+
+
+def _pack(cells: np.ndarray, group: np.ndarray | None) -> np.ndarray | None:
+    """(group, time cell, memory cell, transient cell) as one int64 that sorts as the tuple; None if it overflows."""
+    low = cells.min(axis=0)
+    spans = cells.max(axis=0) - low + 1
+    groups = 1 if group is None else int(group[-1]) + 1 if len(group) else 1
+    if float(groups) * float(np.prod(spans.astype(float))) >= 2.0 ** 62:
+        return None
+    c = cells - low
+    packed = (c[:, 0] * spans[1] + c[:, 1]) * spans[2] + c[:, 2]
+    return packed if group is None else packed + np.asarray(group, dtype=np.int64) * int(np.prod(spans))
+
+
+def _keep_packed(values: np.ndarray, cells: np.ndarray, packed: np.ndarray, group: np.ndarray | None) -> np.ndarray:
+    """``_keep`` with eps > 0 on integer cells: one integer sort instead of floating lexsorts. Same answer: per
+    cell the exactly best point (time, then memory, then transient) stands for it, and a cell is dropped when
+    an earlier one of its group (in (time, memory, transient) cell order) is no larger in memory and transient."""
+    order = np.argsort(packed, kind="stable")
+    key = packed[order]
+    first = np.concatenate(([True], key[1:] != key[:-1]))
+    if not first.all():                      # several points in a cell: the exactly best one stands for it
+        cell = np.cumsum(first) - 1
+        crowded = np.flatnonzero(~first)
+        rows = np.unique(np.concatenate([crowded, crowded - 1]))
+        pick = rows[np.lexsort((values[order[rows], 2], values[order[rows], 1], values[order[rows], 0], cell[rows]))]
+        lead = np.concatenate(([True], cell[pick][1:] != cell[pick][:-1]))
+        order[np.flatnonzero(first)[cell[pick[lead]]]] = order[pick[lead]]
+        order = order[first]
+    g = np.zeros(len(order), dtype=np.int64) if group is None else np.asarray(group, dtype=np.int64)[order]
+    mem, transient = cells[order, 1], cells[order, 2]
+    level = _rank_in_group(transient, g)
+    mem = mem - mem.min()
+    mem_key = mem - g * (int(mem.max()) + 1)                      # any earlier group's key is larger
+    return order[_undominated_sorted(mem_key, level)]
+
+
+def _undominated_sorted(mem_key: np.ndarray, level: np.ndarray) -> np.ndarray:
+    """Positions of the rows no earlier row dominates: none before it with key and level <= its own (rows in
+    dominance order; one running minimum of the key per level)."""
+    n = len(mem_key)
+    if n <= 1:
+        return np.arange(n)
+    pool = np.where(level[None, :] <= np.arange(level.max() + 1)[:, None], mem_key[None, :], np.iinfo(np.int64).max)
+    best = np.minimum.accumulate(pool, axis=1)
+    before = np.empty(n, dtype=np.int64)
+    before[0] = np.iinfo(np.int64).max
+    before[1:] = best[level[1:], np.arange(n - 1)]
+    return np.flatnonzero(before > mem_key)
 
 
 def prune(values: np.ndarray, counts: np.ndarray, eps: float = 0.0) -> ParetoSet:
