@@ -133,3 +133,33 @@ def test_virtual_stages_each_pay_the_layout_changes_of_their_own_sequence_parall
                  [sum(n * c.parameters for c, n in layers)])
     assert cost.layout_change_s(2, 1) > 0
     assert estimate(model, plan).iteration_time_s == pytest.approx(float(r["iteration_time_s"][0]), rel=1e-12)
+
+
+@pytest.mark.parametrize("spec, devices, batch, profile, engines", [
+    ("gpt3-175b", 1024, 1536, "a100-80gb", ("torch", "deepspeed")),
+    ("gpt3-175b", 1024, 1536, "h100-80gb", None),
+    ("llama3-8b", 16, 64, "h100-80gb", ("torch", "deepspeed")),
+    (TINY_GPT, 4, 16, CPU_PROFILE, ("torch", "deepspeed"))])
+def test_bounding_contexts_keeps_the_frontier(write_json, monkeypatch, spec, devices, batch, profile, engines):
+    """Contexts dropped by their bounds (search.bounds) cost nothing: the frontier (every point's time, memory and
+    plan) is the one of the search that prices every context, and most contexts were dropped."""
+    import functools
+
+    import tensoropt.planning as planning
+    graph = tensoropt.capture(spec if isinstance(spec, str) else write_json("m.json", spec),
+                              precision="bf16-mixed").graph
+    fronts, stats = [], []
+
+    def searched(*args, bound, **kwargs):
+        result = search(*args, bound=bound, **kwargs)
+        stats.append(result.stats)
+        return result
+    for bound in (True, False):
+        monkeypatch.setattr(planning, "search", functools.partial(searched, bound=bound))
+        frontier = planning.plan(graph, Cluster(devices, 8 if devices >= 8 else devices, load_profile(profile)),
+                                 global_batch=batch, engines=engines, fits=False)
+        fronts.append([(p.iteration_time_s, p.peak_memory_bytes, p.plan) for p in frontier.points])
+    assert fronts[0] == fronts[1]
+    bounded = sum(s.get("bounded", 0) for s in stats)
+    priced = sum(s["contexts"] for s in stats[:len(stats) // 2])
+    assert bounded and priced < bounded          # fewer contexts priced in full than bounded

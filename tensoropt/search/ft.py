@@ -1,12 +1,10 @@
 """Frontier-tracking search (FT; Cai et al., "TensorOpt", IEEE TPDS 2021, arXiv 2004.10856).
 
-Dynamic programming whose states hold Pareto sets instead of single values. Along the chain of a
-block's copies the state is the layout of the carried stream between two copies (replicated, or
-split by sequence when the copy runs sequence-parallel); a copy's options are its layer strategies
-(recomputation x sequence parallelism) priced by the cost model, and moving the stream between
-layouts costs a collective. The Pareto sets for "k copies from layout a to layout b" form a matrix
-over layouts; two chains compose by a (union, Minkowski-sum) matrix product, so k copies of a block
-searched once compose in O(log k) products by repeated doubling, and the result equals the
+Dynamic programming whose states hold Pareto sets instead of single values. A copy's options are its
+layer strategies (recomputation x sequence parallelism) priced by the cost model; moving the carried stream
+between its layouts (replicated, or split by sequence for sequence-parallel copies) costs a collective. A
+chain's set for k copies is built by repeated doubling of one-step sets in O(log k) Minkowski sums
+(``search.chain.Chain``: as multisets of strategies, the layout changes added in closed form), and equals the
 copy-by-copy DP (tests check both against exhaustive enumeration).
 
 A stage's copies of a block are split into at most ``max_layer_groups`` equal groups, each running
@@ -25,10 +23,12 @@ Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate
 ``evaluate`` is the one-plan case), and the non-dominated (time, peak memory) points form the frontier.
 
 Speed: the work is numpy over many small sets, so it is done in few calls. The chains of one block
-and tp are computed together for every (branches, micro-batch) they are needed for (one Pareto set
+are computed together for every (tp, group size, branches, micro-batch) they are needed for (one Pareto set
 per key in one ``ParetoSets`` array; search/pareto.py), layer costs are cached per (strategy, tp,
-branches, micro-batch) on the block's cost, and all candidates are priced in one call and pruned
-once. Each of these gives the very floats the one-at-a-time computation gives (tests/test_pricing.py).
+branches, micro-batch) on the block's cost, contexts an engine does not run or that a real plan beats
+everywhere (``search.bounds``) are dropped before their chains are built, and all candidates are priced in one
+call and pruned once. Each of these gives the very floats the one-at-a-time computation gives
+(tests/test_pricing.py, tests/test_search.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ import numpy as np
 from ..cost.layer import BlockCost
 from ..cost.model import Context, ModelCost, evaluate_rows
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
-from .pareto import ParetoSet, ParetoSets, combine, combine_sets, nondominated, union_sets
+from .bounds import Seeds, bound_contexts
+from .chain import Chain, Key
+from .pareto import ParetoSet, combine, nondominated
 
 
 @dataclass(frozen=True)
@@ -101,125 +103,6 @@ def layer_options(cost: BlockCost, tp: int, space: SearchSpace) -> list[LayerStr
     return [LayerStrategy(r, sp) for r in recompute for sp in sps]
 
 
-Key = tuple[int, int, tuple[str, ...], int]        # a chain's (tp, copies per group, branches, micro-batch)
-
-
-def _layer_sets(cost: BlockCost, options: list[LayerStrategy], keys: list[Key], rows: list[list[int]]) -> ParetoSets:
-    """One step of the chains: a group of consecutive copies running one strategy (for each key, one of the
-    ``options`` listed in its ``rows``), one Pareto set per key; layout changes are added when a chain is closed."""
-    values = [[size * c.time_s, size * c.activation_bytes, c.transient_bytes]
-              for (tp, size, branches, micro_batch), mine in zip(keys, rows)
-              for c in (cost.layer(options[i], tp, branches, micro_batch) for i in mine)]
-    eye = np.eye(len(options), dtype=np.int64)
-    counts = np.concatenate([size * eye[mine] for (_, size, _, _), mine in zip(keys, rows)])
-    group = np.repeat(np.arange(len(keys)), [len(mine) for mine in rows])
-    return ParetoSets.of(np.array(values, dtype=float).reshape(-1, 3), counts, group, len(keys))
-
-
-class Chain:
-    """Pareto sets of k consecutive copies of one block, entered and left with a replicated stream, for every
-    (tp, copies per group, branches, micro-batch) key the search needs at once: one set per key, all held in one
-    ``ParetoSets``, so each step below is one numpy pass over every key.
-
-    Times, kept activations and parameters add over a chain's copies and the transient takes their max, whatever
-    their order; only the layout changes depend on it, and a chain with sequence-parallel copies pays exactly two
-    of them (in and out) when those copies run together, the fewest any order pays (``space.plan.chain_order``
-    runs them so). So the k-copy set is the multisets of k strategies: those without sequence parallelism
-    (``plain``) as they are, the others (``any``, restricted to the sums holding a sequence-parallel copy) plus two
-    changes. Each of the two is a single Pareto set per key, composed by repeated doubling: powers 2^i are kept, so
-    every pipeline depth (k = copies / pp) costs only the sums its binary digits need; each key is carried only as
-    far as the chain lengths it is needed for (``needs``: key -> the (k, chains) asked of it). A product of two sets
-    is one Minkowski sum, where a matrix over the stream's layouts (the DP's states) took eight.
-
-    The counts (provenance) have a column per strategy of ``options`` (every tp's options of the block);
-    ``set`` gives a key's set with its tp's columns only."""
-
-    def __init__(self, cost: BlockCost, options: dict[int, list[LayerStrategy]], needs: dict[Key, set[tuple[int, int]]],
-                 eps: float = 0.0) -> None:
-        self.eps, self.index = eps, {key: g for g, key in enumerate(needs)}
-        self.options = list(dict.fromkeys(o for tp in sorted(options) for o in options[tp]))
-        self.columns = {tp: [self.options.index(o) for o in opts] for tp, opts in options.items()}
-        self.needs = list(needs.values())
-        keys = list(needs)
-        self.change = np.array([cost.layout_change_s(tp, mb) for tp, _, _, mb in keys], dtype=float)
-        self.split = np.array([o.sequence_parallel for o in self.options])       # the strategies' columns
-        rows = [self.columns[tp] for tp, _, _, _ in keys]
-        plain = [[i for i in mine if not self.split[i]] for mine in rows]
-        self.has_split = np.array([len(p) < len(r) for p, r in zip(plain, rows)])
-        self.powers = {"any": [_layer_sets(cost, self.options, keys, rows)]}
-        if self.has_split.any():
-            self.powers["plain"] = [_layer_sets(cost, self.options, keys, plain)]
-        self._copies: dict[tuple[int, bool], ParetoSets] = {}            # (k, doubling): every key asking k
-        self._devices: dict[tuple[int, int, bool], ParetoSets] = {}      # (k, chains, doubling)
-
-    def _power(self, kind: str, i: int) -> ParetoSets:
-        powers = self.powers[kind]
-        while len(powers) <= i:
-            wanted = np.array([max(k for k, _ in ks).bit_length() > len(powers) for ks in self.needs])
-            half = _restrict(powers[-1], wanted & (self.has_split if kind == "plain" else True))
-            powers.append(combine_sets([(half, half)], self.eps))
-        return powers[i]
-
-    def _multisets(self, kind: str, k: int, wanted: np.ndarray, doubling: bool) -> ParetoSets:
-        """The sets of k copies' strategies drawn from ``kind`` (wanted keys only)."""
-        result = None
-        for i in range(k.bit_length()) if doubling else range(k):
-            if doubling and not k >> i & 1:
-                continue
-            step = _restrict(self._power(kind, i if doubling else 0), wanted)
-            result = step if result is None else combine_sets([(result, step)], self.eps)
-        return result
-
-    def copies(self, k: int, doubling: bool = True) -> ParetoSets:
-        """The sets of k copies (only the keys that asked for k are filled)."""
-        if (k, doubling) not in self._copies:
-            wanted = np.array([any(n == k for n, _ in ks) for ks in self.needs])
-            every = self._multisets("any", k, wanted, doubling)
-            if "plain" in self.powers and (wanted & self.has_split).any():
-                holds = (every.counts[:, self.split] > 0).any(axis=1)
-                rows = holds | ~self.has_split[every.group]       # the plain sums of a split key come from plain
-                values = every.values[rows]
-                values[:, 0] += np.where(holds[rows], 2 * self.change[every.group[rows]], 0.0)
-                every = union_sets([ParetoSets(values, every.counts[rows], every.group[rows], every.size),
-                                    self._multisets("plain", k, wanted & self.has_split, doubling)], self.eps)
-            self._copies[(k, doubling)] = every
-        return self._copies[(k, doubling)]
-
-    def device(self, k: int, chains: int, doubling: bool = True) -> ParetoSets:
-        """The sets of ``chains`` chains of k copies run one after another (a device's virtual stages, see
-        ``device_split``): Minkowski sums of the k-copy sets, every key asking for them at once."""
-        if (k, chains, doubling) not in self._devices:
-            wanted = np.array([(k, chains) in ks for ks in self.needs])
-            one = _restrict(self.copies(k, doubling), wanted)
-            if chains in (2, 4):
-                two = combine_sets([(one, one)], self.eps)
-                self._devices[(k, chains, doubling)] = two if chains == 2 else combine_sets([(two, two)], self.eps)
-            else:
-                self._devices[(k, chains, doubling)] = _chains_sum(one, chains, self.eps)
-        return self._devices[(k, chains, doubling)]
-
-    def set(self, key: Key, k: int, chains: int = 1, doubling: bool = True) -> ParetoSet:
-        """The set of ``chains`` chains of k copies for ``key``, its counts in the key's tp's strategies."""
-        found = self.device(k, chains, doubling).set(self.index[key])
-        return ParetoSet(found.values, found.counts[:, self.columns[key[0]]])
-
-
-def _chains_sum(one: ParetoSets, chains: int, eps: float) -> ParetoSets:
-    """``chains`` copies of ``one`` summed, one at a time (more virtual stages than doubling covers)."""
-    total = one
-    for _ in range(chains - 1):
-        total = combine_sets([(total, one)], eps)
-    return total
-
-
-def _restrict(sets: ParetoSets, wanted: np.ndarray) -> ParetoSets:
-    """The sets of the wanted keys only (the others empty)."""
-    if wanted.all():
-        return sets
-    rows = wanted[sets.group]
-    return ParetoSets(sets.values[rows], sets.counts[rows], sets.group[rows], sets.size)
-
-
 def _combine_blocks(parts: list[ParetoSet], eps: float) -> ParetoSet:
     """Blocks run one after another: Minkowski sum, counts side by side."""
     total = None
@@ -270,11 +153,12 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
 
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True,
-           runs: Callable[[Plan], bool] | None = None) -> SearchResult:
+           runs: Callable[[Plan], bool] | None = None, bound: bool = True) -> SearchResult:
     """The frontier of ``space`` on ``devices``, every plan priced for ``model``'s kernels (``model.compiled``:
     compiled blocks, and the plans say ``compile``). ``runs``: whether an engine runs a plan's global choices
     (asked of a plan without blocks): the others are left out before any chain is built, so they cost nothing and
-    dominate no plan that runs."""
+    dominate no plan that runs. ``bound``: contexts whose every plan a real plan beats are dropped before their
+    chains are built (``search.bounds``; the same frontier)."""
     start = time.perf_counter()
     blocks = range(len(model.blocks))
     choices = _choices(model, devices, space, runs)
@@ -297,6 +181,9 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         for ctx in priced:
             by_split.setdefault(splits(tp, pp, ctx.virtual_stages), []).append(ctx)
         grouped += [(tp, branches, mb, layout, same) for layout, same in by_split.items()]
+    seeds = Seeds(np.zeros((0, 2)), [], [], [])
+    if bound:
+        grouped, seeds = bound_contexts(model, grouped, options)
     # one chain per block, with a Pareto set per (tp, group size, branches, micro-batch) it is needed for
     needs: dict[int, dict[Key, set[tuple[int, int]]]] = {b: {} for b in blocks}
     for tp, branches, mb, layout, _ in grouped:
@@ -325,26 +212,34 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         stages.append((stage, option_lists, backward, params))
         ctxs += priced
         ctx_stage += [len(stages) - 1] * len(priced)
-    if not ctxs:
+    if not ctxs and not seeds.contexts:
         return SearchResult([], time.perf_counter() - start, 0, {"chains": 0, "contexts": 0})
     # every candidate (context, stage point) priced in one call: rows of all stage sets, then their contexts
-    sizes = np.array([len(s[0]) for s in stages])
+    sizes = np.array([len(s[0]) for s in stages], dtype=np.int64)
     offsets = np.cumsum(sizes) - sizes
-    per_ctx = sizes[ctx_stage]
+    per_ctx = sizes[ctx_stage] if ctxs else np.zeros(0, dtype=np.int64)
     which = np.repeat(np.arange(len(ctxs)), per_ctx)
-    row = np.repeat(offsets[ctx_stage] - (np.cumsum(per_ctx) - per_ctx), per_ctx) + np.arange(len(which))
-    values = np.concatenate([s[0].values for s in stages])[row]
-    backward, params = (np.concatenate([s[k] for s in stages])[row] for k in (2, 3))
-    r = evaluate_rows(model, ctxs, which, values[:, 0], backward, values[:, 1], values[:, 2], params, totals_only=True)
-    all_values = np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1)
+    row = np.repeat(offsets[ctx_stage] - (np.cumsum(per_ctx) - per_ctx), per_ctx) + np.arange(len(which)) \
+        if ctxs else np.zeros(0, dtype=np.int64)
+    all_values = seeds.values
+    if ctxs:
+        values = np.concatenate([s[0].values for s in stages])[row]
+        backward, params = (np.concatenate([s[k] for s in stages])[row] for k in (2, 3))
+        r = evaluate_rows(model, ctxs, which, values[:, 0], backward, values[:, 1], values[:, 2], params,
+                          totals_only=True)
+        all_values = np.concatenate([np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1), seeds.values])
     points = []
     for k in front_by_time(all_values):
-        c = which[k]
-        stage, option_lists = stages[ctx_stage[c]][:2]
-        plan = _plan(model, devices, ctxs[c], stage.counts[row[k] - offsets[ctx_stage[c]]], option_lists)
+        if k >= len(which):                     # one of the real plans that bounded the contexts
+            s = k - len(which)
+            plan = _plan(model, devices, seeds.contexts[s], seeds.counts[s], seeds.option_lists[s])
+        else:
+            c = which[k]
+            stage, option_lists = stages[ctx_stage[c]][:2]
+            plan = _plan(model, devices, ctxs[c], stage.counts[row[k] - offsets[ctx_stage[c]]], option_lists)
         points.append(FrontierPoint(plan, float(all_values[k, 0]), float(all_values[k, 1])))
     return SearchResult(points, time.perf_counter() - start, len(all_values),
-                        {"chains": len(stages), "contexts": len(ctxs)})
+                        {"chains": len(stages), "contexts": len(ctxs), "bounded": len(seeds.contexts) // 2})
 
 
 def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[[Plan], bool] | None) -> list[tuple]:
