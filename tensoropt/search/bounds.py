@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cost.layer import BlockCost
 from ..cost.model import Context, ModelCost, evaluate_rows
 from ..space.plan import LayerStrategy
 from .pareto import nondominated
@@ -43,62 +44,83 @@ class Seeds:
 def bound_contexts(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[list[tuple], Seeds]:
     """``grouped`` (tp, branches, micro-batch, layout, contexts) without the contexts no frontier point can come
     from, and the real plans priced to show it (candidates of the search)."""
-    blocks = range(len(model.blocks))
-    rows, ctxs, which, seeds_counts, seeds_lists = [], [], [], [], []
-    for tp, branches, mb, layout, priced in grouped:
-        bound, fast, lean = _entry_rows(model, blocks, options, tp, branches, mb, layout)
-        lists = [options[(b, tp)] for b in blocks]
-        for ctx in priced:
-            rows += [bound, fast[0], lean[0]]
-            which += [len(ctxs)] * 3
-            ctxs.append(ctx)
-            seeds_counts += [fast[1], lean[1]]
-            seeds_lists += [lists, lists]
-    if not ctxs:
+    if not grouped:
         return grouped, Seeds(np.zeros((0, 2)), [], [], [])
-    t, back, acts, transient, params = np.array(rows, dtype=float).T
-    r = evaluate_rows(model, ctxs, np.array(which), t, back, acts, transient, params)
+    rows, counts = _entry_rows(model, grouped, options)           # per entry: 3 rows of sums; 2 plans' counts
+    per_entry = np.array([len(priced) for *_, priced in grouped])
+    entry = np.repeat(np.arange(len(grouped)), per_entry)
+    ctxs = [c for *_, priced in grouped for c in priced]
+    t, back, acts, transient, params = rows[entry].reshape(-1, 5).T
+    r = evaluate_rows(model, ctxs, np.repeat(np.arange(len(ctxs)), 3), t, back, acts, transient, params)
     time_s = r["iteration_time_s"].reshape(-1, 3)
     memory = r["peak_memory_bytes"].reshape(-1, 3)
     low_time = time_s[:, 0] - r["data_parallel_exposed_s"].reshape(-1, 3)[:, 0]
     real = np.stack([time_s[:, 1:].ravel(), memory[:, 1:].ravel()], axis=1)
-    out = _dominated(real, low_time, memory[:, 0])
+    dropped = _dominated(real, low_time, memory[:, 0])
     kept, start = [], 0
-    for tp, branches, mb, layout, priced in grouped:
-        mine = [c for c, drop in zip(priced, out[start:start + len(priced)]) if not drop]
-        start += len(priced)
+    for (tp, branches, mb, layout, priced), n in zip(grouped, per_entry):
+        mine = [c for c, drop in zip(priced, dropped[start:start + n]) if not drop]
+        start += n
         if mine:
             kept.append((tp, branches, mb, layout, mine))
-    return kept, Seeds(real, [c for c in ctxs for _ in range(2)], seeds_counts, seeds_lists)
+    lists = [[options[(b, tp)] for b in range(len(model.blocks))] for tp, *_ in grouped]
+    return kept, Seeds(real, [c for c in ctxs for _ in range(2)], [counts[e][k] for e in entry for k in (0, 1)],
+                       [lists[e] for e in entry for _ in range(2)])
 
 
-def _entry_rows(model: ModelCost, blocks: range, options: dict, tp: int, branches: tuple[str, ...], mb: int,
-                layout: tuple) -> tuple[list[float], tuple[list[float], np.ndarray], tuple[list[float], np.ndarray]]:
-    """(bound, (fastest plan's sums, counts), (leanest plan's sums, counts)) of one (tp, branches, micro-batch,
-    chain split): sums as ``device_chain_sums`` gives them (time, backward, activations, transient, parameters)."""
-    bound = np.zeros(5)
-    fast, lean = np.zeros(5), np.zeros(5)
-    fast_counts, lean_counts = [], []
-    for b, (chains, groups, size) in zip(blocks, layout):
-        cost, opts = model.blocks[b][1], options[(b, tp)]
-        copies = chains * groups * size
-        layers = [cost.layer(o, tp, branches, mb) for o in opts]
-        change = cost.layout_change_s(tp, mb)
+def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[np.ndarray, list]:
+    """Per entry of ``grouped``: (3, 5) sums (bound, fastest plan, leanest plan) as ``device_chain_sums`` gives
+    them (time, backward, activations, transient, parameters), and the two plans' counts (the blocks' option lists
+    side by side). Computed for all entries at once, block by block."""
+    rows = np.zeros((len(grouped), 3, 5))
+    counts: list[list[list[np.ndarray]]] = [[[], []] for _ in grouped]
+    for b in range(len(model.blocks)):
+        layers = {}
+        for tp, branches, mb, _, _ in grouped:
+            if (tp, branches, mb) not in layers:
+                layers[(tp, branches, mb)] = _layer_table(model.blocks[b][1], options[(b, tp)], tp, branches, mb)
+        width = max(len(table[0]) for table in layers.values())
+        table = np.full((len(grouped), width, 6), np.inf)          # time, backward, acts, transient, params, change
+        table[..., 1:] = 0.0
+        split = np.zeros((len(grouped), width), dtype=bool)
+        for e, (tp, branches, mb, _, _) in enumerate(grouped):
+            values, sp = layers[(tp, branches, mb)]
+            table[e, :len(values)], split[e, :len(sp)] = values, sp
+        chains, copies = np.array([[lay[b][0], lay[b][0] * lay[b][1] * lay[b][2]] for *_, lay, _ in grouped]).T
         # one strategy on every copy: each of the device's chains pays two layout changes if it splits the stream
-        sums = np.array([[copies * c.time_s + (2 * chains * change if o.sequence_parallel and tp > 1 else 0.0),
-                          copies * c.backward_s, copies * c.activation_bytes, c.transient_bytes,
-                          copies * c.parameters] for o, c in zip(opts, layers)])
-        low = sums.min(axis=0)
-        low[0] = copies * min(c.time_s for c in layers)
-        bound += np.array([low[0], 0.0, low[2], 0.0, low[4]])
-        bound[3] = max(bound[3], low[3])
-        for total, counts, i in ((fast, fast_counts, np.lexsort((sums[:, 2], sums[:, 0]))[0]),
-                                 (lean, lean_counts, np.lexsort((sums[:, 0], sums[:, 2]))[0])):
-            total[[0, 1, 2, 4]] += sums[i, [0, 1, 2, 4]]
-            total[3] = max(total[3], sums[i, 3])
-            counts.append(np.eye(len(opts), dtype=np.int64)[i] * copies)
-    return (bound.tolist(), (fast.tolist(), np.concatenate(fast_counts) if fast_counts else np.zeros(0, np.int64)),
-            (lean.tolist(), np.concatenate(lean_counts) if lean_counts else np.zeros(0, np.int64)))
+        sums = np.stack([copies[:, None] * table[..., 0] + np.where(split, 2 * chains[:, None] * table[..., 5], 0.0),
+                         copies[:, None] * table[..., 1], copies[:, None] * table[..., 2], table[..., 3],
+                         copies[:, None] * table[..., 4]], axis=-1)
+        sums[np.isinf(table[..., 0])] = np.inf
+        low = np.stack([copies * table[..., 0].min(axis=1), np.zeros(len(grouped)), sums[..., 2].min(axis=1),
+                        sums[..., 3].min(axis=1), sums[..., 4].min(axis=1)], axis=1)
+        fast = _argbest(sums[..., 0], sums[..., 2])
+        lean = _argbest(sums[..., 2], sums[..., 0])
+        at = np.arange(len(grouped))
+        for k, (part, pick) in enumerate(((low, None), (sums[at, fast], fast), (sums[at, lean], lean))):
+            rows[:, k, [0, 1, 2, 4]] += part[:, [0, 1, 2, 4]]
+            rows[:, k, 3] = np.maximum(rows[:, k, 3], part[:, 3])
+            if pick is not None:
+                for e, (tp, *_) in enumerate(grouped):
+                    counts[e][k - 1].append(np.eye(len(options[(b, tp)]), dtype=np.int64)[pick[e]] * int(copies[e]))
+    return rows, [[np.concatenate(c) if c else np.zeros(0, np.int64) for c in pair] for pair in counts]
+
+
+def _layer_table(cost: BlockCost, opts: list[LayerStrategy], tp: int, branches: tuple[str, ...], mb: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per strategy: (time, backward, activations, transient, parameters, layout change) of one copy, and whether
+    it splits the stream."""
+    change = cost.layout_change_s(tp, mb)
+    layers = [cost.layer(o, tp, branches, mb) for o in opts]
+    return (np.array([[c.time_s, c.backward_s, c.activation_bytes, c.transient_bytes, c.parameters, change]
+                      for c in layers]), np.array([o.sequence_parallel and tp > 1 for o in opts]))
+
+
+def _argbest(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Per row, the column least in ``first``, ties broken by ``second`` (then the first such column)."""
+    best = first.min(axis=1, keepdims=True)
+    second = np.where(first == best, second, np.inf)
+    return np.argmin(second, axis=1)
 
 
 def _dominated(real: np.ndarray, low_time: np.ndarray, low_memory: np.ndarray) -> np.ndarray:
