@@ -12,6 +12,8 @@ gradients than the model has), and the runtime writes exactly those sizes into t
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 # DeepSpeed 0.19's defaults (runtime/zero/config.py), elements
@@ -80,10 +82,7 @@ def in_backward_bytes(zero, params, grad_bytes, weight_bytes, largest_parameter=
 def largest_tied_parameter(graph) -> int:
     """Elements of the largest parameter that ops read in more than one place (a tied embedding and head): its
     gradient arrives in more than one part (``tied_gradient_bytes``). 0 where none is."""
-    readers: dict[str, int] = {}
-    for op in graph.ops:
-        for name in {r.name for r in op.sources if r.kind == "param"}:
-            readers[name] = readers.get(name, 0) + 1
+    readers = Counter(name for op in graph.ops for name in {r.name for r in op.sources if r.kind == "param"})
     return max((meta.numel for name, meta in graph.params if readers.get(name, 0) > 1), default=0)
 
 

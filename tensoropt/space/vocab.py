@@ -93,7 +93,8 @@ def vocab_layout(graph: OpGraph) -> VocabLayout:
                                    "shards exactly one)")
     table = tables[0]
     params = tuple(sorted({table.sources[0].name, head_weight}))
-    readers = [op for op in graph.ops if any(r.kind == "param" and r.name in params for r in op.sources)]
+    readers = list({id(op): op for op in graph.ops for r in op.sources if r.kind == "param" and r.name in params}
+                   .values())
     if others := [op for op in readers if op is not table and op is not head]:
         return VocabLayout(refused=f"the vocabulary's weights are also read by {others[0].target} in "
                                    f"{others[0].module_path or 'the model'}")
