@@ -18,6 +18,7 @@ back each step (``sync=False``), reading it where it logs (``--log-every``) and 
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import time
 
@@ -26,6 +27,13 @@ import torch
 
 import tensoropt
 from tensoropt.models.transformer import DecoderLM, TransformerConfig, init_weights
+
+
+def batches(vocab: int, global_batch: int, seq_len: int, generator: torch.Generator):
+    """Each step's (tokens, next tokens to predict), deterministic."""
+    while True:
+        tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
 
 
 def main() -> None:
@@ -54,18 +62,20 @@ def main() -> None:
                             ffn_hidden_size=4 * args.hidden, seq_length=args.seq_len, vocab_size=args.vocab)
     with tensoropt.meta_init() if args.meta else contextlib.nullcontext():
         model = DecoderLM(cfg).to(getattr(torch, args.dtype))
-    tokens = torch.randint(0, cfg.vocab_size, (args.steps, args.global_batch, args.seq_len + 1),
-                           generator=torch.Generator().manual_seed(1))
-    inputs, targets = tokens[..., :-1], tokens[..., 1:]                 # predict the next token
-    example = (inputs[0, :1], targets[0, :1])                          # one sample, for the planner
+    # each step's batch drawn when it comes (the tokens of drawing all steps' at once), so that the launcher's capture,
+    # which ends at the first step, does not read --steps: a launch with other --steps reuses it
+    stream = batches(cfg.vocab_size, args.global_batch, args.seq_len, torch.Generator().manual_seed(1))
+    first = next(stream)
+    example = (first[0][:1], first[1][:1])                             # one sample, for the planner
     adamw = functools.partial(torch.optim.AdamW, lr=1e-3, foreach=args.foreach or None)   # called on the parameters
     model, optimizer, run = tensoropt.parallelize(model, adamw, example_inputs=example, global_batch=args.global_batch,
                                                   init_fn=init_weights)   # used for tensors built on meta only
     rows = run.local_rows() if args.local_data else range(args.global_batch)   # this rank's rows, or all
     losses, step_times = [], []
-    for step in range(run.start_step, args.steps):                    # a resumed run starts at its checkpoint
+    steps = range(run.start_step, args.steps)                          # a resumed run starts at its checkpoint
+    for step, (inputs, targets) in zip(steps, itertools.islice(itertools.chain([first], stream), steps.start, None)):
         start = time.perf_counter()
-        batch = (inputs[step, rows.start:rows.stop], targets[step, rows.start:rows.stop])
+        batch = (inputs[rows.start:rows.stop], targets[rows.start:rows.stop])
         # the model returns the loss; with --local-data it stays a tensor on the device until read
         losses.append(run.train_step(batch, local=args.local_data, sync=not args.local_data))
         step_times.append(time.perf_counter() - start)

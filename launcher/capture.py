@@ -4,12 +4,15 @@ Capturing runs the script in a fresh Python (importing torch alone takes ~1 s), 
 every ``--dry-run`` slow. The capture-mode run therefore lists the user's source files it loaded
 (the script and every module imported from outside the Python installation) with their sizes
 and modification times; a later launch with the same script, arguments and interpreter reuses
-the graph if none of those files changed. Data files the script reads are not tracked: after
-changing one, pass ``--no-cache``.
+the graph if none of those files changed. It also tells which of the script's ``argparse`` options the
+capture did not read (``tensoropt.runtime.capture_args``): a launch whose arguments differ from a cached
+capture's only in those (``--steps``, ``--out``) reuses that capture too (``launcher.capture_index``). Data
+files the script reads are not tracked: after changing one, pass ``--no-cache``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,8 +24,10 @@ from tensoropt.errors import TensorOptError, last_line
 from tensoropt.graph.cache import GraphCache, fingerprint
 from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV, PRECISION_ENV
+from tensoropt.runtime.capture_args import read_report
 
 from .argv import capture_argv
+from .capture_index import CaptureIndex, sources_digest
 
 SOURCES_META = "sources"      # graph metadata: JSON list of [path, size, mtime_ns] the capture loaded
 
@@ -40,11 +45,15 @@ def _unchanged(graph: OpGraph) -> bool:
     return bool(sources) and all(_stamp(path) == [path, size, mtime] for path, size, mtime in sources)
 
 
-def cache_key(script: str, args: list[str], precision: str | None = None) -> str:
+def _script_identity(script: str, precision: str | None) -> dict:
+    """What a capture depends on besides the script's arguments."""
     from tensoropt.api import CAPTURE_VERSION
-    return "launch-" + fingerprint({"script": str(Path(script).resolve()), "args": args, "python": sys.executable,
-                                    "cwd": os.getcwd(), "capture_version": CAPTURE_VERSION} |
-                                   ({"precision": precision} if precision else {}))
+    return {"script": str(Path(script).resolve()), "python": sys.executable, "cwd": os.getcwd(),
+            "capture_version": CAPTURE_VERSION} | ({"precision": precision} if precision else {})
+
+
+def cache_key(script: str, args: list[str], precision: str | None = None) -> str:
+    return "launch-" + fingerprint(_script_identity(script, precision) | {"args": args})
 
 
 def capture_script(script: str, args: list[str], use_cache: bool = True, timeout_s: float = 600,
@@ -53,17 +62,38 @@ def capture_script(script: str, args: list[str], use_cache: bool = True, timeout
     once in capture mode (``tensoropt.parallelize`` writes the graph and exits). With ``precision`` the
     model is captured as the engines will run it in that precision (``TENSOROPT_PRECISION`` in capture
     mode: cast, and under a bf16 autocast for bf16-mixed), so its ops carry the dtypes they compute in and
-    the cost model prices compute and activations in them."""
+    the cost model prices compute and activations in them. The cache is looked up by every argument, then by
+    the arguments each cached capture of this script read (``launcher.capture_index``)."""
+    if not use_cache:
+        return run_capture(script, args, timeout_s, precision)
     cache, key = GraphCache(), cache_key(script, args, precision)
-    if use_cache and (graph := cache.load(key)) is not None and _unchanged(graph):
+    index = CaptureIndex(cache, "script-" + fingerprint(_script_identity(script, precision)))
+    if (graph := _cached(cache, key)) is not None:
         return graph
-    graph = run_capture(script, args, timeout_s, precision)
-    if use_cache:
-        cache.store(key, graph)
+    for other, digest in index.find(args):
+        if (graph := _cached(cache, other)) is not None and sources_digest(graph.meta(SOURCES_META)) == digest:
+            return graph
+    graph, unread = _captured(script, args, timeout_s, precision)
+    cache.store(key, graph)
+    with contextlib.suppress(OSError):     # the index is a hint: a launch without it captures again
+        index.update(key, graph.meta(SOURCES_META), args, unread)
     return graph
 
 
+def _cached(cache: GraphCache, key: str) -> OpGraph | None:
+    """The graph stored under ``key``, if its sources are unchanged."""
+    graph = cache.load(key)
+    return graph if graph is not None and _unchanged(graph) else None
+
+
 def run_capture(script: str, args: list[str], timeout_s: float, precision: str | None = None) -> OpGraph:
+    """The script's graph, captured now (no cache)."""
+    return _captured(script, args, timeout_s, precision)[0]
+
+
+def _captured(script: str, args: list[str], timeout_s: float,
+              precision: str | None = None) -> tuple[OpGraph, list[list] | None]:
+    """The graph the script's capture run wrote, and the options it did not read (None: unknown)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "graph.json"
         env = {**os.environ, CAPTURE_ENV: str(out)}
@@ -76,7 +106,7 @@ def run_capture(script: str, args: list[str], timeout_s: float, precision: str |
                                     timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
             if out.exists():
-                return OpGraph.from_json(json.loads(out.read_text()))
+                return OpGraph.from_json(json.loads(out.read_text())), None
             raise TensorOptError(f"{script} did not reach tensoropt.parallelize within {timeout_s:.0f} s while "
                                  "TensorOpt captured its model") from exc
         # the graph is written at parallelize: a script that fails on the meta device after it (past the code
@@ -86,4 +116,4 @@ def run_capture(script: str, args: list[str], timeout_s: float, precision: str |
             if result.returncode == 0:
                 last = "it never called tensoropt.parallelize(model, ..., example_inputs=..., global_batch=...)"
             raise TensorOptError(f"{script} failed while TensorOpt captured its model: {last}")
-        return OpGraph.from_json(json.loads(out.read_text()))
+        return OpGraph.from_json(json.loads(out.read_text())), read_report(out)

@@ -108,3 +108,80 @@ def test_tests_keep_out_of_the_users_cache(tmp_path, write_json):
                             text=True, timeout=300, env=ENV | moved)
     assert result.returncode == 0, result.stderr[-2000:]
     assert set(cache.rglob("*")) > before and list(home.iterdir()) == []
+
+
+# ---- tensoropt launch's capture of a script: keyed by the arguments the capture read ----
+
+def test_the_capture_records_the_options_it_did_not_read(monkeypatch):
+    """What a capture reads (runtime.capture_args): options read before parallelize count; after it, numbers
+    count only where the first step ran under an autocast (captured again there) or never came; reading the whole
+    namespace, or a second parse, counts everything."""
+    import argparse
+
+    from tensoropt.runtime import capture_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", argparse.ArgumentParser.parse_known_args)
+    capture_args.install()                                    # undone by monkeypatch at the end
+
+    def run(reads_early, reads_late, step, argv=("--width", "4")):
+        monkeypatch.setattr(capture_args, "_STATE", capture_args._Tracker())
+        monkeypatch.setattr("sys.argv", ["script.py", *argv])
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--width", type=int, default=2)
+        parser.add_argument("--steps", type=int, default=3)
+        parser.add_argument("--amp", action="store_true")
+        parser.add_argument("--out", default=None)
+        parser.add_argument("--files", nargs="*", default=[])
+        args = parser.parse_args()
+        for read in reads_early:
+            read(args)
+        capture_args.mark_parallelized()
+        for read in reads_late:
+            read(args)
+        if step is not None:
+            capture_args.mark_first_step(step)
+        unread = capture_args.unread_options()
+        return None if unread is None else sorted(option for option, _ in unread)
+
+    width, steps, amp = (lambda a: a.width), (lambda a: range(a.steps)), (lambda a: a.amp)
+    everything = ["--amp", "--out", "--steps", "--width"]                 # --files takes any number: never dropped
+    assert run([width], [steps, amp], step=False) == ["--out", "--steps"]
+    assert run([width], [steps, amp], step=True) == ["--out"]            # the model may have changed before the step
+    assert run([width], [steps], step=None) == ["--amp", "--out"]        # no step: --steps may have kept it away
+    assert run([width, steps], [], step=False) == ["--amp", "--out"]
+    assert run([], [], step=False) == everything
+    assert run([vars], [], step=False) is None
+    assert run([print], [], step=False) is None
+    assert run([lambda a: argparse.ArgumentParser().parse_args([])], [], step=False) is None    # a second parse
+
+
+def test_unread_options_are_dropped_as_argparse_reads_them():
+    from launcher.capture_index import reduce_argv
+    unread = [["--out", 1], ["--steps", 1], ["--meta", 0], ["-o", 1]]
+    assert reduce_argv(["--steps", "3", "--layers", "2", "--out=a.json", "--meta", "-o", "x"], unread) == \
+        ["--layers", "2"]
+    assert reduce_argv(["--steps", "-1", "--lr", "-1", "--out", "-"], unread) == ["--lr", "-1"]
+    # kept whole where argparse would not read an unread option's value (so the capture shows its error), after
+    # "--", in abbreviations and attached short options (kept on both lines: a line differing there misses)
+    assert reduce_argv(["--steps", "--layers", "2"], unread) == ["--steps", "--layers", "2"]
+    assert reduce_argv(["--layers", "2", "--", "--out", "x"], unread) == ["--layers", "2", "--", "--out", "x"]
+    assert reduce_argv(["--ste", "3", "-ox", "--meta=1", "--steps"], unread) == ["--ste", "3", "-ox", "--meta=1",
+                                                                                   "--steps"]
+
+
+def test_a_bad_index_is_passed_over(tmp_path):
+    """The index is a hint: unreadable, malformed or foreign entries are no entries; a capture stored again under a
+    key replaces the entries of that key."""
+    from launcher.capture_index import CaptureIndex, sources_digest
+    index = CaptureIndex(GraphCache(tmp_path), "script-x")
+    index.path.parent.mkdir(parents=True)
+    for text in ["", "{", "[]", '{"entries": 3}', '{"entries": [{"key": "../../etc/passwd", "sources": "",'
+                 ' "unread": [], "reduced": ["--a"]}, {"key": "launch-' + "0" * 32 + '", "sources": "", "unread":'
+                 ' [["--out", 2]], "reduced": ["--a"]}]}']:
+        index.path.write_text(text)
+        assert index.find(["--a"]) == []
+    key, other, digest = "launch-" + "1" * 32, "launch-" + "2" * 32, sources_digest("[]")
+    index.update(key, "[]", ["--a", "--out", "x"], [["--out", 1]])
+    index.update(other, "[]", ["--b"], [])
+    assert index.find(["--a", "--out", "y"]) == [(key, digest)] and index.find(["--b"]) == [(other, digest)]
+    index.update(key, "[1]", ["--a", "--out", "x"], None)                # stored again, its unread options unknown
+    assert index.find(["--a", "--out", "y"]) == [] and index.find(["--b"]) == [(other, digest)]

@@ -120,7 +120,9 @@ def test_bad_input_is_one_line(chosen, tmp_path):
         assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-500:]
 
 
-def test_dry_run_reuses_the_capture_until_a_source_changes(tmp_path):
+def test_dry_run_reuses_the_capture_for_other_steps_until_a_source_or_the_model_changes(tmp_path):
+    """The capture is cached by the script's sources and the arguments it read (launcher.capture_index): a launch
+    with another --steps or --out does not run the script again, one with another --layers does."""
     script = tmp_path / "train.py"
     counter = tmp_path / "captures.txt"
     source = (EXAMPLES / "train_gpt.py").read_text()
@@ -138,6 +140,8 @@ def test_dry_run_reuses_the_capture_until_a_source_changes(tmp_path):
     assert dry_run("--no-cache")[1] == 2
     script.write_text(script.read_text() + "# edited\n")
     assert dry_run()[1] == 3                                     # an edited script is captured again
+    assert dry_run("--", "--steps", "9", f"--out={tmp_path / 'losses.json'}") == (first[0], 3)   # not read by it
+    assert dry_run("--", "--layers", "2", "--steps", "9")[1] == 4                                # another model
 
 
 @pytest.mark.xdist_group("multiprocess")

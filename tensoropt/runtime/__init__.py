@@ -41,6 +41,7 @@ from torch import nn
 from ..errors import TensorOptError
 from ..search.engines import ENGINES, choose_engine, unsupported
 from ..space.run_plan import RunPlan
+from . import capture_args
 from .device import worker_device
 from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .memory_check import SIMULATE_ENV, measuring, simulate_mode
@@ -140,6 +141,7 @@ def _capture_mode(model: nn.Module, optimizer_fn, example_inputs, global_batch) 
         optimizer = optimizer_fn(model.parameters()) if optimizer_fn else None
     except Exception:                             # an optimizer that cannot be built on meta: the script never steps
         optimizer = None
+    capture_args.mark_parallelized()              # later reads change the graph only through the first step
     return model, optimizer, CaptureRun(global_batch=global_batch, model=model, optimizer=optimizer,
                                         capture_inputs=inputs)
 
@@ -189,7 +191,9 @@ class CaptureRun(Run):
 
     def train_step(self, batch, local: bool = False, sync: bool = True) -> float:
         from ..graph.precision import active_autocast
-        if active_autocast() is not None:
+        under_autocast = active_autocast() is not None
+        capture_args.mark_first_step(under_autocast)
+        if under_autocast:
             try:
                 _write_capture(self.model, self.capture_inputs, self.global_batch)
             except BaseException:

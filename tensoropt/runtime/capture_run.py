@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -25,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import TensorOptError
 from ..graph.capture import tracing_device
 from ..graph.precision import cuda_autocast_on_cpu
+from . import CAPTURE_ENV, capture_args
 
 META = torch.device("meta")
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
@@ -61,12 +63,16 @@ def main(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = list(argv)                                    # as `python SCRIPT ARGS` would see them
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    capture_args.install()                 # which options the capture read: the launcher's cache ignores the rest
     try:
         with META, _EverythingOnMeta(), cuda_autocast_on_cpu():    # the script's CUDA autocast is seen (precision)
             runpy.run_path(script, run_name="__main__")
     except TensorOptError as exc:          # the launcher shows the last line: the message alone, no traceback
         print(exc, file=sys.stderr)
         raise SystemExit(1) from None
+    finally:                               # the capture has ended (graph written, or none)
+        if out := os.environ.get(CAPTURE_ENV):
+            capture_args.write_report(Path(out))
 
 
 if __name__ == "__main__":
