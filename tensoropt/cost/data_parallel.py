@@ -27,7 +27,7 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
     Collectives are priced per (dp, tp) group shape."""
     comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
     copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
-    for d, t in sorted(set(zip(dp.tolist(), tp.tolist()))):
+    for d, t in _meshes(dp, tp):
         if d == 1:
             continue
         mesh = (dp == d) & (tp == t)
@@ -58,6 +58,14 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
     # GPU): the compute it overlaps slows by the profile's fraction of the collective's time
     exposed = exposed + cluster.profile.overlap_slowdown * (comm - exposed)
     return comm, exposed if serial is None else np.where(serial, comm, exposed)
+
+
+def _meshes(dp: np.ndarray, tp: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (dp, tp) pairs of the rows, sorted (one numpy pass, not a Python set of every row's pair)."""
+    dp, tp = np.asarray(dp, dtype=np.int64), np.asarray(tp, dtype=np.int64)
+    width = int(tp.max()) + 1 if len(tp) else 1
+    packed = np.unique(dp * width + tp)
+    return [(int(p // width), int(p % width)) for p in packed]
 
 
 def fsdp_exposed_s(gather_s, scatter_s, forward_s, backward_s, units):

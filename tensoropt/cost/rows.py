@@ -82,15 +82,9 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     loss_bytes: dict = {}             # (backward, forward) working sets of the loss per micro-batch key
     states: dict = {}
     copy_back: dict = {}              # the copy's largest op backward per (tp, branches, micro-batch, gradient bytes)
+    per_shape: dict = {}              # the floats of every context of one (tp, branches, micro-batch, pp, states)
     for c in ctxs:
         tp_key, mb_key = (c.tp, c.tp_branches), (c.tp, c.tp_branches, c.micro_batch)
-        if tp_key not in largest_copy:
-            largest_copy[tp_key] = largest_copy_parameters(model, c.tp, c.tp_branches)
-        if mb_key not in copy_peak:
-            copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
-            loss_bytes[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
-                                  loss_forward_bytes(model, c.tp, c.micro_batch, logits),
-                                  stage_loss_bytes(model, c.tp, c.micro_batch, logits))
         state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine, c.grad_dtype)
         if state_key not in states:
             state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero, c.grad_dtype)
@@ -100,17 +94,27 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
                 c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
                 state.partition_copy, state.reduced_bytes)
         grad_bytes, state_ints = states[state_key]
-        first, last = model.loose(c.tp, c.micro_batch, c.pp)
-        head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them
-        back_key = (*mb_key, grad_bytes)
-        if back_key not in copy_back:
-            copy_back[back_key] = copy_backward_bytes(model, *back_key)
+        shape = (*mb_key, c.pp, state_key)
+        if shape not in per_shape:
+            if tp_key not in largest_copy:
+                largest_copy[tp_key] = largest_copy_parameters(model, c.tp, c.tp_branches)
+            if mb_key not in copy_peak:
+                copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
+                loss_bytes[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
+                                      loss_forward_bytes(model, c.tp, c.micro_batch, logits),
+                                      stage_loss_bytes(model, c.tp, c.micro_batch, logits))
+            first, last = model.loose(c.tp, c.micro_batch, c.pp)
+            head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them
+            back_key = (*mb_key, grad_bytes)
+            if back_key not in copy_back:
+                copy_back[back_key] = copy_backward_bytes(model, *back_key)
+            per_shape[shape] = (max(first.time_s, last.time_s), max(first.parameters, last.parameters),
+                                first.activation_bytes, last.activation_bytes, first.backward_bytes,
+                                last.backward_bytes, largest_copy[tp_key], *loss_bytes[mb_key], copy_peak[mb_key],
+                                head.activation_bytes, tail.parameters, *copy_back[back_key])
         ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
                      *state_ints))
-        floats.append((max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                       first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                       largest_copy[tp_key], *loss_bytes[mb_key], copy_peak[mb_key], head.activation_bytes,
-                       tail.parameters, *copy_back[back_key]))
+        floats.append(per_shape[shape])
     columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
     names = [f.name for f in fields(PlanRows)]
     assert len(names) == len(columns) and len(ints[0]) == _INTS
