@@ -101,8 +101,10 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
             rows[:, k, [0, 1, 2, 4]] += part[:, [0, 1, 2, 4]]
             rows[:, k, 3] = np.maximum(rows[:, k, 3], part[:, 3])
             if pick is not None:
+                chosen = np.zeros((len(grouped), width), dtype=np.int64)
+                chosen[at, pick] = copies
                 for e, (tp, *_) in enumerate(grouped):
-                    counts[e][k - 1].append(np.eye(len(options[(b, tp)]), dtype=np.int64)[pick[e]] * int(copies[e]))
+                    counts[e][k - 1].append(chosen[e, :len(options[(b, tp)])])
     return rows, [[np.concatenate(c) if c else np.zeros(0, np.int64) for c in pair] for pair in counts]
 
 
