@@ -83,6 +83,20 @@ def _column_input_bytes(ops: tuple[Op, ...], columns: tuple[int, ...]) -> float:
     return float(sum(inputs.values()))
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """Sums over a copy's ops that every recomputation choice of one (tp, branches, SP, micro-batch) reads."""
+
+    forward_s: float
+    backward_s: float
+    saved_bytes: float
+    core_forward_s: float          # the attention core's (selective recomputation)
+    core_saved_bytes: float
+    comm_s: float                  # tensor-parallel communication of one copy
+    sp_comm_s: float               # the same with sequence parallelism's gathers of the branches' inputs
+    parameters: float
+
+
 class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
@@ -132,40 +146,43 @@ class BlockCost:
             self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch)
         return self._cache[key]
 
-    def _ops(self, tp: int, tp_branches: tuple[str, ...], sp: bool, micro_batch: int):
-        """(forward s, backward s, saved bytes) per op and the tensor-parallel communication of one copy:
-        what every recomputation choice of a (tp, branches, sequence parallelism, micro-batch) shares."""
+    def _ops(self, tp: int, tp_branches: tuple[str, ...], sp: bool, micro_batch: int) -> _Shared:
+        """What every recomputation choice of a (tp, branches, sequence parallelism, micro-batch) shares: the
+        per-op (forward s, backward s, saved bytes) summed as each strategy needs them, the tensor-parallel
+        communication of one copy, and the parameters."""
         key = (tp, tp_branches, sp, micro_batch)
         if key not in self._op_cache:
             shard = self.shards(tp, tp_branches, sp)
             fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
-            self._op_cache[key] = (fwd, bwd, self.arrays.saved_bytes * micro_batch / shard,
-                                   self.tp_comm_s(tp, tp_branches, sp, micro_batch))
+            saved = self.arrays.saved_bytes * micro_batch / shard
+            comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
+            gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
+                                  for b in self.space.branches) if sp else comm
+            # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
+            whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
+            self._op_cache[key] = _Shared(float(fwd.sum()), float(bwd.sum()), float(saved.sum()),
+                                          float(fwd[self.core].sum()), float(saved[self.core].sum()), comm, gathered,
+                                          float(((self.params - whole) / tp + whole).sum()))
         return self._op_cache[key]
 
     def _layer(self, strategy, tp, tp_branches, micro_batch) -> LayerCost:
         sp = strategy.sequence_parallel and tp > 1
-        fwd, bwd, saved, comm = self._ops(tp, tp_branches, sp, micro_batch)
-        all_saved = float(saved.sum())
+        shared = self._ops(tp, tp_branches, sp, micro_batch)
+        comm, all_saved = shared.comm_s, shared.saved_bytes
         if strategy.recompute == "full":
             kept = self.space.carried_bytes * micro_batch / (tp if sp else 1)
-            recompute, transient = float(fwd.sum()) + comm / 2, all_saved
+            recompute, transient = shared.forward_s + comm / 2, all_saved
         elif strategy.recompute == "selective":
-            kept = all_saved - float(saved[self.core].sum())
-            recompute, transient = float(fwd[self.core].sum()), float(saved[self.core].sum())
+            kept = all_saved - shared.core_saved_bytes
+            recompute, transient = shared.core_forward_s, shared.core_saved_bytes
         else:
             kept, recompute, transient = all_saved, 0.0, 0.0
-        if sp:
-            # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
-            # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
-            # without recomputation, under selective recomputation, and in a full recomputation's recomputed
-            # forward (runtime.sequence_parallel composes its saved-tensor hooks with the recomputation's)
-            comm += sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
-                        for b in self.space.branches)
-        # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
-        whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
-        params = float(((self.params - whole) / tp + whole).sum())
-        return LayerCost(float(fwd.sum()), float(bwd.sum()), recompute, comm, kept, transient, params)
+        # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
+        # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
+        # without recomputation, under selective recomputation, and in a full recomputation's recomputed
+        # forward (runtime.sequence_parallel composes its saved-tensor hooks with the recomputation's)
+        return LayerCost(shared.forward_s, shared.backward_s, recompute, shared.sp_comm_s, kept, transient,
+                         shared.parameters)
 
     def _sharded_params(self, tp_branches: tuple[str, ...]) -> np.ndarray:
         out = np.zeros(len(self.ops), dtype=bool)
