@@ -146,6 +146,20 @@ class BlockCost:
             self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch)
         return self._cache[key]
 
+    def prepare(self, keys) -> None:
+        """Compute the shared sums (``_ops``) of many (tp, branches, sequence parallelism, micro-batch) keys at once:
+        ``op_times`` is elementwise, so one call over a (keys x ops) array gives each key's row the very floats its
+        own call gives, for a fraction of the numpy calls (the search asks for every key it prices)."""
+        todo = [key for key in dict.fromkeys(keys) if key not in self._op_cache]
+        if not todo:
+            return
+        shard = np.stack([self.shards(tp, branches, sp) for tp, branches, sp, _ in todo])
+        micro_batch = np.array([[mb] for *_, mb in todo])
+        fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
+        saved = self.arrays.saved_bytes * micro_batch / shard
+        for k, key in enumerate(todo):
+            self._op_cache[key] = self._shared(key, fwd[k], bwd[k], saved[k])
+
     def _ops(self, tp: int, tp_branches: tuple[str, ...], sp: bool, micro_batch: int) -> _Shared:
         """What every recomputation choice of a (tp, branches, sequence parallelism, micro-batch) shares: the
         per-op (forward s, backward s, saved bytes) summed as each strategy needs them, the tensor-parallel
@@ -154,16 +168,18 @@ class BlockCost:
         if key not in self._op_cache:
             shard = self.shards(tp, tp_branches, sp)
             fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
-            saved = self.arrays.saved_bytes * micro_batch / shard
-            comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
-            gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
-                                  for b in self.space.branches) if sp else comm
-            # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
-            whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
-            self._op_cache[key] = _Shared(float(fwd.sum()), float(bwd.sum()), float(saved.sum()),
-                                          float(fwd[self.core].sum()), float(saved[self.core].sum()), comm, gathered,
-                                          float(((self.params - whole) / tp + whole).sum()))
+            self._op_cache[key] = self._shared(key, fwd, bwd, self.arrays.saved_bytes * micro_batch / shard)
         return self._op_cache[key]
+
+    def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
+        tp, tp_branches, sp, micro_batch = key
+        comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
+        gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
+                              for b in self.space.branches) if sp else comm
+        # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
+        whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
+        return _Shared(float(fwd.sum()), float(bwd.sum()), float(saved.sum()), float(fwd[self.core].sum()),
+                       float(saved[self.core].sum()), comm, gathered, float(((self.params - whole) / tp + whole).sum()))
 
     def _layer(self, strategy, tp, tp_branches, micro_batch) -> LayerCost:
         sp = strategy.sequence_parallel and tp > 1

@@ -153,13 +153,14 @@ def efficiency(flops: np.ndarray, profile: DeviceProfile) -> np.ndarray:
 
 def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
              profile: DeviceProfile) -> tuple[np.ndarray, np.ndarray]:
-    """(forward_s, backward_s) per op on one device."""
+    """(forward_s, backward_s) per op on one device. Elementwise: ``shard`` may be a (keys x ops) array and
+    ``micro_batch`` a (keys x 1) one, each row then what its own call gives (``BlockCost.prepare``)."""
     fwd_flops = arrays.forward_flops * micro_batch / shard
     bwd_flops = arrays.backward_flops * micro_batch / shard
     moved = (arrays.activation_bytes * micro_batch + arrays.parameter_bytes) / shard
     mem_s = moved / profile.memory_bytes_per_s
     fwd_rate = arrays.peak_flops * np.where(arrays.product, efficiency(fwd_flops, profile), 1.0)
-    bwd_rate = arrays.peak_flops * np.where(arrays.product, efficiency(fwd_flops, profile), 1.0)
+    bwd_rate = fwd_rate                     # the backward's matmuls run at the forward's shapes' efficiency
     overhead = profile.kernel_overhead_s
     fwd = np.maximum(fwd_flops / fwd_rate, mem_s) + overhead
     bwd = np.where(arrays.needs_backward, np.maximum(bwd_flops / bwd_rate, 2 * mem_s) + overhead, 0.0)

@@ -181,6 +181,9 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
         for ctx in priced:
             by_split.setdefault(splits(tp, pp, ctx.virtual_stages), []).append(ctx)
         grouped += [(tp, branches, mb, layout, same) for layout, same in by_split.items()]
+    for b in blocks:                    # every layer cost the bounds and chains read, in one pass per block
+        model.blocks[b][1].prepare((tp, branches, o.sequence_parallel and tp > 1, mb)
+                                   for tp, branches, mb, _, _ in grouped for o in options[(b, tp)])
     seeds = Seeds(np.zeros((0, 2)), [], [], [])
     if bound:
         grouped, seeds = bound_contexts(model, grouped, options)
