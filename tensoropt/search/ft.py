@@ -170,9 +170,13 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     choices = [c for c in choices if all(options[(b, c[1])] for b in blocks)]
     sp = {key: any(o.sequence_parallel for o in opts) for key, opts in options.items()}
 
+    layouts: dict[tuple[int, int, int], tuple[tuple[int, int, int], ...]] = {}
+
     def splits(tp: int, pp: int, v: int) -> tuple[tuple[int, int, int], ...]:
-        return tuple(device_split(split[(b, pp)][1], model.blocks[b][0].repeats // pp, v, sp[(b, tp)])
-                     for b in blocks)
+        if (tp, pp, v) not in layouts:
+            layouts[(tp, pp, v)] = tuple(device_split(split[(b, pp)][1], model.blocks[b][0].repeats // pp, v,
+                                                      sp[(b, tp)]) for b in blocks)
+        return layouts[(tp, pp, v)]
 
     # each choice's contexts, grouped by how their virtual stages split the device's chains
     grouped = []
