@@ -225,7 +225,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     """``evaluate`` of many plans at once, plan i under context ``ctxs[which[i]]`` (the search prices
     all its candidates in one call). Every formula is applied element by element to per-plan arrays
     of the context's numbers, so each plan gets the very floats it would get priced alone.
-    ``totals_only``: just iteration time and peak memory."""
+    ``totals_only``: just iteration time and peak memory (and the exposed data-parallel communication, which
+    ``search.bounds`` takes out of a bound's time)."""
     cluster, prof = model.cluster, model.cluster.profile
     if any(c.compile != model.compiled for c in ctxs):
         # the layer sums come from ``model``'s kernels; ``estimate`` switches models (``ModelCost.with_kernels``)
@@ -248,7 +249,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, laye
     time_s = pipeline_s + exposed + optimizer_s
     mem = memory_rows(model, r, activation_bytes, transient_bytes, params)
     if totals_only:
-        return {"iteration_time_s": time_s, "peak_memory_bytes": mem["peak_memory_bytes"]}
+        return {"iteration_time_s": time_s, "peak_memory_bytes": mem["peak_memory_bytes"],
+                "data_parallel_exposed_s": exposed}
     return {
         "iteration_time_s": time_s, **mem,
         "compute_s": r.m * (np.asarray(layer_time_s) + r.loose_time_s),

@@ -82,7 +82,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
     loss_bytes: dict = {}             # (backward, forward) working sets of the loss per micro-batch key
     states: dict = {}
     copy_back: dict = {}              # the copy's largest op backward per (tp, branches, micro-batch, gradient bytes)
-    per_shape: dict = {}              # the floats of every context of one (tp, branches, micro-batch, pp, states)
+    per_shape: dict = {}              # the floats of every context of one (tp, branches, micro-batch, pp, grad bytes)
     for c in ctxs:
         tp_key, mb_key = (c.tp, c.tp_branches), (c.tp, c.tp_branches, c.micro_batch)
         state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine, c.grad_dtype)
@@ -94,7 +94,7 @@ def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanR
                 c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
                 state.partition_copy, state.reduced_bytes)
         grad_bytes, state_ints = states[state_key]
-        shape = (*mb_key, c.pp, state_key)
+        shape = (*mb_key, c.pp, grad_bytes)
         if shape not in per_shape:
             if tp_key not in largest_copy:
                 largest_copy[tp_key] = largest_copy_parameters(model, c.tp, c.tp_branches)

@@ -51,7 +51,8 @@ def bound_contexts(model: ModelCost, grouped: list[tuple], options: dict) -> tup
     entry = np.repeat(np.arange(len(grouped)), per_entry)
     ctxs = [c for *_, priced in grouped for c in priced]
     t, back, acts, transient, params = rows[entry].reshape(-1, 5).T
-    r = evaluate_rows(model, ctxs, np.repeat(np.arange(len(ctxs)), 3), t, back, acts, transient, params)
+    r = evaluate_rows(model, ctxs, np.repeat(np.arange(len(ctxs)), 3), t, back, acts, transient, params,
+                      totals_only=True)
     time_s = r["iteration_time_s"].reshape(-1, 3)
     memory = r["peak_memory_bytes"].reshape(-1, 3)
     low_time = time_s[:, 0] - r["data_parallel_exposed_s"].reshape(-1, 3)[:, 0]
