@@ -254,19 +254,25 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
     those ``runs`` refuses left out. ``runs`` is asked once per (mesh, virtual stages, ZeRO, offload, gradients):
     what an engine applies does not depend on the micro-batch or the branches tp shards (``search.engines``)."""
     asked: dict[tuple, bool] = {}
+    undominated: dict[tuple, list] = {}
 
-    def kept(ctx: Context) -> bool:
-        if runs is None:
-            return True
-        key = (ctx.dp, ctx.tp, ctx.pp, ctx.virtual_stages, ctx.zero, ctx.offload, ctx.grad_dtype)
+    def context(dp, tp, pp, branches, mb, v, z, off, g) -> Context:
+        return Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype, space.master_weights,
+                       space.precision, model.compiled, space.engine, g)
+
+    def kept(dp, tp, pp, branches, mb, v, z, off, g) -> bool:
+        key = (dp, tp, pp, v, z, off, g)
         if key not in asked:
-            asked[key] = runs(ctx.plan(devices, ()))
+            asked[key] = runs is None or runs(context(dp, tp, pp, branches, mb, v, z, off, g).plan(devices, ()))
         return asked[key]
-    return [(dp, tp, pp, branches, mb, [ctx for v, z, off, g in _undominated(globals_, dp, pp)
-                                        if kept(ctx := Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches,
-                                                               space.dtype, space.master_weights, space.precision,
-                                                               model.compiled, space.engine, g))])
-            for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space)]
+    out = []
+    for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
+        key = (tuple(globals_), dp == 1)
+        if key not in undominated:
+            undominated[key] = _undominated(globals_, dp, pp)
+        out.append((dp, tp, pp, branches, mb, [context(dp, tp, pp, branches, mb, *g) for g in undominated[key]
+                                               if kept(dp, tp, pp, branches, mb, *g)]))
+    return out
 
 
 def _undominated(globals_: list[tuple[int, int, bool, str]], dp: int, pp: int) -> list[tuple[int, int, bool, str]]:
