@@ -64,7 +64,8 @@ def _meshes(dp: np.ndarray, tp: np.ndarray) -> list[tuple[int, int]]:
     """The distinct (dp, tp) pairs of the rows, sorted (one numpy pass, not a Python set of every row's pair)."""
     dp, tp = np.asarray(dp, dtype=np.int64), np.asarray(tp, dtype=np.int64)
     width = int(tp.max()) + 1 if len(tp) else 1
-    packed = np.unique(dp * width + tp)
+    packed = np.sort(dp * width + tp)
+    packed = packed[np.concatenate(([True], packed[1:] != packed[:-1]))]    # np.unique would import numpy.ma
     return [(int(p // width), int(p % width)) for p in packed]
 
 

@@ -152,7 +152,8 @@ def _keep_packed(values: np.ndarray, cells: np.ndarray, packed: np.ndarray, grou
     if not first.all():                      # several points in a cell: the exactly best one stands for it
         cell = np.cumsum(first) - 1
         crowded = np.flatnonzero(~first)
-        rows = np.unique(np.concatenate([crowded, crowded - 1]))
+        rows = np.sort(np.concatenate([crowded - 1, crowded]))
+        rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))]   # not np.unique: it imports numpy.ma
         pick = rows[np.lexsort((values[order[rows], 2], values[order[rows], 1], values[order[rows], 0], cell[rows]))]
         lead = np.concatenate(([True], cell[pick][1:] != cell[pick][:-1]))
         order[np.flatnonzero(first)[cell[pick[lead]]]] = order[pick[lead]]
