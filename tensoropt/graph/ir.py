@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import networkx as nx
+if TYPE_CHECKING:          # networkx is imported where the graph is first asked for (``OpGraph.nx``): ~0.3 s of
+    import networkx as nx  # every process's start (launcher, capture, each worker) that never walks the graph
 
 GRAPH_SCHEMA_VERSION = 1
 
@@ -212,6 +213,7 @@ class OpGraph:
     def nx(self) -> nx.DiGraph:
         """The graph as a networkx DiGraph: node = op index (attribute ``op``), edge attribute
         ``slots`` = [(producer slot, consumer slot), ...] (an op may read one producer twice)."""
+        import networkx as nx
         g = nx.DiGraph()
         for op in self.ops:
             g.add_node(op.index, op=op)
