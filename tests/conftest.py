@@ -20,6 +20,11 @@ ISOLATED = {"TENSOROPT_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-cache
             "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-inductor-"),
             "TORCH_EXTENSIONS_DIR": tempfile.mkdtemp(prefix="tensoropt-test-extensions-")}
 os.environ.update(ISOLATED)
+# The working folder of the launches the helpers in tests/workers.py make (every path they pass is absolute): one per
+# test process, so that the launcher's capture cache, which keys a capture by the script, its arguments and the
+# working folder (launcher.capture), can serve one script's launches from several tests instead of each test's own
+# folder making every capture unique.
+LAUNCH_CWD = Path(tempfile.mkdtemp(prefix="tensoropt-test-launches-"))
 
 
 # The tests that start worker processes are marked xdist_group("multiprocess"): under `pytest -n 2 --dist loadgroup`
@@ -56,7 +61,7 @@ def pytest_collection_modifyitems(items):
 def _isolated_cache():
     """The test session's capture cache (see ISOLATED), removed at the end."""
     yield Path(ISOLATED["TENSOROPT_CACHE_DIR"])
-    for path in ISOLATED.values():
+    for path in [*ISOLATED.values(), LAUNCH_CWD]:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import EXAMPLES
+from conftest import EXAMPLES, LAUNCH_CWD
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
@@ -94,7 +94,7 @@ def dry_run_plan(script, run_dir, devices: int = 2, *script_args) -> Plan:
     key = (str(script), devices, tuple(map(str, script_args)))
     if key not in _DRY_RUNS:
         result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--run-dir", run_dir,
-                               "--dry-run", "--", *script_args, cwd=run_dir)
+                               "--dry-run", "--", *script_args, cwd=LAUNCH_CWD)
         assert result.returncode == 0, result.stderr[-2000:]
         _DRY_RUNS[key] = Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
     return _DRY_RUNS[key]
@@ -117,14 +117,15 @@ def launched_with_plan(plan: Plan, tmp_path, devices: int, script: str = GPT_SCR
     ``plan`` given by ``--plan`` on ``engine``, checked to have run that plan there; with the launcher's output
     (``"stdout"``) and the plan.json it handed the workers (``"written"``). With ``memory``, every rank tracks its
     steps' tensor memory (``TENSOROPT_MEMORY_OUT``) and rank 0's record is ``"memory"``; with ``params``, the final
-    parameters the script saves (``--save-params``, gathered, flattened) are ``"params"``."""
+    parameters the script saves (``--save-params``, gathered, flattened) are ``"params"``. Launched from the test
+    process's ``LAUNCH_CWD`` (conftest), every path given absolute."""
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     env = ENV | {"TENSOROPT_MEMORY_OUT": str(tmp_path / "memory-{rank}.json")} if memory else ENV
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--plan", path, "--engine", engine,
                            "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json",
-                           *(("--save-params", tmp_path / "params.npy") if params else ()), *script_args, cwd=tmp_path,
-                           env=env)
+                           *(("--save-params", tmp_path / "params.npy") if params else ()), *script_args,
+                           cwd=LAUNCH_CWD, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (plan.summary(), engine)
