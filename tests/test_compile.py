@@ -19,7 +19,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from conftest import SMALL_GPT
+from conftest import LAUNCH_CWD, SMALL_GPT
 from torch.distributed.checkpoint import FileSystemReader
 from workers import GPT_SCRIPT, losses_alone, tensoropt_cli
 
@@ -140,7 +140,7 @@ def test_a_plan_file_runs_compiled_when_it_says_so_or_when_launch_says_compile(t
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(plan.to_json()))
         result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / name,
-                               "--plan", path, *flags, "--dry-run", "--", *LAYERS, cwd=tmp_path)
+                               "--plan", path, *flags, "--dry-run", "--", *LAYERS, cwd=LAUNCH_CWD)
         assert result.returncode == 0, result.stderr[-2000:]
         written = json.loads((tmp_path / name / "plan.json").read_text())
         assert written["compile"] is True and written["summary"] == ZERO3.summary(), name
@@ -151,7 +151,7 @@ def _launch(tmp_path, *args, layers: tuple[str, ...] = LAYERS) -> tuple[dict, di
     """(what rank 0 wrote, the plan.json the workers ran) of a 2-step launch of the 2-layer GPT (or ``layers``) on
     2 CPU workers."""
     result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / "run", *args,
-                           "--", *layers, "--steps", 2, "--out", tmp_path / "losses.json", cwd=tmp_path)
+                           "--", *layers, "--steps", 2, "--out", tmp_path / "losses.json", cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     return (json.loads((tmp_path / "losses.json").read_text()),
             json.loads((tmp_path / "run" / "plan.json").read_text()))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import LAUNCH_CWD
 from workers import ENV, dry_run_plan, tensoropt_cli
 
 from tensoropt.runtime.run import OOM_EXIT_CODE
@@ -50,7 +51,7 @@ def _launch(tmp_path: Path, engine: str, zero: int, *args, env=None, offload: bo
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     return tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
-                         "--run-dir", tmp_path / "run", "--", "--out", tmp_path / "got", *args, cwd=tmp_path, env=env)
+                         "--run-dir", tmp_path / "run", "--", "--out", tmp_path / "got", *args, cwd=LAUNCH_CWD, env=env)
 
 
 def _ranks(tmp_path: Path) -> list[dict]:

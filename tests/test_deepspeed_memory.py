@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import LAUNCH_CWD
 from workers import ENV, GPT_SCRIPT, tensoropt_cli
 
 import tensoropt
@@ -192,7 +193,7 @@ def test_predicted_memory_bounds_a_real_deepspeed_zero3_run(tmp_path):
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine",
                            "deepspeed", "--precision", "bf16-mixed", "--run-dir", tmp_path / "run", "--",
-                           *MEASURED_ARGS, "--steps", 3, cwd=tmp_path,
+                           *MEASURED_ARGS, "--steps", 3, cwd=LAUNCH_CWD,
                            env=ENV | {"TENSOROPT_MEMORY_OUT": str(tmp_path / "memory-{rank}.json")})
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads((tmp_path / "run" / "plan.json").read_text())

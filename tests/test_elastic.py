@@ -10,6 +10,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+from conftest import LAUNCH_CWD
 from workers import ENV, GPT_SCRIPT, assert_weights_alike
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
@@ -34,7 +35,7 @@ def start(tmp_path, *extra, env=None, steps=STEPS, pause_s=0.3):
         [sys.executable, "-m", "tensoropt", "launch", SCRIPT, "--device", "cpu", "--gpus", "2", "--elastic",
          "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--run-dir", str(tmp_path / "run"),
          *extra, "--", "--steps", str(steps), "--pause-s", str(pause_s), "--save-params", str(tmp_path / "out.npy")],
-        cwd=tmp_path, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=LAUNCH_CWD, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_checkpoint(tmp_path, step, proc, timeout_s=240):
@@ -103,7 +104,7 @@ def test_out_of_memory_moves_to_a_plan_with_less_memory(reference, tmp_path):
     dry = subprocess.run([sys.executable, "-m", "tensoropt", "launch", SCRIPT, "--device", "cpu", "--gpus", "2",
                           "--elastic", "--checkpoint-dir", tmp_path / "ckpt", "--dry-run", "--run-dir",
                           tmp_path / "dry"],
-                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+                         cwd=LAUNCH_CWD, env=ENV, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     fastest = json.loads((tmp_path / "dry" / "plan.json").read_text())
     needed = fastest["predicted"]["peak_memory_bytes"]

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, REPO
+from conftest import EXAMPLES, LAUNCH_CWD, REPO
 from workers import ENV, dry_run_plan, losses_alone, tensoropt_cli, tp2
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
@@ -30,7 +30,7 @@ def launch(script, plan, tmp_path, *args, checkpoint_dir=None) -> subprocess.Com
     path.write_text(json.dumps(plan.to_json()))
     extra = ("--checkpoint-dir", checkpoint_dir, "--checkpoint-every", 1) if checkpoint_dir else ()
     return tensoropt_cli("launch", script, "--device", "cpu", "--gpus", plan.devices, "--plan", path, "--run-dir",
-                         tmp_path / "run", *extra, "--", *args, cwd=tmp_path)
+                         tmp_path / "run", *extra, "--", *args, cwd=LAUNCH_CWD)
 
 
 @pytest.mark.xdist_group("multiprocess")
@@ -40,7 +40,7 @@ def test_fused_projections_train_under_the_launchers_tp2_plan_to_the_losses_alon
     script, args, shardable = CASES[case]
     alone = losses_alone(script, tmp_path / "alone.json", *args)
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", 2, "--tp", 2, "--run-dir", tmp_path / "run",
-                           "--", *args, "--out", tmp_path / "out.json", cwd=tmp_path)
+                           "--", *args, "--out", tmp_path / "out.json", cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert written["tp"] == 2 and set(written["tp_branches"]) <= shardable
@@ -67,7 +67,7 @@ def test_a_wrong_layout_is_caught_before_training(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     dry = tensoropt_cli("launch", FUSED, "--device", "cpu", "--gpus", 2, "--plan", path, "--run-dir", tmp_path / "run",
-                        "--dry-run", "--", *args, cwd=tmp_path)
+                        "--dry-run", "--", *args, cwd=LAUNCH_CWD)
     assert dry.returncode == 0, dry.stderr
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
     for branch in written["tp_layout"]["h.*"]:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from conftest import LAUNCH_CWD
 from workers import ENV, GPT_SCRIPT, gpt_plan, launched_once, tensoropt_cli
 
 from tensoropt.runtime.memory_check import unsimulated
@@ -113,7 +114,7 @@ def _simulated(tmp_path, common: list, rank: int) -> dict:
     """``launch --dry-run --check-memory`` of examples/train_gpt.py for ``rank`` (``TENSOROPT_SIMULATE_RANK``)."""
     run_dir = tmp_path / f"sim-{rank}"
     result = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", run_dir, "--dry-run", "--check-memory",
-                           cwd=tmp_path, env=ENV | {"TENSOROPT_SIMULATE_RANK": str(rank)})
+                           cwd=LAUNCH_CWD, env=ENV | {"TENSOROPT_SIMULATE_RANK": str(rank)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"rank {rank}'s second step simulated" in result.stdout and "simulated / predicted" in result.stdout
     check = json.loads((run_dir / "memory_check.json").read_text())
@@ -129,8 +130,8 @@ def _check_against_real_run(tmp_path, plan: Plan, ranks: tuple[int, ...] = (0,))
     common = ["--device", "cpu", "--gpus", plan.devices, "--plan", path, "--precision", plan.precision]
     checks = [_simulated(tmp_path, common, rank) for rank in ranks]
     assert all(check["plan"] == plan.summary() for check in checks)
-    real = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", tmp_path / "run", "--", "--steps", 3, cwd=tmp_path,
-                         env=ENV | {"TENSOROPT_MEMORY_OUT": str(tmp_path / "real-{rank}.json")})
+    real = tensoropt_cli("launch", GPT_SCRIPT, *common, "--run-dir", tmp_path / "run", "--", "--steps", 3,
+                         cwd=LAUNCH_CWD, env=ENV | {"TENSOROPT_MEMORY_OUT": str(tmp_path / "real-{rank}.json")})
     assert real.returncode == 0, real.stderr[-3000:]
     out = []
     for rank, check in zip(ranks, checks):
@@ -183,7 +184,7 @@ def test_simulated_peak_equals_the_real_runs(tmp_path, case):
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--precision",
                            plan.precision, "--run-dir", tmp_path / "sim", "--dry-run", "--check-memory", "--",
-                           *script_args, cwd=tmp_path)
+                           *script_args, cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "simulated / predicted" in result.stdout
     check = json.loads((tmp_path / "sim" / "memory_check.json").read_text())

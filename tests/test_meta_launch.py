@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES
+from conftest import EXAMPLES, LAUNCH_CWD
 from workers import ENV, dry_run_plan, tensoropt_cli
 
 from tensoropt.cost.profile import load_profile
@@ -68,7 +68,7 @@ def test_meta_built_models_get_the_values_of_apply_on_the_models_built_for_real(
     path.write_text(json.dumps(plan.to_json()))
     engine = "deepspeed" if name.startswith("deepspeed") else "torch"
     result = tensoropt_cli("launch", INIT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
-                           "--run-dir", tmp_path / "run", "--", "--meta", "--out", tmp_path / "got", cwd=tmp_path)
+                           "--run-dir", tmp_path / "run", "--", "--meta", "--out", tmp_path / "got", cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if "tensoropt: init_fn(" in line]
     if name == "ddp":

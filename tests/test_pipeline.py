@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import LAUNCH_CWD, REPO
 from workers import ENV, GPT_SCRIPT, dry_run_plan, launched_with_plan, losses_alone, tensoropt_cli
 
 from tensoropt.errors import TensorOptError
@@ -312,7 +312,7 @@ def test_a_meta_built_stage_gets_storage_for_its_shards_only(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", 4, "--plan", path, "--run-dir",
-                           tmp_path / "run", "--", "--out", tmp_path / "got", cwd=tmp_path)
+                           tmp_path / "run", "--", "--out", tmp_path / "got", cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     layer_bytes = 12 * 128 * 128 * 4 + 13 * 128 * 4        # a layer's weights and biases, float32
     stage_bytes = 2 * layer_bytes + 256 * 128 * 4           # two layers and the embedding (or the tied head)

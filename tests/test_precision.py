@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import EXAMPLES, SMALL_GPT
+from conftest import EXAMPLES, LAUNCH_CWD, SMALL_GPT
 from workers import ENV, assert_weights_alike, launched_once, launched_with_plan, tensoropt_cli
 
 import tensoropt
@@ -328,7 +328,7 @@ def test_a_meta_built_model_gets_a_bf16_mixed_pipeline(tmp_path):
     """bf16-mixed pipeline stages of a meta-built model are traced on fake CPU tensors under the CPU's autocast
     (runtime.pipeline_trace; trained in tests/test_pipeline.py): the launcher offers them."""
     mixed = tensoropt_cli("launch", GPT, "--device", "cpu", "--gpus", 2, "--pp", 2, "--precision", "bf16-mixed",
-                          "--dry-run", "--run-dir", tmp_path, "--", "--meta", "--layers", LAYERS, cwd=tmp_path)
+                          "--dry-run", "--run-dir", tmp_path, "--", "--meta", "--layers", LAYERS, cwd=LAUNCH_CWD)
     assert mixed.returncode == 0 and "chosen: dp1 tp1 pp2" in mixed.stdout, mixed.stderr[-2000:]
 
 

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import LAUNCH_CWD
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -219,7 +220,7 @@ def test_the_launcher_chooses_selective_plans_and_they_train(reference, tmp_path
     """``--recompute selective`` leaves the launcher only selective plans: it finds one it can run and runs it."""
     out = tmp_path / "losses.json"
     result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--recompute", "selective",
-                           "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, cwd=tmp_path)
+                           "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", out, cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert {s["recompute"] for b in plan["blocks"] for s in b["strategies"]} == {"selective"}

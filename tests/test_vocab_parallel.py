@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from conftest import EXAMPLES, REPO
+from conftest import EXAMPLES, LAUNCH_CWD, REPO
 from torch import nn
 from train_zloss import build as build_zloss
 from workers import assert_weights_alike, dry_run_plan, losses_alone, tensoropt_cli, tp2
@@ -126,7 +126,7 @@ def launch(script, tmp_path, *args, devices: int = 2, plan=None, script_args=())
         choose = ("--plan", tmp_path / "plan.json", "--engine", "torch")
     out = tmp_path / "out.json"
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, *choose, "--run-dir",
-                           tmp_path / "run", *args, "--", "--steps", 3, "--out", out, *script_args, cwd=tmp_path)
+                           tmp_path / "run", *args, "--", "--steps", 3, "--out", out, *script_args, cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((tmp_path / "run" / "plan.json").read_text()) | {"out": json.loads(out.read_text()),
                                                                          "stdout": result.stdout}
