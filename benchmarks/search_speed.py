@@ -10,18 +10,18 @@ and engine; capture and folding excluded).
 Each row is timed ``--repeats`` times, every run right after a run of a fixed machine-speed workload
 (``reference_work``: numpy sorts on small arrays and Python dicts, the kind of work the search does, but none
 of TensorOpt's code, so a slower search cannot slow it too). A row's figure is its fastest ``search_seconds``
-(wall clock, what a user waits); its ratio is the fastest run's CPU time (``plan`` whole, of which the search is
-nearly all) over the fastest reference run's: CPU time is what other processes on a busy machine change least
-(a CI machine's two cores run the test workers beside it), the fastest run is the one they disturbed least, and
-the ratio is what a slower or faster machine changes least.
+(wall clock, what a user waits); its ratio is the median over its runs of the run's CPU time (``plan`` whole, of
+which the search is nearly all) over the reference run's just before it: CPU time is what other processes on a
+busy machine change least, a pair of adjacent runs sees the same machine speed (this VM's drifts by 30% within a
+minute), and the ratio is what a slower or faster machine changes least.
 
     python benchmarks/search_speed.py [--repeats 7]     # writes results/search_speed.{json,md}
     python benchmarks/search_speed.py --check           # compares with the committed results (CI)
 
 Guards: ``results/search_speed.json`` keeps per row the lowest ratio ever committed (``guards``). ``--check``
-exits 1, naming the row, when a row's ratio is more than ``--slowdown`` (1.3) times its guard; a re-run that is
-that much slower writes nothing and exits 1 too (a slower search is a defect to fix or to report, never a new
-reference); a faster one lowers the guard.
+exits 1, naming the row, when a row's ratio is more than ``--slowdown`` (1.3) times its guard in its first timing
+and in two re-timings of it; a re-run that is that much slower writes nothing and exits 1 too (a slower search is
+a defect to fix or to report, never a new reference); a faster one lowers the guard.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from tensoropt.planning import folded as folded_graph
 from tensoropt.search.limits import Limits
 
 SLOWDOWN = 1.3
+# how a ratio is measured: guards committed under another method are not comparable and are set afresh
+METHOD = "median of (plan CPU time / the reference run's just before), issue 34"
 SHALLOW = {"family": "gpt", "hidden_size": 12288, "num_layers": 12, "num_attention_heads": 96,
            "ffn_hidden_size": 4 * 12288, "seq_length": 2048, "vocab_size": 50257}
 # where the time goes, from cProfile on the search (gpt3-175b on 1024 A100s); re-profile when it changes
@@ -91,7 +93,10 @@ def _reference_s() -> float:
 
 def timed_rows(tmp: Path, repeats: int, rows=ROWS) -> tuple[list[float], list[dict]]:
     """(every reference run, one dict per row): each row's runs interleaved with reference runs."""
-    captured = capture_rows(tmp, rows)
+    return measure(capture_rows(tmp, rows), repeats, rows)
+
+
+def measure(captured: dict[str, tensoropt.Captured], repeats: int, rows=ROWS) -> tuple[list[float], list[dict]]:
     references, out = [], []
     for row in rows:
         runs = [time_row(captured, row) for _ in range(repeats if row[5] else max(2, repeats // 2))]
@@ -120,8 +125,9 @@ def time_row(captured: dict[str, tensoropt.Captured], row: tuple) -> dict:
 
 
 def row_result(captured: dict[str, tensoropt.Captured], row: tuple, runs: list[dict], reference_s: float) -> dict:
-    """A row's figures from its runs: fastest and median ``search_seconds``, and the fastest run's CPU time over
-    ``reference_s`` (the fastest reference run of the same stretch of time)."""
+    """A row's figures from its runs: fastest and median ``search_seconds``, and the median over its runs of the
+    run's CPU time over the reference run just before it (a pair sees the same machine state: this VM's speed
+    drifts by 30% and more within a minute, which a ratio of separate minima did not cancel)."""
     label, model, devices, batch, device, folded, stages = row
     graph, seconds = captured[model].graph, [r["search_s"] for r in runs]
     return {"label": label, "model": graph.name, "layers": folded_graph(graph).blocks[0].repeats,
@@ -129,7 +135,7 @@ def row_result(captured: dict[str, tensoropt.Captured], row: tuple, runs: list[d
             "pipeline_stages": "all even splits" if stages is None else ",".join(map(str, stages)),
             "search_min_s": min(seconds), "search_median_s": float(np.median(seconds)),
             "cpu_min_s": min(r["cpu_s"] for r in runs), "reference_min_s": reference_s,
-            "reference_ratio": min(r["cpu_s"] for r in runs) / reference_s,
+            "reference_ratio": float(np.median([r["cpu_s"] / r["reference_s"] for r in runs])),
             "points": len(runs[0]["frontier"].points)}
 
 
@@ -161,14 +167,18 @@ def compare(rows: list[dict], guards: dict[str, float], slowdown: float) -> list
 
 def committed_guards() -> dict[str, float]:
     path = RESULTS / "search_speed.json"
-    return json.loads(path.read_text()).get("guards", {}) if path.exists() else {}
+    committed = json.loads(path.read_text()) if path.exists() else {}
+    if committed.get("method") != METHOD:
+        print("guards committed under another method (or none): set afresh by this run")
+        return {}
+    return committed.get("guards", {})
 
 
 def report(references: list[float], rows: list[dict], guards: dict[str, float], cli: dict[str, float]) -> None:
     by = {r["label"]: r for r in rows}
-    depth = {n: by[f"gpt3-175b/{n} a100"]["search_min_s"] / by[f"12 layers/{n} a100"]["search_min_s"]
-             for n in (1024, 512)}
-    same = by["gpt3-175b/1024 a100 pp1,2,4"]["search_min_s"] / by["12 layers/1024 a100"]["search_min_s"]
+    # depth ratios of CPU times (as the guards): the wall clock of this shared machine moves more between rows
+    depth = {n: by[f"gpt3-175b/{n} a100"]["cpu_min_s"] / by[f"12 layers/{n} a100"]["cpu_min_s"] for n in (1024, 512)}
+    same = by["gpt3-175b/1024 a100 pp1,2,4"]["cpu_min_s"] / by["12 layers/1024 a100"]["cpu_min_s"]
     lines = ["| row | model | layers | devices | device | global batch | pp choices | search | fastest / median (s) "
              "| x reference | guard | frontier points |", "|---|---|---:|---:|---|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -183,9 +193,10 @@ def report(references: list[float], rows: list[dict], guards: dict[str, float], 
     notes = (f"\nReference workload (`reference_work`, no TensorOpt code): fastest run {min(references) * 1e3:.1f} ms, "
              f"median {np.median(references) * 1e3:.1f} ms. `--check` fails a row whose ratio exceeds "
              f"{SLOWDOWN}x its guard (the lowest ratio committed).\n\n"
-             f"Depth, 96 / 12 layers of the same width, each over its whole space: {depth[1024]:.2f}x on 1024 GPUs, "
-             f"{depth[512]:.2f}x on 512 (global batch 512); {same:.2f}x with the same pipeline choices on 1024 (12 "
-             "layers split only into 1, 2 or 4 stages there; 96 also into 8, 16 and 32, with more interleavings).\n\n"
+             "Depth, 96 / 12 layers of the same width, each over its whole space (CPU time): "
+             f"{depth[1024]:.2f}x on 1024 GPUs, {depth[512]:.2f}x on 512 (global batch 512); {same:.2f}x with the "
+             "same pipeline choices on 1024 (12 layers split only into 1, 2 or 4 stages there; 96 also into 8, 16 "
+             "and 32, with more interleavings).\n\n"
              "`tensoropt frontier --model gpt3-175b --gpus 1024 --gpus-per-node 8 --global-batch 1536 --json`, each "
              "run a fresh process (fastest `search_seconds` of 3): "
              + ", ".join(f"{device} {seconds:.3f} s" for device, seconds in cli.items()) + ".\n\n"
@@ -196,7 +207,8 @@ def report(references: list[float], rows: list[dict], guards: dict[str, float], 
              f"({EF93596_S['llama2-70b/512 a100']} s and {EF93596_S['llama3-8b/64 h100']} s, its search() alone on "
              f"a quiet Intel Xeon): {verdict(all(kept.values()))}.\n\n" + PROFILE)
     write_results("search_speed", rows, "\n".join(lines) + "\n", notes,
-                  extra={"reference": {"runs_s": references}, "guards": guards, "cli_search_s": cli})
+                  extra={"reference": {"runs_s": references}, "method": METHOD, "guards": guards,
+                         "cli_search_s": cli})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,10 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slowdown", type=float, default=SLOWDOWN,
                         help=f"a ratio over this many times its guard fails (default {SLOWDOWN})")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        references, rows = timed_rows(Path(tmp), args.repeats or 7)
     guards = committed_guards()
-    slow = compare(rows, guards, args.slowdown)
+    with tempfile.TemporaryDirectory() as tmp:
+        captured = capture_rows(Path(tmp))
+        references, rows = measure(captured, args.repeats or 7)
+        slow = compare(rows, guards, args.slowdown)
+        for attempt in range(2):            # a slow-down is re-timed: one that a later timing does not confirm is noise
+            if not slow:
+                break
+            print(f"re-timing {', '.join(slow)} ({attempt + 1} of 2)")
+            again = dict(zip(slow, measure(captured, args.repeats or 7, [r for r in ROWS if r[0] in slow])[1]))
+            rows = [again[r["label"]] if again.get(r["label"], r)["reference_ratio"] < r["reference_ratio"] else r
+                    for r in rows]
+            slow = compare([r for r in rows if r["label"] in slow], guards, args.slowdown)
     if slow:
         print(f"search slowed down more than {args.slowdown:g}x its guard: {'; '.join(slow)}"
               + ("" if args.check else " (nothing written: fix the slow-down or report it)"), file=sys.stderr)

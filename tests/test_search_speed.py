@@ -41,7 +41,7 @@ def test_check_fails_for_a_search_made_1_4x_slower(search_speed, monkeypatch, tm
     captured = search_speed.capture_rows(tmp_path, [row])
     real_search, real_cost = planning.search, planning.ModelCost
     runs: dict[str, list[dict]] = {"as committed": [], "slower": []}
-    for _ in range(15):                 # the fastest of 15 runs each: a few percent apart on a loaded machine
+    for _ in range(15):                 # 15 runs each: their medians a few percent apart on a loaded machine
         for kind in runs:
             slow = kind == "slower"
             monkeypatch.setattr(planning, "search", _slower(real_search, 1.4) if slow else real_search)
