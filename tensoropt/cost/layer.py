@@ -165,15 +165,16 @@ class BlockCost:
         per-op (forward s, backward s, saved bytes) summed as each strategy needs them, the tensor-parallel
         communication of one copy, and the parameters."""
         key = (tp, tp_branches, sp, micro_batch)
-        if key not in self._op_cache:
-            shard = self.shards(tp, tp_branches, sp)
-            fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
-            self._op_cache[key] = self._shared(key, fwd, bwd, self.arrays.saved_bytes * micro_batch / shard)
+        self.prepare([key])
         return self._op_cache[key]
 
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
         tp, tp_branches, sp, micro_batch = key
         comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
+        # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
+        # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
+        # without recomputation, under selective recomputation, and in a full recomputation's recomputed
+        # forward (runtime.sequence_parallel composes its saved-tensor hooks with the recomputation's)
         gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
                               for b in self.space.branches) if sp else comm
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
@@ -193,10 +194,6 @@ class BlockCost:
             recompute, transient = shared.core_forward_s, shared.core_saved_bytes
         else:
             kept, recompute, transient = all_saved, 0.0, 0.0
-        # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
-        # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
-        # without recomputation, under selective recomputation, and in a full recomputation's recomputed
-        # forward (runtime.sequence_parallel composes its saved-tensor hooks with the recomputation's)
         return LayerCost(shared.forward_s, shared.backward_s, recompute, shared.sp_comm_s, kept, transient,
                          shared.parameters)
 

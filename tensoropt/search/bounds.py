@@ -28,7 +28,7 @@ import numpy as np
 from ..cost.layer import BlockCost
 from ..cost.model import Context, ModelCost, evaluate_rows
 from ..space.plan import LayerStrategy
-from .pareto import nondominated
+from .pareto import front_by_time
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,7 @@ def _argbest(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 
 def _dominated(real: np.ndarray, low_time: np.ndarray, low_memory: np.ndarray) -> np.ndarray:
     """Per bound, whether a real point is no worse in both and better in one (so it beats every plan above it)."""
-    front = nondominated(np.concatenate([real, np.zeros((len(real), 1))], axis=1))
-    front = front[np.argsort(real[front, 0], kind="stable")]
+    front = front_by_time(real)
     times, memories = real[front, 0], real[front, 1]             # time ascending, memory descending
     at = np.searchsorted(times, low_time, side="right") - 1      # the leanest front point no slower than the bound
     found = at >= 0

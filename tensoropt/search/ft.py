@@ -46,7 +46,7 @@ from ..cost.model import Context, ModelCost, evaluate_rows
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .bounds import Seeds, bound_contexts
 from .chain import Chain, Key
-from .pareto import ParetoSet, combine, nondominated
+from .pareto import ParetoSet, combine, front_by_time
 
 
 @dataclass(frozen=True)
@@ -305,16 +305,6 @@ def _undominated(globals_: list[tuple[int, int, bool, str]], dp: int, pp: int) -
             return z == offloading if off else 0 not in stages or z == 0
         return not (z == 0 and 1 in stages)
     return [g for g in globals_ if kept(*g)]
-
-
-def _front_2d(values: np.ndarray) -> np.ndarray:
-    return nondominated(np.concatenate([values, np.zeros((len(values), 1))], axis=1))
-
-
-def front_by_time(values: np.ndarray) -> np.ndarray:
-    """Indices of the non-dominated (time, memory) rows, fastest first."""
-    keep = _front_2d(values)
-    return keep[np.argsort(values[keep, 0], kind="stable")]
 
 
 def _split(counts: np.ndarray, option_lists: list[list[LayerStrategy]]):

@@ -85,12 +85,7 @@ def nondominated(values: np.ndarray, group: np.ndarray | None = None) -> np.ndar
     level = _rank_in_group(v[:, 2], g)
     mem_rank = np.unique(v[:, 1], return_inverse=True)[1].ravel().astype(np.int64)
     key = mem_rank - g * (len(v) + 1)                        # any earlier group's key is larger
-    pool = np.where(level[None, :] <= np.arange(level.max() + 1)[:, None], key[None, :], np.iinfo(np.int64).max)
-    best = np.minimum.accumulate(pool, axis=1)
-    before = np.empty(len(v), dtype=np.int64)
-    before[0] = np.iinfo(np.int64).max
-    before[1:] = best[level[1:], np.arange(len(v) - 1)]
-    return idx[before > key]
+    return idx[_undominated_sorted(key, level)]
 
 
 def _rank_in_group(x: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -178,6 +173,12 @@ def _undominated_sorted(mem_key: np.ndarray, level: np.ndarray) -> np.ndarray:
     before[0] = np.iinfo(np.int64).max
     before[1:] = best[level[1:], np.arange(n - 1)]
     return np.flatnonzero(before > mem_key)
+
+
+def front_by_time(values: np.ndarray) -> np.ndarray:
+    """Indices of the non-dominated (time, memory) rows, fastest first."""
+    keep = nondominated(np.concatenate([values, np.zeros((len(values), 1))], axis=1))
+    return keep[np.argsort(values[keep, 0], kind="stable")]
 
 
 def prune(values: np.ndarray, counts: np.ndarray, eps: float = 0.0) -> ParetoSet:
