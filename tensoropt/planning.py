@@ -22,7 +22,7 @@ import numpy as np
 from torch import nn
 
 from .api import Captured, capture
-from .cost.model import ModelCost
+from .cost.model import GraphFacts, ModelCost
 from .cost.profile import Cluster
 from .errors import TensorOptError
 from .frontier import Frontier
@@ -44,7 +44,7 @@ from .search.pareto import nondominated
 from .space.plan import Plan, compute_dtype
 from .units import parse_bytes
 
-_FOLDED: list[tuple[OpGraph, FoldedGraph]] = []       # the graphs folded last, newest first
+_FOLDED: list[tuple[OpGraph, FoldedGraph, GraphFacts]] = []       # the graphs folded last, newest first
 
 
 class NoPlanError(TensorOptError):
@@ -63,11 +63,20 @@ class NoPlanFitsError(TensorOptError):
 def folded(graph: OpGraph) -> FoldedGraph:
     """``fold(graph)``, computed once for each of the two graphs planned last (a launch prices and searches the
     same graph, and in bf16-mixed the one captured with bf16 weights beside it: ``search.engines.priced_graph``)."""
-    for seen, done in _FOLDED:
-        if seen is graph:
-            return done
-    _FOLDED[:] = [(graph, fold(graph)), *_FOLDED[:1]]
-    return _FOLDED[0][1]
+    return _analysed(graph)[1]
+
+
+def graph_facts(graph: OpGraph) -> GraphFacts:
+    """What the cost model reads of the whole graph (``cost.model.GraphFacts``), kept beside its folding."""
+    return _analysed(graph)[2]
+
+
+def _analysed(graph: OpGraph) -> tuple[OpGraph, FoldedGraph, GraphFacts]:
+    for seen in _FOLDED:
+        if seen[0] is graph:
+            return seen
+    _FOLDED[:] = [(graph, fold(graph), GraphFacts.of(graph)), *_FOLDED[:1]]
+    return _FOLDED[0]
 
 
 def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequence[Cluster], *,
@@ -102,7 +111,8 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
         raise TensorOptError("give global_batch: the samples per iteration (the graph records none)")
     budget_bytes = _bytes(budget) if budget is not None else profile.memory_bytes
     folding = folded(graph)
-    # the graphs that price each part of the space, each folded before the clock starts (folding is not search)
+    # the graphs that price each part of the space, each folded (and its whole-graph facts read) before the clock
+    # starts: that is analysis of the graph, not search
     parts = [(cluster, runs, priced, part)
              for cluster in clusters for space, runs in _spaces(graph, global_batch, engines, precision, pipeline,
                                                                 limits, compile)
@@ -114,7 +124,7 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     costs: dict[tuple[int, int], ModelCost] = {}
     for cluster, runs, priced, part in parts:
         key = (id(cluster), id(priced))
-        cost = costs[key] = costs.get(key) or ModelCost(priced, folded(priced), cluster, compiled=compile)
+        cost = costs[key] = costs.get(key) or ModelCost(priced, folded(priced), cluster, compile, graph_facts(priced))
         points = search(cost, cluster.num_devices, part, doubling=fold_blocks,
                         runs=lambda p, runs=runs: runs(p) is not None).points
         candidates += [(p, engine) for p in points if (engine := runs(p.plan)) is not None]

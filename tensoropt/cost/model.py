@@ -43,7 +43,7 @@ from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.plan import BlockPlan, LayerStrategy, Plan
 from ..space.tp_check import tp_checks
-from ..space.vocab import vocab_layout
+from ..space.vocab import VocabLayout, vocab_layout
 from .comm import p2p_s
 from .data_parallel import data_parallel_s
 from .deepspeed_memory import largest_tied_parameter, overlaps_comm
@@ -61,10 +61,40 @@ def _carried_bytes(block: Block) -> int:
     return sum(block.ops[j].outputs[s].nbytes for j, s in refs)
 
 
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the cost model reads of the whole graph rather than of its folded blocks: a scan of every op and
+    parameter, which grows with depth. Computed once per graph (``planning.folded`` keeps it beside the folding),
+    not once per device count, engine or priced kernel mode searched."""
+
+    vocab: VocabLayout                # split over tp or replicated, as the runtime will run it
+    autocast_copy_bytes: int
+    buffer_bytes: int
+    largest_parameter: int            # elements
+    largest_tied_parameter: int       # elements
+
+    @staticmethod
+    def of(graph: OpGraph) -> GraphFacts:
+        # a script under autocast keeps a 16-bit copy of every weight it computes with for the step (autocast's
+        # weight cache; the products save it for backward): bytes per parameter; 0 without autocast, or for
+        # weights already in its dtype
+        copy = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
+        widths = [DTYPE_BYTES.get(meta.dtype, 4) for _, meta in graph.params]
+        # the module's buffers (a causal mask, rotary tables): every rank holds them whole, no engine shards them;
+        # and AdamW's step count, a float32 scalar per parameter tensor (``torch/optim/adam.py``; a device tensor on
+        # CPU and on the fused and capturable paths, a host scalar on CUDA's default foreach path: bytes either way)
+        return GraphFacts(vocab_layout(graph),
+                          copy if widths and max(set(widths), key=widths.count) > copy else 0,
+                          sum(meta.nbytes for _, meta in graph.buffers) + 4 * len(graph.params),
+                          max((meta.numel for _, meta in graph.params), default=0),
+                          largest_tied_parameter(graph))
+
+
 class ModelCost:
     """A folded model on a cluster: per-block costs and the ops between blocks."""
 
-    def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster, compiled: bool = False) -> None:
+    def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster, compiled: bool = False,
+                 facts: GraphFacts | None = None) -> None:
         self.graph, self.folded, self.cluster = graph, folded, cluster
         # the kernels the plans priced here run: eager PyTorch (one kernel per op) or compiled blocks (fused)
         self.compiled = compiled
@@ -79,26 +109,19 @@ class ModelCost:
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
         self.tail_ops = tuple(op for op in folded.loose_ops if op.index >= last_block and folded.blocks)
         self.middle_ops = tuple(op for op in folded.loose_ops if first_block <= op.index < last_block)
-        self.vocab = vocab_layout(graph)      # split over tp or replicated, as the runtime will run it
-        # a script under autocast keeps a 16-bit copy of every weight it computes with for the step (autocast's
-        # weight cache; the products save it for backward): bytes per parameter; 0 without autocast, or for
-        # weights already in its dtype
-        copy = DTYPE_BYTES.get(graph.meta("autocast") or "", 0)
-        widths = [DTYPE_BYTES.get(meta.dtype, 4) for _, meta in graph.params]
-        self.autocast_copy_bytes = copy if widths and max(set(widths), key=widths.count) > copy else 0
-        # the module's buffers (a causal mask, rotary tables): every rank holds them whole, no engine shards them;
-        # and AdamW's step count, a float32 scalar per parameter tensor (``torch/optim/adam.py``; a device tensor on
-        # CPU and on the fused and capturable paths, a host scalar on CUDA's default foreach path: bytes either way)
-        self.buffer_bytes = sum(meta.nbytes for _, meta in graph.buffers) + 4 * len(graph.params)
-        self.largest_parameter = max((meta.numel for _, meta in graph.params), default=0)   # elements
-        self.largest_tied_parameter = largest_tied_parameter(graph)                             # elements
+        self.facts = facts or GraphFacts.of(graph)
+        self.vocab = self.facts.vocab
+        self.autocast_copy_bytes = self.facts.autocast_copy_bytes
+        self.buffer_bytes = self.facts.buffer_bytes
+        self.largest_parameter = self.facts.largest_parameter
+        self.largest_tied_parameter = self.facts.largest_tied_parameter
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
 
     def with_kernels(self, compiled: bool) -> ModelCost:
         """This model priced for the other kernel mode (built once, then kept)."""
         if compiled not in self._kernels:
-            self._kernels[compiled] = ModelCost(self.graph, self.folded, self.cluster, compiled)
+            self._kernels[compiled] = ModelCost(self.graph, self.folded, self.cluster, compiled, self.facts)
             self._kernels[compiled]._kernels = self._kernels
         return self._kernels[compiled]
 
