@@ -41,10 +41,11 @@ import numpy as np
 from ..graph.fold import Block, FoldedGraph
 from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
-from ..space.plan import BlockPlan, LayerStrategy, Plan
+from ..space.plan import LayerStrategy, Plan
 from ..space.tp_check import tp_checks
 from ..space.vocab import VocabLayout, vocab_layout
 from .comm import p2p_s
+from .context import Context, ContextTable
 from .data_parallel import data_parallel_s
 from .deepspeed_memory import largest_tied_parameter, overlaps_comm
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
@@ -198,43 +199,6 @@ class ModelCost:
         return self._loose[key]
 
 
-@dataclass(frozen=True)
-class Context:
-    """The global choices of a plan (everything but the per-layer strategies)."""
-
-    dp: int
-    tp: int
-    pp: int
-    virtual_stages: int
-    micro_batch: int
-    global_batch: int
-    zero: int
-    offload: bool
-    tp_branches: tuple[str, ...]
-    dtype: str = "bfloat16"          # the training precision: sizes the model states (``state_bytes``)
-    master_weights: bool = True      # a float32 master copy of 16-bit weights (mixed precision)
-    precision: str = ""              # one of space.plan.PRECISIONS; "": as dtype and master_weights say
-    compile: bool = False            # compiled blocks (fused kernels) rather than eager PyTorch: ModelCost.compiled
-    engine: str = ""                 # the engine priced: "deepspeed" adds its own buffers (cost.deepspeed_memory)
-    grad_dtype: str = ""             # gradients accumulated and reduced in bf16 ("bfloat16"; ``Plan.grad_dtype``)
-
-    @property
-    def micro_batches(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
-
-    @staticmethod
-    def of(plan: Plan) -> Context:
-        return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
-                       plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
-                       plan.compile, plan.engine, plan.grad_dtype)
-
-    def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
-        """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
-        return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
-                    self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision, self.compile, self.engine, self.grad_dtype)
-
-
 def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, activation_bytes, transient_bytes,
              parameters) -> dict[str, np.ndarray]:
     """Time and memory of plans from their per-stage layer sums (arrays, one entry per plan)."""
@@ -243,19 +207,21 @@ def evaluate(model: ModelCost, ctx: Context, layer_time_s, layer_backward_s, act
                          transient_bytes, parameters)
 
 
-def evaluate_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray, layer_time_s, layer_backward_s,
-                  activation_bytes, transient_bytes, parameters, totals_only: bool = False) -> dict[str, np.ndarray]:
-    """``evaluate`` of many plans at once, plan i under context ``ctxs[which[i]]`` (the search prices
-    all its candidates in one call). Every formula is applied element by element to per-plan arrays
-    of the context's numbers, so each plan gets the very floats it would get priced alone.
+def evaluate_rows(model: ModelCost, ctxs: list[Context] | ContextTable, which: np.ndarray, layer_time_s,
+                  layer_backward_s, activation_bytes, transient_bytes, parameters, totals_only: bool = False
+                  ) -> dict[str, np.ndarray]:
+    """``evaluate`` of many plans at once, plan i under context ``ctxs[which[i]]`` (the search prices all its
+    candidates in one call, its contexts a ``ContextTable``). Every formula is applied element by element to per-plan
+    arrays of the context's numbers, so each plan gets the very floats it would get priced alone.
     ``totals_only``: just iteration time and peak memory (and the exposed data-parallel communication, which
     ``search.bounds`` takes out of a bound's time)."""
     cluster, prof = model.cluster, model.cluster.profile
-    if any(c.compile != model.compiled for c in ctxs):
+    table = ctxs if isinstance(ctxs, ContextTable) else ContextTable.of(ctxs)
+    if any(kind[4] != model.compiled for kind in table.kinds):
         # the layer sums come from ``model``'s kernels; ``estimate`` switches models (``ModelCost.with_kernels``)
         raise ValueError("contexts priced for other kernels than the model's: use model.with_kernels(compile)")
 
-    r = plan_rows(model, ctxs, which)
+    r = plan_rows(model, table, which)
     stage_s = np.asarray(layer_time_s, dtype=float) + r.loose_time_s
     # pipeline: (m + (p-1)/v) stage times; every micro-batch sends activations across each of v boundaries
     p2p = 2 * r.v * p2p_s(model.carried_bytes * r.mb / r.tp, r.tp * r.dp >= cluster.devices_per_node, cluster)

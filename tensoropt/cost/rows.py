@@ -21,7 +21,8 @@ from .torch_memory import (
 )
 
 if TYPE_CHECKING:
-    from .model import Context, ModelCost
+    from .context import ContextTable
+    from .model import ModelCost
 
 
 @dataclass(frozen=True)
@@ -72,55 +73,65 @@ class PlanRows:
 _INTS = 19          # the first 19 fields are integers, the rest floats
 
 
-def plan_rows(model: ModelCost, ctxs: list[Context], which: np.ndarray) -> PlanRows:
-    """The arrays of plan i under context ``ctxs[which[i]]`` (each context's numbers computed once)."""
-    ints, floats = [], []
-    logits = logits_elements(model)
-    # what many contexts share, computed once: per (tp, branches), per (tp, branches, micro-batch), per precision
-    largest_copy: dict = {}
-    copy_peak: dict = {}
-    loss_bytes: dict = {}             # (backward, forward) working sets of the loss per micro-batch key
-    states: dict = {}
-    copy_back: dict = {}              # the copy's largest op backward per (tp, branches, micro-batch, gradient bytes)
-    per_shape: dict = {}              # the floats of every context of one (tp, branches, micro-batch, pp, grad bytes)
-    for c in ctxs:
-        tp_key, mb_key = (c.tp, c.tp_branches), (c.tp, c.tp_branches, c.micro_batch)
-        state_key = (c.dtype, c.master_weights, c.precision, c.zero, c.engine, c.grad_dtype)
-        if state_key not in states:
-            state = state_bytes(c.dtype, c.master_weights, c.precision, c.zero, c.grad_dtype)
-            cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
-            states[state_key] = state.grad, (
-                state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(c.zero), cast,
-                c.engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
-                state.partition_copy, state.reduced_bytes)
-        grad_bytes, state_ints = states[state_key]
-        shape = (*mb_key, c.pp, grad_bytes)
-        if shape not in per_shape:
-            if tp_key not in largest_copy:
-                largest_copy[tp_key] = largest_copy_parameters(model, c.tp, c.tp_branches)
-            if mb_key not in copy_peak:
-                copy_peak[mb_key] = one_copy_peak_bytes(model, c.tp, c.tp_branches, c.micro_batch)
-                loss_bytes[mb_key] = (loss_gradient_bytes(model, c.tp, c.micro_batch, logits),
-                                      loss_forward_bytes(model, c.tp, c.micro_batch, logits),
-                                      stage_loss_bytes(model, c.tp, c.micro_batch, logits))
-            first, last = model.loose(c.tp, c.micro_batch, c.pp)
-            head, tail = model.loose(c.tp, c.micro_batch, 2)     # the ops before the blocks, and after them
-            back_key = (*mb_key, grad_bytes)
-            if back_key not in copy_back:
-                copy_back[back_key] = copy_backward_bytes(model, *back_key)
-            per_shape[shape] = (max(first.time_s, last.time_s), max(first.parameters, last.parameters),
-                                first.activation_bytes, last.activation_bytes, first.backward_bytes,
-                                last.backward_bytes, largest_copy[tp_key], *loss_bytes[mb_key], copy_peak[mb_key],
-                                head.activation_bytes, tail.parameters, *copy_back[back_key])
-        ints.append((c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batches, c.micro_batch, c.zero, c.offload,
-                     *state_ints))
-        floats.append(per_shape[shape])
-    columns = [*np.array(ints, dtype=np.int64)[which].T, *np.array(floats, dtype=float)[which].T]
+def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanRows:
+    """The arrays of plan i under context row ``which[i]`` of ``table``. What many contexts share is computed once
+    per distinct value and spread over the rows by indexing: the model states per (kind, ZeRO stage), the loose
+    ops' and the loss's sizes per (tp, branches, micro-batch, pipelined or not, gradient bytes)."""
+    used, at = np.unique(np.asarray(which, dtype=np.int64), return_inverse=True)    # the contexts priced
+    at = at.ravel()
+    kind, zero, tp, mb = table.kind[used], table.zero[used], table.tp[used], table.micro_batch[used]
+    branches, pp, dp = table.branches[used], table.pp[used], table.dp[used]
+    state_keys, state_at = np.unique(kind * 4 + zero, return_inverse=True)         # ZeRO stages 0-3
+    grads, state_ints = zip(*(_state(model, table.kinds[key // 4], key % 4) for key in state_keys.tolist()))
+    state_at = state_at.ravel()
+    grad_bytes = np.array(grads, dtype=np.int64)[state_at]
+    # (tp, branches, micro-batch, pipelined, gradient bytes) packed into one integer: each field well inside its bits
+    packed = (((tp * 4096 + branches) * 2**20 + mb) * 2 + (pp > 1)) * 256 + grad_bytes
+    shape_keys, shape_at = np.unique(packed, return_inverse=True)
+    firsts = np.zeros(len(shape_keys), dtype=np.int64)
+    firsts[shape_at.ravel()[::-1]] = np.arange(len(packed))[::-1]                  # a row of each shape
+    cache: dict = {}
+    floats = [_shape(model, int(tp[r]), table.branch_sets[int(branches[r])], int(mb[r]), int(pp[r]),
+                     int(grad_bytes[r]), cache) for r in firsts.tolist()]
+    global_batch = np.array([k[0] for k in table.kinds], dtype=np.int64)[kind]
+    ints = np.column_stack([dp, tp, pp, table.virtual_stages[used], global_batch // (dp * mb), mb, zero,
+                            table.offload[used], np.array(state_ints, dtype=np.int64)[state_at]])
+    columns = [*ints[at].T, *np.array(floats, dtype=float)[shape_at.ravel()][at].T]
     names = [f.name for f in fields(PlanRows)]
-    assert len(names) == len(columns) and len(ints[0]) == _INTS
+    assert len(names) == len(columns) and ints.shape[1] == _INTS
     values = dict(zip(names, columns))
     values["offload"], values["deepspeed"] = values["offload"].astype(bool), values["deepspeed"].astype(bool)
     return PlanRows(**values)
+
+
+def _state(model: ModelCost, kind: tuple, zero: int) -> tuple[int, tuple]:
+    """(gradient bytes, the state's integer columns) of a context kind under ZeRO stage ``zero``."""
+    _, dtype, master_weights, precision, _, engine, grad_dtype = kind
+    state = state_bytes(dtype, master_weights, precision, zero, grad_dtype)
+    cast = model.autocast_copy_bytes if state.cast_copy is None else state.cast_copy
+    return state.grad, (state.weight, state.gathered_bytes, state.grad, state.adam_moved, state.optimizer_bytes(zero),
+                        cast, engine == "deepspeed", *master_and_moment_bytes(state.optimizer, state.partition_copy),
+                        state.partition_copy, state.reduced_bytes)
+
+
+def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: int, grad_bytes: int, cache: dict
+           ) -> tuple:
+    """The float columns of a (tp, branches, micro-batch, pipelined, gradient bytes) shape; ``cache`` keeps what
+    shapes share (per (tp, branches), per (tp, branches, micro-batch), per gradient bytes too)."""
+    tp_key, mb_key = (tp, branches), (tp, branches, mb)
+    if tp_key not in cache:
+        cache[tp_key] = largest_copy_parameters(model, tp, branches)
+    if mb_key not in cache:
+        logits = logits_elements(model)
+        cache[mb_key] = (loss_gradient_bytes(model, tp, mb, logits), loss_forward_bytes(model, tp, mb, logits),
+                         stage_loss_bytes(model, tp, mb, logits), one_copy_peak_bytes(model, tp, branches, mb))
+    if (*mb_key, grad_bytes) not in cache:
+        cache[(*mb_key, grad_bytes)] = copy_backward_bytes(model, tp, branches, mb, grad_bytes)
+    first, last = model.loose(tp, mb, pp)
+    head, tail = model.loose(tp, mb, 2)     # the ops before the blocks, and after them
+    return (max(first.time_s, last.time_s), max(first.parameters, last.parameters), first.activation_bytes,
+            last.activation_bytes, first.backward_bytes, last.backward_bytes, cache[tp_key], *cache[mb_key],
+            head.activation_bytes, tail.parameters, *cache[(*mb_key, grad_bytes)])
 
 
 __all__ = ["PlanRows", "plan_rows"]

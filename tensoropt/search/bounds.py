@@ -30,34 +30,51 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cost.context import ContextTable
 from ..cost.layer import BlockCost
-from ..cost.model import Context, ModelCost, evaluate_rows
+from ..cost.model import ModelCost, evaluate_rows
 from ..space.plan import LayerStrategy
 from .pareto import front_by_time
 
 
 @dataclass(frozen=True)
 class Seeds:
-    """The real plans priced to bound the contexts: per row its priced (time, memory), context and counts."""
+    """The real plans priced to bound the contexts (candidates of the search), each running one strategy per block
+    on all its copies: per plan its priced (time, memory), its context (a row of the search's ``ContextTable``), its
+    tp, and per block the strategy (an index into the block's options at that tp) and the copies."""
 
     values: np.ndarray                     # (n, 2): iteration time, peak memory
-    contexts: list[Context]
-    counts: list[np.ndarray]               # per row: copies per strategy, the blocks' option lists side by side
-    option_lists: list[list[list[LayerStrategy]]]
+    rows: np.ndarray                       # (n,)
+    tp: np.ndarray                         # (n,)
+    picks: np.ndarray                      # (n, blocks)
+    copies: np.ndarray                     # (n, blocks)
+
+    @staticmethod
+    def empty(blocks: int) -> Seeds:
+        return Seeds(np.zeros((0, 2)), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                     np.zeros((0, blocks), dtype=np.int64), np.zeros((0, blocks), dtype=np.int64))
+
+    def strategies(self, s: int, options: dict) -> tuple[np.ndarray, list[list[LayerStrategy]]]:
+        """Plan ``s``'s copies per strategy (the blocks' option lists side by side) and those option lists."""
+        lists = [options[(b, int(self.tp[s]))] for b in range(self.picks.shape[1])]
+        counts = [np.zeros(len(opts), dtype=np.int64) for opts in lists]
+        for b, c in enumerate(counts):
+            c[self.picks[s, b]] = self.copies[s, b]
+        return (np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)), lists
 
 
-def bound_contexts(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[list[tuple], Seeds]:
-    """``grouped`` (tp, branches, micro-batch, layout, contexts) without the contexts no frontier point can come
-    from, and the real plans priced to show it (candidates of the search)."""
+def bound_contexts(model: ModelCost, table: ContextTable, grouped: list[tuple], options: dict
+                   ) -> tuple[list[tuple], Seeds]:
+    """``grouped`` (tp, branches, micro-batch, layout, rows of ``table``) without the contexts no frontier point can
+    come from, and the real plans priced to show it (candidates of the search)."""
     if not grouped:
-        return grouped, Seeds(np.zeros((0, 2)), [], [], [])
-    rows, counts = _entry_rows(model, grouped, options)           # per entry: 3 rows of sums; 2 plans' counts
-    per_entry = np.array([len(priced) for *_, priced in grouped])
+        return grouped, Seeds.empty(len(model.blocks))
+    sums, picks, copies = _entry_rows(model, grouped, options)      # per entry: 4 rows of sums; 2 plans' strategies
+    per_entry = np.array([len(rows) for *_, rows in grouped])
     entry = np.repeat(np.arange(len(grouped)), per_entry)
-    ctxs = [c for *_, priced in grouped for c in priced]
-    t, back, acts, transient, params = rows[entry].reshape(-1, 5).T
-    r = evaluate_rows(model, ctxs, np.repeat(np.arange(len(ctxs)), 4), t, back, acts, transient, params,
-                      totals_only=True)
+    ctxs = np.concatenate([rows for *_, rows in grouped])
+    t, back, acts, transient, params = sums[entry].reshape(-1, 5).T
+    r = evaluate_rows(model, table, np.repeat(ctxs, 4), t, back, acts, transient, params, totals_only=True)
     time_s = r["iteration_time_s"].reshape(-1, 4)
     memory = r["peak_memory_bytes"].reshape(-1, 4)
     exposed = r["data_parallel_exposed_s"].reshape(-1, 4)
@@ -65,36 +82,39 @@ def bound_contexts(model: ModelCost, grouped: list[tuple], options: dict) -> tup
     real = np.stack([time_s[:, 1:3].ravel(), memory[:, 1:3].ravel()], axis=1)
     dropped = _dominated(real, low_time, memory[:, 0])
     kept, start = [], 0
-    for (tp, branches, mb, layout, priced), n in zip(grouped, per_entry):
-        mine = [c for c, drop in zip(priced, dropped[start:start + n]) if not drop]
+    for (tp, branches, mb, layout, rows), n in zip(grouped, per_entry):
+        mine = rows[~dropped[start:start + n]]
         start += n
-        if mine:
+        if len(mine):
             kept.append((tp, branches, mb, layout, mine))
-    lists = [[options[(b, tp)] for b in range(len(model.blocks))] for tp, *_ in grouped]
-    return kept, Seeds(real, [c for c in ctxs for _ in range(2)], [counts[e][k] for e in entry for k in (0, 1)],
-                       [lists[e] for e in entry for _ in range(2)])
+    tps = np.array([tp for tp, *_ in grouped], dtype=np.int64)
+    seeds = np.repeat(entry, 2)                    # per context: its fastest plan, then its leanest
+    return kept, Seeds(real, np.repeat(ctxs, 2), tps[seeds], picks[seeds, :, np.tile([0, 1], len(entry))],
+                       copies[seeds])
 
 
-def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[np.ndarray, list]:
+def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per entry of ``grouped``: (4, 5) sums (bound, fastest plan, leanest plan, the most compute with the bound's
-    parameters) as ``device_chain_sums`` gives them (time, backward, activations, transient, parameters), and the
-    two plans' counts (the blocks' option lists
-    side by side). Computed for all entries at once, block by block."""
+    parameters) as ``device_chain_sums`` gives them (time, backward, activations, transient, parameters); and per
+    entry and block, the strategy the fastest and the leanest plan run on every copy (entries x blocks x 2) and the
+    copies (entries x blocks). Computed for all entries at once, block by block."""
     rows = np.zeros((len(grouped), 4, 5))
-    counts: list[list[list[np.ndarray]]] = [[[], []] for _ in grouped]
+    picks = np.zeros((len(grouped), len(model.blocks), 2), dtype=np.int64)
+    all_copies = np.zeros((len(grouped), len(model.blocks)), dtype=np.int64)
+    keys: dict[tuple, int] = {}                 # entries sharing (tp, branches, micro-batch) share their layer table
+    key_of = np.array([keys.setdefault((tp, branches, mb), len(keys)) for tp, branches, mb, _, _ in grouped])
+    layouts = np.array([lay for *_, lay, _ in grouped], dtype=np.int64)      # entries x blocks x (chains, groups, size)
+    at = np.arange(len(grouped))
     for b in range(len(model.blocks)):
-        layers = {}
-        for tp, branches, mb, _, _ in grouped:
-            if (tp, branches, mb) not in layers:
-                layers[(tp, branches, mb)] = _layer_table(model.blocks[b][1], options[(b, tp)], tp, branches, mb)
-        width = max(len(table[0]) for table in layers.values())
-        table = np.full((len(grouped), width, 6), np.inf)          # time, backward, acts, transient, params, change
-        table[..., 1:] = 0.0
-        split = np.zeros((len(grouped), width), dtype=bool)
-        for e, (tp, branches, mb, _, _) in enumerate(grouped):
-            values, sp = layers[(tp, branches, mb)]
-            table[e, :len(values)], split[e, :len(sp)] = values, sp
-        chains, copies = np.array([[lay[b][0], lay[b][0] * lay[b][1] * lay[b][2]] for *_, lay, _ in grouped]).T
+        layers = [_layer_table(model.blocks[b][1], options[(b, tp)], tp, branches, mb) for tp, branches, mb in keys]
+        width = max(len(values) for values, _ in layers)
+        per_key = np.full((len(keys), width, 6), np.inf)          # time, backward, acts, transient, params, change
+        per_key[..., 1:] = 0.0
+        split_key = np.zeros((len(keys), width), dtype=bool)
+        for k, (values, sp) in enumerate(layers):
+            per_key[k, :len(values)], split_key[k, :len(sp)] = values, sp
+        table, split = per_key[key_of], split_key[key_of]
+        chains, copies = layouts[:, b, 0], layouts[:, b].prod(axis=1)
         # one strategy on every copy: each of the device's chains pays two layout changes if it splits the stream
         sums = np.stack([copies[:, None] * table[..., 0] + np.where(split, 2 * chains[:, None] * table[..., 5], 0.0),
                          copies[:, None] * table[..., 1], copies[:, None] * table[..., 2], table[..., 3],
@@ -111,16 +131,11 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
                         axis=1)
         fast = _argbest(sums[..., 0], sums[..., 2])
         lean = _argbest(sums[..., 2], sums[..., 0])
-        at = np.arange(len(grouped))
-        for k, (part, pick) in enumerate(((low, None), (sums[at, fast], fast), (sums[at, lean], lean), (high, None))):
+        for k, part in enumerate((low, sums[at, fast], sums[at, lean], high)):
             rows[:, k, [0, 1, 2, 4]] += part[:, [0, 1, 2, 4]]
             rows[:, k, 3] = np.maximum(rows[:, k, 3], part[:, 3])
-            if pick is not None:
-                chosen = np.zeros((len(grouped), width), dtype=np.int64)
-                chosen[at, pick] = copies
-                for e, (tp, *_) in enumerate(grouped):
-                    counts[e][k - 1].append(chosen[e, :len(options[(b, tp)])])
-    return rows, [[np.concatenate(c) if c else np.zeros(0, np.int64) for c in pair] for pair in counts]
+        picks[:, b, 0], picks[:, b, 1], all_copies[:, b] = fast, lean, copies
+    return rows, picks, all_copies
 
 
 def _layer_table(cost: BlockCost, opts: list[LayerStrategy], tp: int, branches: tuple[str, ...], mb: int

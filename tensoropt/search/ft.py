@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cost.context import Context, ContextTable
 from ..cost.layer import BlockCost
-from ..cost.model import Context, ModelCost, evaluate_rows
+from ..cost.model import ModelCost, evaluate_rows
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .bounds import Seeds, bound_contexts
 from .chain import Chain, Key
@@ -131,6 +132,7 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     """Every global choice the runtime supports for this model on ``devices`` devices."""
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
+    by_virtual: dict[tuple[int, ...], tuple] = {}        # the global choices of each virtual-stage list, built once
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
         if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
                 or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
@@ -143,13 +145,13 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                     continue
                 m = space.global_batch // (dp * mb)
                 copies = model.blocks[0][0].repeats // pp if model.blocks else 1
-                virtual = [v for v in divisors(copies) if v <= space.max_virtual_stages and (v == 1 or m % pp == 0)] \
-                    if pp > 1 else [1]
-                zeros = list(space.zero_stages)
-                globals_ = [(v, z, off, g) for v in virtual for z in zeros
-                            for off in ((False, True) if space.offload and z >= 1 else (False,))
-                            for g in space.grad_dtypes if z >= 1 or not g]
-                yield dp, tp, pp, branches, mb, globals_
+                virtual = tuple(v for v in divisors(copies) if v <= space.max_virtual_stages
+                                and (v == 1 or m % pp == 0)) if pp > 1 else (1,)
+                if virtual not in by_virtual:
+                    by_virtual[virtual] = tuple((v, z, off, g) for v in virtual for z in space.zero_stages
+                                                for off in ((False, True) if space.offload and z >= 1 else (False,))
+                                                for g in space.grad_dtypes if z >= 1 or not g)
+                yield dp, tp, pp, branches, mb, by_virtual[virtual]
 
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True,
@@ -161,8 +163,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     chains are built (``search.bounds``; the same frontier)."""
     start = time.perf_counter()
     blocks = range(len(model.blocks))
-    choices = _choices(model, devices, space, runs)
-    choices = [c for c in choices if c[-1]]
+    choices, table = _choices(model, devices, space, runs)
     split = {(b, pp): space.groups(model.blocks[b][0].repeats // pp, model.blocks[b][0].repeats)
              for b in blocks for pp in {c[2] for c in choices}}         # (groups, copies per group)
     options = {(b, tp): layer_options(model.blocks[b][1], tp, space) for b in blocks for tp in {c[1] for c in choices}}
@@ -178,19 +179,19 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
                                                       sp[(b, tp)]) for b in blocks)
         return layouts[(tp, pp, v)]
 
-    # each choice's contexts, grouped by how their virtual stages split the device's chains
+    # each choice's contexts (rows of ``table``), grouped by how their virtual stages split the device's chains
     grouped = []
-    for _, tp, pp, branches, mb, priced in choices:
-        by_split: dict[tuple, list[Context]] = {}
-        for ctx in priced:
-            by_split.setdefault(splits(tp, pp, ctx.virtual_stages), []).append(ctx)
-        grouped += [(tp, branches, mb, layout, same) for layout, same in by_split.items()]
+    for _, tp, pp, branches, mb, rows, virtual in choices:
+        by_split: dict[tuple, list[int]] = {}
+        for row, v in zip(rows, virtual):
+            by_split.setdefault(splits(tp, pp, v), []).append(row)
+        grouped += [(tp, branches, mb, layout, np.array(same, dtype=np.int64)) for layout, same in by_split.items()]
     for b in blocks:                    # every layer cost the bounds and chains read, in one pass per block
         model.blocks[b][1].prepare((tp, branches, o.sequence_parallel and tp > 1, mb)
                                    for tp, branches, mb, _, _ in grouped for o in options[(b, tp)])
-    seeds = Seeds(np.zeros((0, 2)), [], [], [])
+    seeds = Seeds.empty(len(model.blocks))
     if bound:
-        grouped, seeds = bound_contexts(model, grouped, options)
+        grouped, seeds = bound_contexts(model, table, grouped, options)
     # one chain per block, with a Pareto set per (tp, group size, branches, micro-batch) it is needed for
     needs: dict[int, dict[Key, set[tuple[int, int]]]] = {b: {} for b in blocks}
     for tp, branches, mb, layout, _ in grouped:
@@ -199,7 +200,7 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
     builders = {b: Chain(model.blocks[b][1], {tp: options[(b, tp)] for tp, _, _, _ in keys}, keys, space.eps)
                 for b, keys in needs.items() if keys}
     per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb) -> per strategy: backward s, parameters
-    ctxs: list[Context] = []
+    ctxs: list[np.ndarray] = []          # per entry of ``grouped``: its rows of ``table``
     stages = []          # per (tp, branches, micro-batch, pp, split): (stage set, option lists, backward, parameters)
     ctx_stage = []       # per context: index into stages
     for tp, branches, mb, layout, priced in grouped:
@@ -217,65 +218,76 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
             backward += counts @ per_option[(b, tp, branches, mb)][0]
             params += counts @ per_option[(b, tp, branches, mb)][1]
         stages.append((stage, option_lists, backward, params))
-        ctxs += priced
+        ctxs.append(priced)
         ctx_stage += [len(stages) - 1] * len(priced)
-    if not ctxs and not seeds.contexts:
+    ctxs = np.concatenate(ctxs) if ctxs else np.zeros(0, dtype=np.int64)
+    if not len(ctxs) and not len(seeds.rows):
         return SearchResult([], time.perf_counter() - start, 0, {"chains": 0, "contexts": 0})
     # every candidate (context, stage point) priced in one call: rows of all stage sets, then their contexts
     sizes = np.array([len(s[0]) for s in stages], dtype=np.int64)
     offsets = np.cumsum(sizes) - sizes
-    per_ctx = sizes[ctx_stage] if ctxs else np.zeros(0, dtype=np.int64)
+    per_ctx = sizes[ctx_stage] if len(ctxs) else np.zeros(0, dtype=np.int64)
     which = np.repeat(np.arange(len(ctxs)), per_ctx)
     row = np.repeat(offsets[ctx_stage] - (np.cumsum(per_ctx) - per_ctx), per_ctx) + np.arange(len(which)) \
-        if ctxs else np.zeros(0, dtype=np.int64)
+        if len(ctxs) else np.zeros(0, dtype=np.int64)
     all_values = seeds.values
-    if ctxs:
+    if len(ctxs):
         values = np.concatenate([s[0].values for s in stages])[row]
         backward, params = (np.concatenate([s[k] for s in stages])[row] for k in (2, 3))
-        r = evaluate_rows(model, ctxs, which, values[:, 0], backward, values[:, 1], values[:, 2], params,
+        r = evaluate_rows(model, table, ctxs[which], values[:, 0], backward, values[:, 1], values[:, 2], params,
                           totals_only=True)
         all_values = np.concatenate([np.stack([r["iteration_time_s"], r["peak_memory_bytes"]], axis=1), seeds.values])
     points = []
     for k in front_by_time(all_values):
         if k >= len(which):                     # one of the real plans that bounded the contexts
             s = k - len(which)
-            plan = _plan(model, devices, seeds.contexts[s], seeds.counts[s], seeds.option_lists[s])
+            plan = _plan(model, devices, table.context(seeds.rows[s]), *seeds.strategies(s, options))
         else:
             c = which[k]
             stage, option_lists = stages[ctx_stage[c]][:2]
-            plan = _plan(model, devices, ctxs[c], stage.counts[row[k] - offsets[ctx_stage[c]]], option_lists)
+            plan = _plan(model, devices, table.context(ctxs[c]), stage.counts[row[k] - offsets[ctx_stage[c]]],
+                         option_lists)
         points.append(FrontierPoint(plan, float(all_values[k, 0]), float(all_values[k, 1])))
     return SearchResult(points, time.perf_counter() - start, len(all_values),
-                        {"chains": len(stages), "contexts": len(ctxs), "bounded": len(seeds.contexts) // 2})
+                        {"chains": len(stages), "contexts": len(ctxs), "bounded": len(seeds.rows) // 2})
 
 
-def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[[Plan], bool] | None) -> list[tuple]:
-    """(dp, tp, pp, branches, micro-batch, contexts) of every mesh, branches and micro-batch: the contexts to price,
-    those ``runs`` refuses left out. ``runs`` is asked once per (mesh, virtual stages, ZeRO, offload, gradients):
-    what an engine applies does not depend on the micro-batch or the branches tp shards (``search.engines``)."""
+def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[[Plan], bool] | None
+             ) -> tuple[list[tuple], ContextTable]:
+    """The contexts to price, as rows of a ``ContextTable``, and per mesh, branches and micro-batch that has any:
+    (dp, tp, pp, branches, micro-batch, its rows, their virtual stages); those ``runs`` refuses left out. ``runs``
+    is asked once per (mesh, virtual stages, ZeRO, offload, gradients): what an engine applies does not depend on the
+    micro-batch or the branches tp shards (``search.engines``)."""
     asked: dict[tuple, bool] = {}
     undominated: dict[tuple, list] = {}
-
-    def context(dp, tp, pp, branches, mb, v, z, off, g) -> Context:
-        return Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype, space.master_weights,
-                       space.precision, model.compiled, space.engine, g)
+    grads = {g: k for k, g in enumerate(space.grad_dtypes)}
+    kinds = tuple((space.global_batch, space.dtype, space.master_weights, space.precision, model.compiled,
+                   space.engine, g) for g in space.grad_dtypes)
+    branch_sets: dict[tuple[str, ...], int] = {}
 
     def kept(dp, tp, pp, branches, mb, v, z, off, g) -> bool:
         key = (dp, tp, pp, v, z, off, g)
         if key not in asked:
-            asked[key] = runs is None or runs(context(dp, tp, pp, branches, mb, v, z, off, g).plan(devices, ()))
+            ctx = Context(dp, tp, pp, v, mb, *kinds[grads[g]][:1], z, off, branches, *kinds[grads[g]][1:])
+            asked[key] = runs is None or runs(ctx.plan(devices, ()))
         return asked[key]
-    out = []
+    out, rows, runnable = [], [], {}
     for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
-        key = (tuple(globals_), dp == 1)
+        key = (globals_, dp == 1)
         if key not in undominated:
             undominated[key] = _undominated(globals_, dp, pp)
-        out.append((dp, tp, pp, branches, mb, [context(dp, tp, pp, branches, mb, *g) for g in undominated[key]
-                                               if kept(dp, tp, pp, branches, mb, *g)]))
-    return out
+        if (dp, tp, pp, globals_) not in runnable:      # the same for every micro-batch and branches
+            runnable[(dp, tp, pp, globals_)] = [g for g in undominated[key] if kept(dp, tp, pp, branches, mb, *g)]
+        mine = runnable[(dp, tp, pp, globals_)]
+        if mine:
+            b = branch_sets.setdefault(branches, len(branch_sets))
+            out.append((dp, tp, pp, branches, mb, range(len(rows), len(rows) + len(mine)), [v for v, *_ in mine]))
+            rows += [(dp, tp, pp, v, mb, z, off, b, grads[g]) for v, z, off, g in mine]
+    return out, ContextTable.of_rows(rows, tuple(branch_sets), kinds)
 
 
-def _undominated(globals_: list[tuple[int, int, bool, str]], dp: int, pp: int) -> list[tuple[int, int, bool, str]]:
+def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int
+                 ) -> list[tuple[int, int, bool, str]]:
     """Drop global choices the cost model proves dominated, before pricing them.
 
     - bf16 gradients (``grad_dtype``, ZeRO 1-3) against the same choice with the precision's own float32 ones:
