@@ -27,12 +27,11 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
     Collectives are priced per (dp, tp) group shape."""
     comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
     copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
-    for d, t in _meshes(dp, tp):
+    for d, t, mesh in _meshes(dp, tp):
         if d == 1:
             continue
-        mesh = (dp == d) & (tp == t)
-        rows = mesh & (zero < 2)
-        if rows.any():
+        rows = mesh[zero[mesh] < 2]
+        if len(rows):
             comm[rows] = all_reduce_s(grad_bytes[rows], d, t, cluster)
             back, forward = backward_s[rows], stage_s[rows] - backward_s[rows]
             # ZeRO 1 runs the all-reduce's two halves apart: the reduce-scatter behind the last backward, the
@@ -42,8 +41,8 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
             exposed[rows] = np.where(zero[rows] == 1, np.maximum(comm[rows] / 2 - back, 0.0)
                                      + np.maximum(comm[rows] / 2 - forward, 0.0),
                                      np.maximum(comm[rows] - back, 0.0))
-        rows = mesh & (zero >= 2)
-        if rows.any():
+        rows = mesh[zero[mesh] >= 2]
+        if len(rows):
             w, g, n = weight_bytes[rows], grad_bytes[rows], m[rows]
             gather = all_gather_s(w, d, t, cluster, units[rows]) + copy_s * w
             scatter = reduce_scatter_s(g, d, t, cluster, units[rows]) + copy_s * g
@@ -60,13 +59,16 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
     return comm, exposed if serial is None else np.where(serial, comm, exposed)
 
 
-def _meshes(dp: np.ndarray, tp: np.ndarray) -> list[tuple[int, int]]:
-    """The distinct (dp, tp) pairs of the rows, sorted (one numpy pass, not a Python set of every row's pair)."""
+def _meshes(dp: np.ndarray, tp: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """(dp, tp, the rows of that mesh) of each distinct (dp, tp) pair of the rows, sorted: one sort of all rows, then
+    each mesh's rows as a slice of it (not a mask over every row per mesh)."""
     dp, tp = np.asarray(dp, dtype=np.int64), np.asarray(tp, dtype=np.int64)
     width = int(tp.max()) + 1 if len(tp) else 1
-    packed = np.sort(dp * width + tp)
-    packed = packed[np.concatenate(([True], packed[1:] != packed[:-1]))]    # np.unique would import numpy.ma
-    return [(int(p // width), int(p % width)) for p in packed]
+    packed = dp * width + tp
+    order = np.argsort(packed, kind="stable")
+    cuts = np.flatnonzero(np.diff(packed[order])) + 1
+    return [(int(packed[part[0]] // width), int(packed[part[0]] % width), part)
+            for part in np.split(order, cuts) if len(part)]
 
 
 def fsdp_exposed_s(gather_s, scatter_s, forward_s, backward_s, units):

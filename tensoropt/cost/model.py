@@ -118,6 +118,7 @@ class ModelCost:
         self.largest_tied_parameter = self.facts.largest_tied_parameter
         self._loose: dict[tuple, tuple[LooseCost, LooseCost]] = {}
         self._loose_ops: dict[bool, tuple[LooseOps, LooseOps]] = {}
+        self.row_cache: dict[tuple, tuple] = {}      # ``cost.rows.plan_rows``' columns per shape of context
 
     def with_kernels(self, compiled: bool) -> ModelCost:
         """This model priced for the other kernel mode (built once, then kept)."""

@@ -90,9 +90,8 @@ def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanR
     shape_keys, shape_at = np.unique(packed, return_inverse=True)
     firsts = np.zeros(len(shape_keys), dtype=np.int64)
     firsts[shape_at.ravel()[::-1]] = np.arange(len(packed))[::-1]                  # a row of each shape
-    cache: dict = {}
     floats = [_shape(model, int(tp[r]), table.branch_sets[int(branches[r])], int(mb[r]), int(pp[r]),
-                     int(grad_bytes[r]), cache) for r in firsts.tolist()]
+                     int(grad_bytes[r]), model.row_cache) for r in firsts.tolist()]
     global_batch = np.array([k[0] for k in table.kinds], dtype=np.int64)[kind]
     ints = np.column_stack([dp, tp, pp, table.virtual_stages[used], global_batch // (dp * mb), mb, zero,
                             table.offload[used], np.array(state_ints, dtype=np.int64)[state_at]])
@@ -116,9 +115,12 @@ def _state(model: ModelCost, kind: tuple, zero: int) -> tuple[int, tuple]:
 
 def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: int, grad_bytes: int, cache: dict
            ) -> tuple:
-    """The float columns of a (tp, branches, micro-batch, pipelined, gradient bytes) shape; ``cache`` keeps what
-    shapes share (per (tp, branches), per (tp, branches, micro-batch), per gradient bytes too)."""
+    """The float columns of a (tp, branches, micro-batch, pipelined, gradient bytes) shape, kept in ``cache`` (the
+    model's ``row_cache``: every search and pricing call on the model reads the same shapes) with what shapes share
+    (per (tp, branches), per (tp, branches, micro-batch), per gradient bytes too)."""
     tp_key, mb_key = (tp, branches), (tp, branches, mb)
+    if (*mb_key, pp > 1, grad_bytes) in cache:
+        return cache[(*mb_key, pp > 1, grad_bytes)]
     if tp_key not in cache:
         cache[tp_key] = largest_copy_parameters(model, tp, branches)
     if mb_key not in cache:
@@ -129,9 +131,11 @@ def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: in
         cache[(*mb_key, grad_bytes)] = copy_backward_bytes(model, tp, branches, mb, grad_bytes)
     first, last = model.loose(tp, mb, pp)
     head, tail = model.loose(tp, mb, 2)     # the ops before the blocks, and after them
-    return (max(first.time_s, last.time_s), max(first.parameters, last.parameters), first.activation_bytes,
-            last.activation_bytes, first.backward_bytes, last.backward_bytes, cache[tp_key], *cache[mb_key],
-            head.activation_bytes, tail.parameters, *cache[(*mb_key, grad_bytes)])
+    cache[(*mb_key, pp > 1, grad_bytes)] = (
+        max(first.time_s, last.time_s), max(first.parameters, last.parameters), first.activation_bytes,
+        last.activation_bytes, first.backward_bytes, last.backward_bytes, cache[tp_key], *cache[mb_key],
+        head.activation_bytes, tail.parameters, *cache[(*mb_key, grad_bytes)])
+    return cache[(*mb_key, pp > 1, grad_bytes)]
 
 
 __all__ = ["PlanRows", "plan_rows"]

@@ -69,18 +69,19 @@ def bound_contexts(model: ModelCost, table: ContextTable, grouped: list[tuple], 
     come from, and the real plans priced to show it (candidates of the search)."""
     if not grouped:
         return grouped, Seeds.empty(len(model.blocks))
-    sums, picks, copies = _entry_rows(model, grouped, options)      # per entry: 4 rows of sums; 2 plans' strategies
+    sums, picks, copies = _entry_rows(model, grouped, options)  # per entry: fast, lean, most compute, bound corners
     per_entry = np.array([len(rows) for *_, rows in grouped])
     entry = np.repeat(np.arange(len(grouped)), per_entry)
     ctxs = np.concatenate([rows for *_, rows in grouped])
+    width = sums.shape[1]
     t, back, acts, transient, params = sums[entry].reshape(-1, 5).T
-    r = evaluate_rows(model, table, np.repeat(ctxs, 4), t, back, acts, transient, params, totals_only=True)
-    time_s = r["iteration_time_s"].reshape(-1, 4)
-    memory = r["peak_memory_bytes"].reshape(-1, 4)
-    exposed = r["data_parallel_exposed_s"].reshape(-1, 4)
-    low_time = time_s[:, 0] - exposed[:, 0] + exposed[:, 3]
-    real = np.stack([time_s[:, 1:3].ravel(), memory[:, 1:3].ravel()], axis=1)
-    dropped = _dominated(real, low_time, memory[:, 0])
+    r = evaluate_rows(model, table, np.repeat(ctxs, width), t, back, acts, transient, params, totals_only=True)
+    time_s = r["iteration_time_s"].reshape(-1, width)
+    memory = r["peak_memory_bytes"].reshape(-1, width)
+    exposed = r["data_parallel_exposed_s"].reshape(-1, width)
+    low_time = time_s[:, 3:] - exposed[:, 3:] + exposed[:, 2:3]
+    real = np.stack([time_s[:, :2].ravel(), memory[:, :2].ravel()], axis=1)
+    dropped = _dominated(real, low_time.ravel(), memory[:, 3:].ravel()).reshape(low_time.shape).all(axis=1)
     kept, start = [], 0
     for (tp, branches, mb, layout, rows), n in zip(grouped, per_entry):
         mine = rows[~dropped[start:start + n]]
@@ -94,17 +95,19 @@ def bound_contexts(model: ModelCost, table: ContextTable, grouped: list[tuple], 
 
 
 def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per entry of ``grouped``: (4, 5) sums (bound, fastest plan, leanest plan, the most compute with the bound's
-    parameters) as ``device_chain_sums`` gives them (time, backward, activations, transient, parameters); and per
-    entry and block, the strategy the fastest and the leanest plan run on every copy (entries x blocks x 2) and the
-    copies (entries x blocks). Computed for all entries at once, block by block."""
-    rows = np.zeros((len(grouped), 4, 5))
-    picks = np.zeros((len(grouped), len(model.blocks), 2), dtype=np.int64)
-    all_copies = np.zeros((len(grouped), len(model.blocks)), dtype=np.int64)
+    """Per entry of ``grouped``: sums as ``device_chain_sums`` gives them (time, backward, activations, transient,
+    parameters) of its fastest and leanest one-strategy plans, of the most compute with the least parameters, and of
+    its bound's corners (``_corners``), entries x (3 + corners) x 5; and per entry and block, the strategy the fastest
+    and the leanest plan run on every copy (entries x blocks x 2) and the copies (entries x blocks). Computed for all
+    entries at once, block by block."""
+    corners = 1 if len(model.blocks) != 1 else None        # the hull's corners for one block, else its ideal point
     keys: dict[tuple, int] = {}                 # entries sharing (tp, branches, micro-batch) share their layer table
     key_of = np.array([keys.setdefault((tp, branches, mb), len(keys)) for tp, branches, mb, _, _ in grouped])
     layouts = np.array([lay for *_, lay, _ in grouped], dtype=np.int64)      # entries x blocks x (chains, groups, size)
     at = np.arange(len(grouped))
+    rows = None
+    picks = np.zeros((len(grouped), len(model.blocks), 2), dtype=np.int64)
+    all_copies = np.zeros((len(grouped), len(model.blocks)), dtype=np.int64)
     for b in range(len(model.blocks)):
         layers = [_layer_table(model.blocks[b][1], options[(b, tp)], tp, branches, mb) for tp, branches, mb in keys]
         width = max(len(values) for values, _ in layers)
@@ -120,22 +123,55 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
                          copies[:, None] * table[..., 1], copies[:, None] * table[..., 2], table[..., 3],
                          copies[:, None] * table[..., 4]], axis=-1)
         sums[np.isinf(table[..., 0])] = np.inf
-        low = np.stack([copies * table[..., 0].min(axis=1), np.zeros(len(grouped)), sums[..., 2].min(axis=1),
-                        sums[..., 3].min(axis=1), sums[..., 4].min(axis=1)], axis=1)
+        least = [sums[..., k].min(axis=1) for k in (2, 3, 4)]
+        if corners is None:             # per key its corners' (fast end, lean end) strategies, padded by repeats
+            pairs = [_corners(values[:, 0], values[:, 2]) for values, _ in layers]
+            width_c = max(len(p) for p in pairs)
+            pairs = np.array([p + [p[0]] * (width_c - len(p)) for p in pairs], dtype=np.int64)[key_of]
+            low = np.stack(np.broadcast_arrays(
+                copies[:, None] * table[at[:, None], pairs[..., 0], 0], np.zeros((len(grouped), 1)),
+                copies[:, None] * table[at[:, None], pairs[..., 1], 2], least[1][:, None], least[2][:, None]), axis=-1)
+        else:
+            low = np.stack([copies * table[..., 0].min(axis=1), np.zeros(len(grouped)), *least], axis=1)[:, None]
         # the most compute any plan has to hide communication behind: the longest forward (what the stage runs
         # besides its backward, layout changes included) and the longest backward, each over the strategies
         forward = np.where(np.isinf(table[..., 0]), -np.inf, table[..., 0] - table[..., 1]).max(axis=1)
         backward = np.where(np.isinf(table[..., 0]), -np.inf, table[..., 1]).max(axis=1)
         changes = np.where(split.any(axis=1), 2 * chains * table[:, 0, 5], 0.0)
-        high = np.stack([copies * (forward + backward) + changes, copies * backward, low[:, 2], low[:, 3], low[:, 4]],
-                        axis=1)
+        high = np.stack([copies * (forward + backward) + changes, copies * backward, *least], axis=1)
         fast = _argbest(sums[..., 0], sums[..., 2])
         lean = _argbest(sums[..., 2], sums[..., 0])
-        for k, part in enumerate((low, sums[at, fast], sums[at, lean], high)):
-            rows[:, k, [0, 1, 2, 4]] += part[:, [0, 1, 2, 4]]
-            rows[:, k, 3] = np.maximum(rows[:, k, 3], part[:, 3])
+        parts = np.concatenate([sums[at, fast][:, None], sums[at, lean][:, None], high[:, None], low], axis=1)
+        if rows is None:
+            rows = parts
+        else:
+            rows[..., [0, 1, 2, 4]] += parts[..., [0, 1, 2, 4]]
+            rows[..., 3] = np.maximum(rows[..., 3], parts[..., 3])
         picks[:, b, 0], picks[:, b, 1], all_copies[:, b] = fast, lean, copies
     return rows, picks, all_copies
+
+
+def _corners(time_s: np.ndarray, activations: np.ndarray) -> list[tuple[int, int]]:
+    """The corners of a lower bound of every mix of strategies, as (i, j): the time of strategy i's copies with the
+    activations of strategy j's. A mix of strategies over k copies sums (time, activations) = k x a convex
+    combination of the one-strategy points, so it lies in their convex hull, on or above the hull's lower-left
+    boundary: a chain of vertices from the fastest to the leanest, activations falling. A mix between vertices i and
+    j (the next) has at least i's time and j's activations. So the corners (i, j) of consecutive vertices bound every
+    mix; with two vertices, the one corner is the ideal point (fastest time, least activations)."""
+    order = sorted((i for i in range(len(time_s)) if np.isfinite(time_s[i])), key=lambda i: (time_s[i], activations[i]))
+    chain: list[int] = []
+    for i in order:
+        if chain and activations[i] >= activations[chain[-1]]:
+            continue                        # no leaner than a faster one: inside the hull
+        while len(chain) >= 2 and _turn(chain[-2], chain[-1], i, time_s, activations) <= 0:
+            chain.pop()                     # above the segment that skips it
+        chain.append(i)
+    return list(zip(chain, chain[1:])) or [(chain[0], chain[0])]
+
+
+def _turn(o: int, a: int, b: int, x: np.ndarray, y: np.ndarray) -> float:
+    """> 0 where o -> a -> b turns counter-clockwise (a lies below the segment o -> b, for x increasing)."""
+    return (x[a] - x[o]) * (y[b] - y[o]) - (y[a] - y[o]) * (x[b] - x[o])
 
 
 def _layer_table(cost: BlockCost, opts: list[LayerStrategy], tp: int, branches: tuple[str, ...], mb: int

@@ -61,6 +61,7 @@ class Chain:
             self.powers["plain"] = [_layer_sets(cost, self.options, keys, plain)]
         self._copies: dict[tuple[int, bool], ParetoSets] = {}            # (k, doubling): every key asking k
         self._devices: dict[tuple[int, int, bool], ParetoSets] = {}      # (k, chains, doubling)
+        self._sets: dict[tuple, ParetoSet] = {}                           # (key, k, chains, doubling)
 
     def _power(self, kind: str, i: int) -> ParetoSets:
         powers = self.powers[kind]
@@ -110,8 +111,10 @@ class Chain:
 
     def set(self, key: Key, k: int, chains: int = 1, doubling: bool = True) -> ParetoSet:
         """The set of ``chains`` chains of k copies for ``key``, its counts in the key's tp's strategies."""
-        found = self.device(k, chains, doubling).set(self.index[key])
-        return ParetoSet(found.values, found.counts[:, self.columns[key[0]]])
+        if (key, k, chains, doubling) not in self._sets:
+            found = self.device(k, chains, doubling).set(self.index[key])
+            self._sets[(key, k, chains, doubling)] = ParetoSet(found.values, found.counts[:, self.columns[key[0]]])
+        return self._sets[(key, k, chains, doubling)]
 
 
 def _chains_sum(one: ParetoSets, chains: int, eps: float) -> ParetoSets:

@@ -133,18 +133,19 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
     by_virtual: dict[tuple[int, ...], tuple] = {}        # the global choices of each virtual-stage list, built once
+    names, repeats = model.branch_names, model.blocks[0][0].repeats if model.blocks else 1
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
         if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
                 or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
             continue
-        branch_sets = [()] if tp == 1 else [c for r in range(len(model.branch_names), 0, -1)
-                                            for c in itertools.combinations(model.branch_names, r)]
+        branch_sets = [()] if tp == 1 else [c for r in range(len(names), 0, -1)
+                                            for c in itertools.combinations(names, r)]
+        copies = repeats // pp
         for branches in branch_sets:
             for mb in space.micro_batches:
                 if space.global_batch % (dp * mb):
                     continue
                 m = space.global_batch // (dp * mb)
-                copies = model.blocks[0][0].repeats // pp if model.blocks else 1
                 virtual = tuple(v for v in divisors(copies) if v <= space.max_virtual_stages
                                 and (v == 1 or m % pp == 0)) if pp > 1 else (1,)
                 if virtual not in by_virtual:
@@ -181,14 +182,16 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
 
     # each choice's contexts (rows of ``table``), grouped by how their virtual stages split the device's chains
     grouped = []
-    for _, tp, pp, branches, mb, rows, virtual in choices:
-        by_split: dict[tuple, list[int]] = {}
-        for row, v in zip(rows, virtual):
-            by_split.setdefault(splits(tp, pp, v), []).append(row)
-        grouped += [(tp, branches, mb, layout, np.array(same, dtype=np.int64)) for layout, same in by_split.items()]
+    for _, tp, pp, branches, mb, first, by_v in choices:
+        by_split: dict[tuple, list[np.ndarray]] = {}
+        for v, offsets in by_v:
+            by_split.setdefault(splits(tp, pp, v), []).append(first + offsets)
+        grouped += [(tp, branches, mb, layout, same[0] if len(same) == 1 else np.sort(np.concatenate(same)))
+                    for layout, same in by_split.items()]
+    shapes = dict.fromkeys((tp, branches, mb) for tp, branches, mb, _, _ in grouped)
     for b in blocks:                    # every layer cost the bounds and chains read, in one pass per block
         model.blocks[b][1].prepare((tp, branches, o.sequence_parallel and tp > 1, mb)
-                                   for tp, branches, mb, _, _ in grouped for o in options[(b, tp)])
+                                   for tp, branches, mb in shapes for o in options[(b, tp)])
     seeds = Seeds.empty(len(model.blocks))
     if bound:
         grouped, seeds = bound_contexts(model, table, grouped, options)
@@ -255,9 +258,10 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
 def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[[Plan], bool] | None
              ) -> tuple[list[tuple], ContextTable]:
     """The contexts to price, as rows of a ``ContextTable``, and per mesh, branches and micro-batch that has any:
-    (dp, tp, pp, branches, micro-batch, its rows, their virtual stages); those ``runs`` refuses left out. ``runs``
-    is asked once per (mesh, virtual stages, ZeRO, offload, gradients): what an engine applies does not depend on the
-    micro-batch or the branches tp shards (``search.engines``)."""
+    (dp, tp, pp, branches, micro-batch, its first row, per virtual-stage count the offsets of its rows from the
+    first); those ``runs`` refuses left out. ``runs`` is asked once per (mesh, virtual stages, ZeRO, offload,
+    gradients): what an engine applies does not depend on the micro-batch or the branches tp shards
+    (``search.engines``). Built per choice with numpy, not per context (there are thousands)."""
     asked: dict[tuple, bool] = {}
     undominated: dict[tuple, list] = {}
     grads = {g: k for k, g in enumerate(space.grad_dtypes)}
@@ -271,19 +275,30 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
             ctx = Context(dp, tp, pp, v, mb, *kinds[grads[g]][:1], z, off, branches, *kinds[grads[g]][1:])
             asked[key] = runs is None or runs(ctx.plan(devices, ()))
         return asked[key]
-    out, rows, runnable = [], [], {}
+    out, heads, parts, total = [], [], [], 0
+    runnable: dict[tuple, tuple] = {}         # per (mesh, global choices): (v, z, off, gradients) rows, by v
     for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
         key = (globals_, dp == 1)
         if key not in undominated:
             undominated[key] = _undominated(globals_, dp, pp)
         if (dp, tp, pp, globals_) not in runnable:      # the same for every micro-batch and branches
-            runnable[(dp, tp, pp, globals_)] = [g for g in undominated[key] if kept(dp, tp, pp, branches, mb, *g)]
-        mine = runnable[(dp, tp, pp, globals_)]
-        if mine:
-            b = branch_sets.setdefault(branches, len(branch_sets))
-            out.append((dp, tp, pp, branches, mb, range(len(rows), len(rows) + len(mine)), [v for v, *_ in mine]))
-            rows += [(dp, tp, pp, v, mb, z, off, b, grads[g]) for v, z, off, g in mine]
-    return out, ContextTable.of_rows(rows, tuple(branch_sets), kinds)
+            mine = np.array([(v, z, off, grads[g]) for v, z, off, g in undominated[key]
+                             if kept(dp, tp, pp, branches, mb, v, z, off, g)], dtype=np.int64).reshape(-1, 4)
+            runnable[(dp, tp, pp, globals_)] = mine, tuple((int(v), np.flatnonzero(mine[:, 0] == v))
+                                                           for v in dict.fromkeys(mine[:, 0].tolist()))
+        mine, by_v = runnable[(dp, tp, pp, globals_)]
+        if len(mine):
+            out.append((dp, tp, pp, branches, mb, total, by_v))
+            heads.append((dp, tp, pp, mb, branch_sets.setdefault(branches, len(branch_sets)), len(mine)))
+            parts.append(mine)
+            total += len(mine)
+    if not out:
+        return out, ContextTable.of_rows([], (), kinds)
+    head = np.array(heads, dtype=np.int64)
+    each = np.repeat(head[:, :5], head[:, 5], axis=0)       # dp, tp, pp, mb, branches per row
+    mine = np.concatenate(parts)                             # v, z, off, gradients per row
+    return out, ContextTable.of_rows(np.column_stack([each[:, :3], mine[:, 0], each[:, 3], mine[:, 1:3], each[:, 4],
+                                                      mine[:, 3]]), tuple(branch_sets), kinds)
 
 
 def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int
