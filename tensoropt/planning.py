@@ -44,7 +44,8 @@ from .search.pareto import nondominated
 from .space.plan import Plan, compute_dtype
 from .units import parse_bytes
 
-_FOLDED: list[tuple[OpGraph, FoldedGraph, GraphFacts]] = []       # the graphs folded last, newest first
+# the graphs analysed last, newest first: each with its folding, its whole-graph facts and its cost models
+_FOLDED: list[tuple[OpGraph, FoldedGraph, GraphFacts, dict[tuple[Cluster, bool], ModelCost]]] = []
 
 
 class NoPlanError(TensorOptError):
@@ -71,11 +72,22 @@ def graph_facts(graph: OpGraph) -> GraphFacts:
     return _analysed(graph)[2]
 
 
-def _analysed(graph: OpGraph) -> tuple[OpGraph, FoldedGraph, GraphFacts]:
+def model_cost(graph: OpGraph, cluster: Cluster, compile: bool = False) -> ModelCost:
+    """The cost model of ``graph`` on ``cluster`` (for compiled blocks or eager ones), built once and kept beside the
+    graph's folding: it memoises every layer, loose-op and context-shape price it computes, so a later plan of the
+    same graph on the same devices (another budget, objective or engine; ``estimate`` after ``frontier``) prices from
+    them instead of pricing every op again."""
+    costs = _analysed(graph)[3]
+    if (cluster, compile) not in costs:
+        costs[(cluster, compile)] = ModelCost(graph, folded(graph), cluster, compile, graph_facts(graph))
+    return costs[(cluster, compile)]
+
+
+def _analysed(graph: OpGraph) -> tuple[OpGraph, FoldedGraph, GraphFacts, dict[tuple[Cluster, bool], ModelCost]]:
     for seen in _FOLDED:
         if seen[0] is graph:
             return seen
-    _FOLDED[:] = [(graph, fold(graph), GraphFacts.of(graph)), *_FOLDED[:1]]
+    _FOLDED[:] = [(graph, fold(graph), GraphFacts.of(graph), {}), *_FOLDED[:1]]
     return _FOLDED[0]
 
 
@@ -121,11 +133,8 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
         folded(priced)
     start = time.perf_counter()                             # search_seconds: the search alone, as before
     candidates: list[tuple[FrontierPoint, str]] = []        # in ENGINES order: of two equal points the first is kept
-    costs: dict[tuple[int, int], ModelCost] = {}
     for cluster, runs, priced, part in parts:
-        key = (id(cluster), id(priced))
-        cost = costs[key] = costs.get(key) or ModelCost(priced, folded(priced), cluster, compile, graph_facts(priced))
-        points = search(cost, cluster.num_devices, part, doubling=fold_blocks,
+        points = search(model_cost(priced, cluster, compile), cluster.num_devices, part, doubling=fold_blocks,
                         runs=lambda p, runs=runs: runs(p) is not None).points
         candidates += [(p, engine) for p in points if (engine := runs(p.plan)) is not None]
     if not candidates:

@@ -6,8 +6,6 @@ import time
 
 import pytest
 
-from tensoropt.cost.model import ModelCost
-
 BENCHMARKS = __import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -32,20 +30,18 @@ def _slower(work, factor):
 
 
 def test_check_fails_for_a_search_made_1_4x_slower(search_speed, monkeypatch, tmp_path):
-    """The search as committed and a copy 1.4x slower in everything ``search_seconds`` times (the cost model's
-    set-up and the searches), run by turns so both meet the same load (the suite's other worker runs beside
-    this test): the guard set by the first (as if just committed) fails the second, by the code ``--check``
+    """The planner as committed and a copy 1.4x slower in everything a row times (``tensoropt.plan``: the searches
+    and the cost model they price with), run by turns so both meet the same load (the suite's other worker runs
+    beside this test): the guard set by the first (as if just committed) fails the second, by the code ``--check``
     runs."""
-    import tensoropt.planning as planning
+    import tensoropt
     row = next(row for row in search_speed.ROWS if row[0] == "llama3-8b/64 h100")
     captured = search_speed.capture_rows(tmp_path, [row])
-    real_search, real_cost = planning.search, planning.ModelCost
+    real_plan = tensoropt.plan
     runs: dict[str, list[dict]] = {"as committed": [], "slower": []}
     for _ in range(15):                 # 15 runs each: their medians a few percent apart on a loaded machine
         for kind in runs:
-            slow = kind == "slower"
-            monkeypatch.setattr(planning, "search", _slower(real_search, 1.4) if slow else real_search)
-            monkeypatch.setattr(planning, "ModelCost", _slower(ModelCost, 1.4) if slow else real_cost)
+            monkeypatch.setattr(tensoropt, "plan", _slower(real_plan, 1.4) if kind == "slower" else real_plan)
             runs[kind].append(search_speed.time_row(captured, row))
     reference = min(r["reference_s"] for kind in runs.values() for r in kind)
     committed, slower = (search_speed.row_result(captured, row, runs[kind], reference) for kind in runs)

@@ -73,15 +73,21 @@ def bound_contexts(model: ModelCost, table: ContextTable, grouped: list[tuple], 
     per_entry = np.array([len(rows) for *_, rows in grouped])
     entry = np.repeat(np.arange(len(grouped)), per_entry)
     ctxs = np.concatenate([rows for *_, rows in grouped])
-    width = sums.shape[1]
-    t, back, acts, transient, params = sums[entry].reshape(-1, 5).T
-    r = evaluate_rows(model, table, np.repeat(ctxs, width), t, back, acts, transient, params, totals_only=True)
-    time_s = r["iteration_time_s"].reshape(-1, width)
-    memory = r["peak_memory_bytes"].reshape(-1, width)
-    exposed = r["data_parallel_exposed_s"].reshape(-1, width)
-    low_time = time_s[:, 3:] - exposed[:, 3:] + exposed[:, 2:3]
+    # the ideal point first (4 rows a context: fastest, leanest, most compute, ideal), then the corners of the
+    # contexts it leaves (most are dropped by their ideal point, which every corner is at or above)
+    t, back, acts, transient, params = sums[entry, :4].reshape(-1, 5).T
+    r = evaluate_rows(model, table, np.repeat(ctxs, 4), t, back, acts, transient, params, totals_only=True)
+    time_s, memory, exposed = (r[k].reshape(-1, 4) for k in
+                               ("iteration_time_s", "peak_memory_bytes", "data_parallel_exposed_s"))
     real = np.stack([time_s[:, :2].ravel(), memory[:, :2].ravel()], axis=1)
-    dropped = _dominated(real, low_time.ravel(), memory[:, 3:].ravel()).reshape(low_time.shape).all(axis=1)
+    dropped = _dominated(real, time_s[:, 3] - exposed[:, 3] + exposed[:, 2], memory[:, 3])
+    rest, corners = np.flatnonzero(~dropped), sums.shape[1] - 4
+    if corners and len(rest):
+        t, back, acts, transient, params = sums[entry[rest], 4:].reshape(-1, 5).T
+        c = evaluate_rows(model, table, np.repeat(ctxs[rest], corners), t, back, acts, transient, params,
+                          totals_only=True)
+        low_time = (c["iteration_time_s"] - c["data_parallel_exposed_s"]).reshape(-1, corners) + exposed[rest, 2:3]
+        dropped[rest] = _dominated(real, low_time.ravel(), c["peak_memory_bytes"]).reshape(-1, corners).all(axis=1)
     kept, start = [], 0
     for (tp, branches, mb, layout, rows), n in zip(grouped, per_entry):
         mine = rows[~dropped[start:start + n]]
@@ -96,11 +102,12 @@ def bound_contexts(model: ModelCost, table: ContextTable, grouped: list[tuple], 
 
 def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per entry of ``grouped``: sums as ``device_chain_sums`` gives them (time, backward, activations, transient,
-    parameters) of its fastest and leanest one-strategy plans, of the most compute with the least parameters, and of
-    its bound's corners (``_corners``), entries x (3 + corners) x 5; and per entry and block, the strategy the fastest
+    parameters) of its fastest and leanest one-strategy plans, of the most compute with the least parameters, of its
+    ideal point (each least), and of its bound's corners (``_corners``; a model of one block), entries x (4 +
+    corners) x 5; and per entry and block, the strategy the fastest
     and the leanest plan run on every copy (entries x blocks x 2) and the copies (entries x blocks). Computed for all
     entries at once, block by block."""
-    corners = 1 if len(model.blocks) != 1 else None        # the hull's corners for one block, else its ideal point
+    corners = 1 if len(model.blocks) != 1 else None        # the hull's corners for one block, else the ideal
     keys: dict[tuple, int] = {}                 # entries sharing (tp, branches, micro-batch) share their layer table
     key_of = np.array([keys.setdefault((tp, branches, mb), len(keys)) for tp, branches, mb, _, _ in grouped])
     layouts = np.array([lay for *_, lay, _ in grouped], dtype=np.int64)      # entries x blocks x (chains, groups, size)
@@ -132,7 +139,8 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
                 copies[:, None] * table[at[:, None], pairs[..., 0], 0], np.zeros((len(grouped), 1)),
                 copies[:, None] * table[at[:, None], pairs[..., 1], 2], least[1][:, None], least[2][:, None]), axis=-1)
         else:
-            low = np.stack([copies * table[..., 0].min(axis=1), np.zeros(len(grouped)), *least], axis=1)[:, None]
+            low = np.zeros((len(grouped), 0, 5))
+        ideal = np.stack([copies * table[..., 0].min(axis=1), np.zeros(len(grouped)), *least], axis=1)
         # the most compute any plan has to hide communication behind: the longest forward (what the stage runs
         # besides its backward, layout changes included) and the longest backward, each over the strategies
         forward = np.where(np.isinf(table[..., 0]), -np.inf, table[..., 0] - table[..., 1]).max(axis=1)
@@ -141,7 +149,8 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
         high = np.stack([copies * (forward + backward) + changes, copies * backward, *least], axis=1)
         fast = _argbest(sums[..., 0], sums[..., 2])
         lean = _argbest(sums[..., 2], sums[..., 0])
-        parts = np.concatenate([sums[at, fast][:, None], sums[at, lean][:, None], high[:, None], low], axis=1)
+        parts = np.concatenate([sums[at, fast][:, None], sums[at, lean][:, None], high[:, None], ideal[:, None], low],
+                               axis=1)
         if rows is None:
             rows = parts
         else:

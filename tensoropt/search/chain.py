@@ -62,6 +62,7 @@ class Chain:
         self._copies: dict[tuple[int, bool], ParetoSets] = {}            # (k, doubling): every key asking k
         self._devices: dict[tuple[int, int, bool], ParetoSets] = {}      # (k, chains, doubling)
         self._sets: dict[tuple, ParetoSet] = {}                           # (key, k, chains, doubling)
+        self._pairs: dict[tuple[int, bool], ParetoSets] = {}              # (k, doubling): two chains of k
 
     def _power(self, kind: str, i: int) -> ParetoSets:
         powers = self.powers[kind]
@@ -102,12 +103,24 @@ class Chain:
         if (k, chains, doubling) not in self._devices:
             wanted = np.array([(k, chains) in ks for ks in self.needs])
             one = _restrict(self.copies(k, doubling), wanted)
-            if chains in (2, 4):
-                two = combine_sets([(one, one)], self.eps)
-                self._devices[(k, chains, doubling)] = two if chains == 2 else combine_sets([(two, two)], self.eps)
+            if chains == 1:
+                total = one
+            elif chains <= 4:           # 2, 3 and 4 chains of k all start from one sum of two, made once
+                two = _restrict(self._pair(k, doubling), wanted)
+                total = two if chains == 2 else combine_sets([(two, one if chains == 3 else two)], self.eps)
             else:
-                self._devices[(k, chains, doubling)] = _chains_sum(one, chains, self.eps)
+                total = _chains_sum(one, chains, self.eps)
+            self._devices[(k, chains, doubling)] = total
         return self._devices[(k, chains, doubling)]
+
+    def _pair(self, k: int, doubling: bool) -> ParetoSets:
+        """Two chains of k copies, for every key asking for 2 to 4 of them (the sums are per key, so a key's set is
+        the one it would get alone)."""
+        if (k, doubling) not in self._pairs:
+            wanted = np.array([any(n == k and 2 <= c <= 4 for n, c in ks) for ks in self.needs])
+            one = _restrict(self.copies(k, doubling), wanted)
+            self._pairs[(k, doubling)] = combine_sets([(one, one)], self.eps)
+        return self._pairs[(k, doubling)]
 
     def set(self, key: Key, k: int, chains: int = 1, doubling: bool = True) -> ParetoSet:
         """The set of ``chains`` chains of k copies for ``key``, its counts in the key's tp's strategies."""

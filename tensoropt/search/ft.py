@@ -133,6 +133,7 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
     by_virtual: dict[tuple[int, ...], tuple] = {}        # the global choices of each virtual-stage list, built once
+    virtuals: dict[tuple[int, int, bool], tuple[int, ...]] = {}
     names, repeats = model.branch_names, model.blocks[0][0].repeats if model.blocks else 1
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
         if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
@@ -145,9 +146,11 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
             for mb in space.micro_batches:
                 if space.global_batch % (dp * mb):
                     continue
-                m = space.global_batch // (dp * mb)
-                virtual = tuple(v for v in divisors(copies) if v <= space.max_virtual_stages
-                                and (v == 1 or m % pp == 0)) if pp > 1 else (1,)
+                whole = (space.global_batch // (dp * mb)) % pp == 0     # micro-batches fill the interleaved stages
+                if (copies, pp, whole) not in virtuals:
+                    virtuals[(copies, pp, whole)] = tuple(v for v in divisors(copies) if v <= space.max_virtual_stages
+                                                          and (v == 1 or whole)) if pp > 1 else (1,)
+                virtual = virtuals[(copies, pp, whole)]
                 if virtual not in by_virtual:
                     by_virtual[virtual] = tuple((v, z, off, g) for v in virtual for z in space.zero_stages
                                                 for off in ((False, True) if space.offload and z >= 1 else (False,))

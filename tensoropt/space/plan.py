@@ -8,6 +8,7 @@ interleaved stages.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,8 +260,10 @@ def chain_order(pairs) -> tuple[tuple[LayerStrategy, int], ...]:
     return tuple(sorted(used, key=lambda item: (item[0].sequence_parallel, RECOMPUTE.index(item[0].recompute))))
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.cache
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, ascending (kept: the search asks for the same few numbers many times)."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def meshes(devices: int, devices_per_node: int, max_tp: int, max_pp: int) -> list[tuple[int, int, int]]:
