@@ -9,7 +9,8 @@ chooses from. ``engines=None`` searches the planner's whole space, plans no engi
 data parallelism under ZeRO 0, offload with tensor parallelism or pipelines), each plan still priced as the engine
 that would hold it (the torch engine's states without offload, DeepSpeed's with it): what the engines' restrictions
 cost (``benchmarks/launch_coverage.py``). The graph is folded once however many device counts and engines are
-searched (``folded``), so the command line and the Python API give the same answer from the same work.
+searched (``folded``), and its cost model on a cluster built once (``model_cost``), so the command line and the
+Python API give the same answer from the same work.
 """
 
 from __future__ import annotations

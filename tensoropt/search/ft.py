@@ -22,12 +22,14 @@ which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, opti
 Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
 ``evaluate`` is the one-plan case), and the non-dominated (time, peak memory) points form the frontier.
 
-Speed: the work is numpy over many small sets, so it is done in few calls. The chains of one block
-are computed together for every (tp, group size, branches, micro-batch) they are needed for (one Pareto set
-per key in one ``ParetoSets`` array; search/pareto.py), layer costs are cached per (strategy, tp,
-branches, micro-batch) on the block's cost, contexts an engine does not run or that a real plan beats
-everywhere (``search.bounds``) are dropped before their chains are built, and all candidates are priced in one
-call and pruned once. Each of these gives the very floats the one-at-a-time computation gives
+Speed: the work is numpy over many small sets, so it is done in few calls. The contexts are columns of a
+``ContextTable`` (one tuple each while enumerated, built per mesh and micro-batch with numpy; a ``Context`` object
+only for the plans returned). The chains of one block are computed together for every (tp, group size, branches,
+micro-batch) they are needed for (one Pareto set per key in one ``ParetoSets`` array; search/pareto.py), layer
+costs are cached per (strategy, tp, branches, micro-batch) on the block's cost (and the cost model is kept between
+plans of the same graph and devices: ``planning.model_cost``), contexts an engine does not run or that a real plan
+beats everywhere (``search.bounds``) are dropped before their chains are built, and all candidates are priced in
+one call and pruned once. Each of these gives the very floats the one-at-a-time computation gives
 (tests/test_pricing.py, tests/test_search.py).
 """
 
