@@ -139,6 +139,7 @@ def test_virtual_stages_each_pay_the_layout_changes_of_their_own_sequence_parall
     ("gpt3-175b", 1024, 1536, "a100-80gb", ("torch", "deepspeed")),
     ("gpt3-175b", 1024, 1536, "h100-80gb", None),
     ("llama3-8b", 16, 64, "h100-80gb", ("torch", "deepspeed")),
+    ("wide-resnet50-2", 16, 256, "a100-80gb", None),           # four blocks: bounded by the ideal point alone
     (TINY_GPT, 4, 16, CPU_PROFILE, ("torch", "deepspeed"))])
 def test_bounding_contexts_keeps_the_frontier(write_json, monkeypatch, spec, devices, batch, profile, engines):
     """Contexts dropped by their bounds (search.bounds) cost nothing: the frontier (every point's time, memory and
