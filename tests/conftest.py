@@ -15,16 +15,38 @@ EXAMPLES = REPO / "examples"
 # --compile), shared by the session's compiled runs, and a fresh folder for C++ extensions (torch's JIT builds,
 # DeepSpeed's ops), which a DeepSpeed launch must leave empty (tests/test_launch.py). Set when pytest loads this
 # file, before any test module copies the environment (tests/workers.py's ENV does, at import).
+# Under ``pytest -n 2`` the capture cache, the inductor cache and the launches' working folder (below) are the test
+# session's, made by the controlling process and handed to both xdist processes through the environment they
+# inherit: a script captured (or a block compiled) in one of them is not captured again in the other. Both write
+# them safely at once (the graph cache and inductor write each entry atomically; the launcher's capture index is a
+# hint, rebuilt when lost). The profiles and the extensions folders stay each process's own: a test writes the one
+# and asserts on the other being empty.
+SESSION_ENV = "TENSOROPT_TEST_SESSION"          # set by the process that made the shared folders: its pid
+SHARED = ("TENSOROPT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TENSOROPT_TEST_LAUNCH_CWD")
+_INHERITED = bool(os.environ.get("PYTEST_XDIST_WORKER")) and os.environ.get(SESSION_ENV) is not None and \
+    all(os.path.isdir(os.environ.get(name, "")) for name in SHARED)
 ISOLATED = {"TENSOROPT_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-cache-"),
             "TENSOROPT_PROFILE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-profiles-"),
             "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-inductor-"),
-            "TORCH_EXTENSIONS_DIR": tempfile.mkdtemp(prefix="tensoropt-test-extensions-")}
+            "TORCH_EXTENSIONS_DIR": tempfile.mkdtemp(prefix="tensoropt-test-extensions-"),
+            # The working folder of the launches the helpers in tests/workers.py make (every path they pass is
+            # absolute): the launcher's capture cache keys a capture by the script, its arguments and the working
+            # folder (launcher.capture), so one folder lets one script's launches from several tests share one
+            # capture, where each test's own folder would make every capture unique.
+            "TENSOROPT_TEST_LAUNCH_CWD": tempfile.mkdtemp(prefix="tensoropt-test-launches-")} \
+    if not _INHERITED else {"TENSOROPT_PROFILE_DIR": tempfile.mkdtemp(prefix="tensoropt-test-profiles-"),
+                            "TORCH_EXTENSIONS_DIR": tempfile.mkdtemp(prefix="tensoropt-test-extensions-")}
+if not _INHERITED:
+    os.environ[SESSION_ENV] = str(os.getpid())
 os.environ.update(ISOLATED)
-# The working folder of the launches the helpers in tests/workers.py make (every path they pass is absolute): one per
-# test process, so that the launcher's capture cache, which keys a capture by the script, its arguments and the
-# working folder (launcher.capture), can serve one script's launches from several tests instead of each test's own
-# folder making every capture unique.
-LAUNCH_CWD = Path(tempfile.mkdtemp(prefix="tensoropt-test-launches-"))
+LAUNCH_CWD = Path(os.environ["TENSOROPT_TEST_LAUNCH_CWD"])
+
+
+def pytest_unconfigure(config):
+    """Remove the folders this process made (see ISOLATED), at the end: the shared ones in the process that made
+    them, after its xdist processes are done."""
+    for path in ISOLATED.values():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # The tests that start worker processes are marked xdist_group("multiprocess"): under `pytest -n 2 --dist loadgroup`
@@ -55,14 +77,6 @@ def pytest_collection_modifyitems(items):
         legacy = item.__dict__.get("_nodeid")
         if isinstance(legacy, str) and "@" in legacy and legacy != item.nodeid and hasattr(item, "_id"):
             item._id = type(item._id).parse(legacy)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _isolated_cache():
-    """The test session's capture cache (see ISOLATED), removed at the end."""
-    yield Path(ISOLATED["TENSOROPT_CACHE_DIR"])
-    for path in [*ISOLATED.values(), LAUNCH_CWD]:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

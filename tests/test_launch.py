@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, ISOLATED
+from conftest import EXAMPLES, ISOLATED, LAUNCH_CWD
 from workers import ENV, GPT_SCRIPT, LOSS_RTOL, launched_once, losses_alone, tensoropt_cli
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -24,7 +24,7 @@ def chosen(tmp_path_factory):
     2-way data-parallel plan of the same model that the tests edit into the plans they run."""
     run_dir = tmp_path_factory.mktemp("dry")
     result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", run_dir, "--dry-run", "--",
-                       "--steps", 3, "--out", run_dir / "never.json", cwd=run_dir)
+                       "--steps", 3, "--out", run_dir / "never.json", cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "chosen: " in result.stdout and "torch.distributed.run --nproc-per-node 2" in result.stdout
     assert "predicted: " in result.stdout and ("torch: " in result.stdout or "deepspeed config: " in result.stdout)
@@ -42,7 +42,7 @@ def _run_plan(plan: Plan, tmp_path, engine: str, *script_args: str):
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--engine", engine,
                        "--run-dir", tmp_path / "run", "--", "--steps", 3, "--out", tmp_path / "losses.json",
-                       *script_args, cwd=tmp_path)
+                       *script_args, cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (plan.summary(), engine)
@@ -114,8 +114,8 @@ def test_bad_input_is_one_line(chosen, tmp_path):
         (["launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", tp2, "--engine", "deepspeed", "--dry-run"],
          "needs tensor parallelism, which the deepspeed engine does not apply"),
     ]
-    for args, expected in cases:
-        result = tensoropt_cli(*args, cwd=tmp_path)
+    for args, expected in cases:      # paths absolute: from the folder whose captures the other launches share
+        result = tensoropt_cli(*args, cwd=LAUNCH_CWD)
         assert result.returncode == 1, (args, result.stderr[-500:])
         assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-500:]
 
@@ -149,7 +149,7 @@ def test_hugging_face_llama_script_launches_on_two_workers(tmp_path):
     script = str(EXAMPLES / "train_llama_hf.py")
     alone = losses_alone(script, tmp_path / "alone.json")
     result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", 2, "--run-dir", tmp_path / "run", "--",
-                       "--steps", 3, "--out", tmp_path / "launched.json", cwd=tmp_path)
+                       "--steps", 3, "--out", tmp_path / "launched.json", cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     launched = json.loads((tmp_path / "launched.json").read_text())
     assert launched["plan"] and launched["engine"] in ("torch", "deepspeed")     # ran under the chosen plan
@@ -179,10 +179,10 @@ def test_two_nodes_on_localhost_run_node_0s_plan(reference, tmp_path):
     common = ["launch", SCRIPT, "--device", "cpu", "--gpus", 1, "--nnodes", 2, "--master-addr", "127.0.0.1",
               "--master-port", port, "--engine", "torch"]
     node1 = subprocess.Popen([sys.executable, "-m", "tensoropt", *map(str, common), "--node-rank", "1", "--run-dir",
-                              str(tmp_path / "node1"), "--", "--steps", "3"], cwd=tmp_path, env=ENV,
+                              str(tmp_path / "node1"), "--", "--steps", "3"], cwd=LAUNCH_CWD, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node0 = tensoropt_cli(*common, "--objective", "min-memory", "--node-rank", 0, "--run-dir", tmp_path / "node0",
-                          "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=tmp_path)
+                          "--", "--steps", 3, "--out", tmp_path / "losses.json", cwd=LAUNCH_CWD)
     out1, err1 = node1.communicate(timeout=300)
     assert node0.returncode == 0, node0.stderr[-3000:]
     assert node1.returncode == 0, err1[-3000:]
@@ -202,11 +202,11 @@ def test_multi_node_launches_need_the_master_address(tmp_path):
                                                                               r"--nnodes 2\n$")]
     for flags, message in cases:
         result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 1, *flags, "--run-dir", tmp_path / "r",
-                               "--", "--steps", 3, cwd=tmp_path)
+                               "--", "--steps", 3, cwd=LAUNCH_CWD)
         assert result.returncode == 1 and re.match(message, result.stderr), result.stderr[-2000:]
         assert "Traceback" not in result.stderr and not (tmp_path / "r").exists()
     dry = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 1, "--nnodes", 2, "--dry-run", "--run-dir",
-                        tmp_path / "dry", "--", "--steps", 3, cwd=tmp_path)      # a dry run plans without a master
+                        tmp_path / "dry", "--", "--steps", 3, cwd=LAUNCH_CWD)      # a dry run plans without a master
     assert dry.returncode == 0 and Plan.from_json(json.loads((tmp_path / "dry" / "plan.json").read_text())).devices == 2
 
 
@@ -214,7 +214,7 @@ def test_a_node_without_node_0_stops_in_one_line(tmp_path):
     port = _two_free_ports()
     result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 1, "--nnodes", 2, "--node-rank", 1,
                            "--master-addr", "127.0.0.1", "--master-port", port, "--run-dir", tmp_path / "r", "--",
-                           "--steps", 3, cwd=tmp_path, env=ENV | {"TENSOROPT_PLAN_TIMEOUT_S": "2"})
+                           "--steps", 3, cwd=LAUNCH_CWD, env=ENV | {"TENSOROPT_PLAN_TIMEOUT_S": "2"})
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-2000:]
     assert result.stderr.startswith(f"error: node 1 got no plan from node 0 at 127.0.0.1:{port + 1} within 2 s")
     assert "give every node the same --plan" in result.stderr and not (tmp_path / "r").exists()

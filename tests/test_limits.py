@@ -193,11 +193,12 @@ def test_launch_refuses_bad_limits_in_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_elastic_plans_within_the_limits(tmp_path):
+    from conftest import LAUNCH_CWD
     from workers import ENV
     result = subprocess.run(
         [sys.executable, "-m", "tensoropt", "launch", SCRIPT, "--device", "cpu", "--gpus", "2", "--elastic",
          "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--run-dir", tmp_path / "run", "--zero", "0",
-         "--", "--steps", "2"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+         "--", "--steps", "2"], cwd=LAUNCH_CWD, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     log = [line for line in result.stdout.splitlines() if line.startswith("elastic:")]
     assert " -> dp2 tp1 pp1 mb4x1 zero0 " in log[0] and log[-1].startswith("elastic: finished")

@@ -8,6 +8,7 @@ holds the same at real scale."""
 import json
 
 import pytest
+from conftest import LAUNCH_CWD
 from workers import GPT_SCRIPT, tensoropt_cli
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -26,7 +27,7 @@ def _check(tmp_path, plan: Plan, *script_args) -> dict:
     path.write_text(json.dumps(plan.to_json()))
     result = tensoropt_cli("launch", GPT_SCRIPT, "--device", "cpu", "--gpus", 2, "--plan", path, "--precision",
                            plan.precision, "--run-dir", tmp_path / "run", "--dry-run", "--check-memory", "--",
-                           *script_args, cwd=tmp_path)
+                           *script_args, cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((tmp_path / "run" / "memory_check.json").read_text())
 

@@ -142,6 +142,10 @@ def test_gpu_workers_get_their_share_of_the_host_threads(monkeypatch, tmp_path):
     assert main_env(_devices("cpu", 2), tmp_path / "plan.json")["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")                       # the user's own choice stays
     assert main_env(_devices("cuda", 2), tmp_path / "plan.json")["OMP_NUM_THREADS"] == "3"
+    # CPU workers compile (--compile) in their own process, GPU workers in inductor's pool of the host's cores
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    assert main_env(_devices("cpu", 2), tmp_path / "plan.json")["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in main_env(_devices("cuda", 2), tmp_path / "plan.json")
 
 
 def test_the_runtime_resets_gpu_memory_peaks_after_the_first_step_only(monkeypatch):
