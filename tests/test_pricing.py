@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tensoropt
+from tensoropt.cost.context import ContextTable
 from tensoropt.cost.layer import BlockCost
 from tensoropt.cost.model import Context, ModelCost, evaluate, evaluate_rows
 from tensoropt.cost.profile import PROFILES_DIR, Cluster, load_profile
@@ -43,6 +44,13 @@ def test_plans_priced_together_equal_each_priced_alone(write_json, profile):
     # the search's totals are the same numbers
     totals = evaluate_rows(model, ctxs, which, *sums, totals_only=True)
     assert all(np.array_equal(totals[k], together[k]) for k in totals)
+    # the search's columns (cost.context.ContextTable) hold every context, and the rows asked in any order and
+    # repeated price as they do in the list's order
+    table = ContextTable.of(ctxs)
+    assert [table.context(i) for i in range(len(table))] == ctxs
+    shuffled = rng.permutation(len(which))
+    again = evaluate_rows(model, table, which[shuffled], *[s[shuffled] for s in sums])
+    assert all(np.array_equal(again[k], together[k][shuffled]) for k in again)
 
 
 def test_cached_layer_costs_equal_fresh_ones(write_json):

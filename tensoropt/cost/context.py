@@ -78,7 +78,7 @@ class ContextTable:
         return len(self.dp)
 
     @staticmethod
-    def of_rows(rows: list[tuple], branch_sets: tuple[tuple[str, ...], ...], kinds: tuple[tuple, ...]
+    def of_rows(rows: list[tuple] | np.ndarray, branch_sets: tuple[tuple[str, ...], ...], kinds: tuple[tuple, ...]
                 ) -> ContextTable:
         """A table of ``rows``, each (dp, tp, pp, virtual stages, micro-batch, zero, offload, branches, kind)."""
         columns = np.array(rows, dtype=np.int64).reshape(-1, len(ContextTable.COLUMNS)).T
