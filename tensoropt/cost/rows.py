@@ -78,24 +78,20 @@ def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanR
     per distinct value and spread over the rows by indexing: the model states per (kind, ZeRO stage), the loose
     ops' and the loss's sizes per (tp, branches, micro-batch, pipelined or not, gradient bytes)."""
     used, at = np.unique(np.asarray(which, dtype=np.int64), return_inverse=True)    # the contexts priced
-    at = at.ravel()
     kind, zero, tp, mb = table.kind[used], table.zero[used], table.tp[used], table.micro_batch[used]
     branches, pp, dp = table.branches[used], table.pp[used], table.dp[used]
     state_keys, state_at = np.unique(kind * 4 + zero, return_inverse=True)         # ZeRO stages 0-3
     grads, state_ints = zip(*(_state(model, table.kinds[key // 4], key % 4) for key in state_keys.tolist()))
-    state_at = state_at.ravel()
     grad_bytes = np.array(grads, dtype=np.int64)[state_at]
     # (tp, branches, micro-batch, pipelined, gradient bytes) packed into one integer: each field well inside its bits
     packed = (((tp * 4096 + branches) * 2**20 + mb) * 2 + (pp > 1)) * 256 + grad_bytes
-    shape_keys, shape_at = np.unique(packed, return_inverse=True)
-    firsts = np.zeros(len(shape_keys), dtype=np.int64)
-    firsts[shape_at.ravel()[::-1]] = np.arange(len(packed))[::-1]                  # a row of each shape
+    _, firsts, shape_at = np.unique(packed, return_index=True, return_inverse=True)  # a row of each shape
     floats = [_shape(model, int(tp[r]), table.branch_sets[int(branches[r])], int(mb[r]), int(pp[r]),
                      int(grad_bytes[r]), model.row_cache) for r in firsts.tolist()]
     global_batch = np.array([k[0] for k in table.kinds], dtype=np.int64)[kind]
     ints = np.column_stack([dp, tp, pp, table.virtual_stages[used], global_batch // (dp * mb), mb, zero,
                             table.offload[used], np.array(state_ints, dtype=np.int64)[state_at]])
-    columns = [*ints[at].T, *np.array(floats, dtype=float)[shape_at.ravel()][at].T]
+    columns = [*ints[at].T, *np.array(floats, dtype=float)[shape_at][at].T]
     names = [f.name for f in fields(PlanRows)]
     assert len(names) == len(columns) and ints.shape[1] == _INTS
     values = dict(zip(names, columns))
@@ -118,24 +114,25 @@ def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: in
     """The float columns of a (tp, branches, micro-batch, pipelined, gradient bytes) shape, kept in ``cache`` (the
     model's ``row_cache``: every search and pricing call on the model reads the same shapes) with what shapes share
     (per (tp, branches), per (tp, branches, micro-batch), per gradient bytes too)."""
-    tp_key, mb_key = (tp, branches), (tp, branches, mb)
-    if (*mb_key, pp > 1, grad_bytes) in cache:
-        return cache[(*mb_key, pp > 1, grad_bytes)]
-    if tp_key not in cache:
-        cache[tp_key] = largest_copy_parameters(model, tp, branches)
-    if mb_key not in cache:
+    shape_key = ("shape", tp, branches, mb, pp > 1, grad_bytes)
+    if shape_key in cache:
+        return cache[shape_key]
+    copy_key, loss_key, back_key = ("copy", tp, branches), ("loss", tp, branches, mb), ("back", tp, branches, mb,
+                                                                                       grad_bytes)
+    if copy_key not in cache:
+        cache[copy_key] = largest_copy_parameters(model, tp, branches)
+    if loss_key not in cache:
         logits = logits_elements(model)
-        cache[mb_key] = (loss_gradient_bytes(model, tp, mb, logits), loss_forward_bytes(model, tp, mb, logits),
-                         stage_loss_bytes(model, tp, mb, logits), one_copy_peak_bytes(model, tp, branches, mb))
-    if (*mb_key, grad_bytes) not in cache:
-        cache[(*mb_key, grad_bytes)] = copy_backward_bytes(model, tp, branches, mb, grad_bytes)
+        cache[loss_key] = (loss_gradient_bytes(model, tp, mb, logits), loss_forward_bytes(model, tp, mb, logits),
+                           stage_loss_bytes(model, tp, mb, logits), one_copy_peak_bytes(model, tp, branches, mb))
+    if back_key not in cache:
+        cache[back_key] = copy_backward_bytes(model, tp, branches, mb, grad_bytes)
     first, last = model.loose(tp, mb, pp)
     head, tail = model.loose(tp, mb, 2)     # the ops before the blocks, and after them
-    cache[(*mb_key, pp > 1, grad_bytes)] = (
-        max(first.time_s, last.time_s), max(first.parameters, last.parameters), first.activation_bytes,
-        last.activation_bytes, first.backward_bytes, last.backward_bytes, cache[tp_key], *cache[mb_key],
-        head.activation_bytes, tail.parameters, *cache[(*mb_key, grad_bytes)])
-    return cache[(*mb_key, pp > 1, grad_bytes)]
+    cache[shape_key] = (max(first.time_s, last.time_s), max(first.parameters, last.parameters),
+                        first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
+                        cache[copy_key], *cache[loss_key], head.activation_bytes, tail.parameters, *cache[back_key])
+    return cache[shape_key]
 
 
 __all__ = ["PlanRows", "plan_rows"]

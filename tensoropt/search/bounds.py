@@ -2,7 +2,8 @@
 
 A context (the global choices: mesh, micro-batch, virtual stages, ZeRO, ...) prices every point of its stage's
 Pareto set. Most contexts put none of them on the frontier (on GPT-3 175B over 1024 GPUs ~90% of them), yet
-their chains are composed and their points priced. Here each context is first priced three times, in one call:
+their chains are composed and their points priced. Here each context is first priced four times, in one call
+(its two real plans, its ideal point, and the most compute its plans have):
 
 - two real plans, every copy running one strategy: the fastest one (least layer time, layout changes included)
   and the leanest one (least kept activations). They are points of the context's space, priced as ``estimate``
@@ -18,6 +19,9 @@ their chains are composed and their points priced. Here each context is first pr
   parameters (``cost.model.evaluate_rows``, ``cost.memory.memory_rows``: sums and maxima of them with
   non-negative factors), so every plan of the context is at or above its bound in both. (Pricing the exposed part
   at zero instead dropped ~72% of the contexts of GPT-3 175B on 1024 GPUs; this ~84%.)
+- for a model of one block, the contexts that bound leaves are priced again at the corners of the lower convex
+  hull of their one-strategy (time, activations) points (``_corners``), each at or above the ideal point and
+  together still below every mix of strategies (~85% dropped).
 
 A context whose bound is strictly dominated by one of the real plans has only dominated plans: it is dropped.
 The frontier is the one the full search finds (tests/test_search.py checks it against the search without bounds
@@ -104,10 +108,9 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
     """Per entry of ``grouped``: sums as ``device_chain_sums`` gives them (time, backward, activations, transient,
     parameters) of its fastest and leanest one-strategy plans, of the most compute with the least parameters, of its
     ideal point (each least), and of its bound's corners (``_corners``; a model of one block), entries x (4 +
-    corners) x 5; and per entry and block, the strategy the fastest
-    and the leanest plan run on every copy (entries x blocks x 2) and the copies (entries x blocks). Computed for all
-    entries at once, block by block."""
-    corners = 1 if len(model.blocks) != 1 else None        # the hull's corners for one block, else the ideal
+    corners) x 5; and per entry and block, the strategy the fastest and the leanest plan run on every copy
+    (entries x blocks x 2) and the copies (entries x blocks). Computed for all entries at once, block by block."""
+    hull = len(model.blocks) == 1           # the hull's corners for one block; several blocks: the ideal point only
     keys: dict[tuple, int] = {}                 # entries sharing (tp, branches, micro-batch) share their layer table
     key_of = np.array([keys.setdefault((tp, branches, mb), len(keys)) for tp, branches, mb, _, _ in grouped])
     layouts = np.array([lay for *_, lay, _ in grouped], dtype=np.int64)      # entries x blocks x (chains, groups, size)
@@ -131,7 +134,7 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
                          copies[:, None] * table[..., 4]], axis=-1)
         sums[np.isinf(table[..., 0])] = np.inf
         least = [sums[..., k].min(axis=1) for k in (2, 3, 4)]
-        if corners is None:             # per key its corners' (fast end, lean end) strategies, padded by repeats
+        if hull:                        # per key its corners' (fast end, lean end) strategies, padded by repeats
             pairs = [_corners(values[:, 0], values[:, 2]) for values, _ in layers]
             width_c = max(len(p) for p in pairs)
             pairs = np.array([p + [p[0]] * (width_c - len(p)) for p in pairs], dtype=np.int64)[key_of]

@@ -135,7 +135,7 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
     by_virtual: dict[tuple[int, ...], tuple] = {}        # the global choices of each virtual-stage list, built once
-    virtuals: dict[tuple[int, int, bool], tuple[int, ...]] = {}
+    virtuals: dict[tuple[int, bool], tuple[int, ...]] = {}        # per (pp, micro-batches fill the stages)
     names, repeats = model.branch_names, model.blocks[0][0].repeats if model.blocks else 1
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
         if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
@@ -149,10 +149,10 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                 if space.global_batch % (dp * mb):
                     continue
                 whole = (space.global_batch // (dp * mb)) % pp == 0     # micro-batches fill the interleaved stages
-                if (copies, pp, whole) not in virtuals:
-                    virtuals[(copies, pp, whole)] = tuple(v for v in divisors(copies) if v <= space.max_virtual_stages
-                                                          and (v == 1 or whole)) if pp > 1 else (1,)
-                virtual = virtuals[(copies, pp, whole)]
+                if (pp, whole) not in virtuals:
+                    virtuals[(pp, whole)] = tuple(v for v in divisors(copies) if v <= space.max_virtual_stages
+                                                  and (v == 1 or whole)) if pp > 1 else (1,)
+                virtual = virtuals[(pp, whole)]
                 if virtual not in by_virtual:
                     by_virtual[virtual] = tuple((v, z, off, g) for v in virtual for z in space.zero_stages
                                                 for off in ((False, True) if space.offload and z >= 1 else (False,))
@@ -277,7 +277,8 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
     def kept(dp, tp, pp, branches, mb, v, z, off, g) -> bool:
         key = (dp, tp, pp, v, z, off, g)
         if key not in asked:
-            ctx = Context(dp, tp, pp, v, mb, *kinds[grads[g]][:1], z, off, branches, *kinds[grads[g]][1:])
+            ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
+                          space.master_weights, space.precision, model.compiled, space.engine, g)
             asked[key] = runs is None or runs(ctx.plan(devices, ()))
         return asked[key]
     out, heads, parts, total = [], [], [], 0
