@@ -28,6 +28,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import _loso
 from _common import write_results
 
 import tensoropt
@@ -222,11 +223,22 @@ def profile_name(row: dict) -> str:
     return PROFILES["torchtitan" if row["source"].startswith("torchtitan") else "other"]
 
 
+_GRAPHS: dict[str, object] = {}
+
+
+def graph_of(row: dict):
+    """The row's model captured once (the leave-one-source-out table prices each row ~50 times)."""
+    config = json.dumps(model_config(row), sort_keys=True)
+    if config not in _GRAPHS:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"{row['model']['id']}-s{row['seq_len']}.json"
+            path.write_text(config)
+            _GRAPHS[config] = tensoropt.capture(str(path)).graph
+    return _GRAPHS[config]
+
+
 def price(row: dict, profile) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"{row['model']['id']}-s{row['seq_len']}.json"
-        path.write_text(json.dumps(model_config(row)))
-        graph = tensoropt.capture(str(path)).graph
+    graph = graph_of(row)
     model = ModelCost(graph, tensoropt.fold(graph), Cluster(row["gpus"], GPUS_PER_NODE, profile))
     plan = build_plan(row, model)
     megatron = row["source"] == "megatron_lm_readme_h100"
@@ -263,6 +275,22 @@ def summary(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def held_out(data: dict, rows: list[dict], profiles: dict) -> dict:
+    """Leave-one-source-out (``_loso``): every priced row again on the grid of its profile's constants, the fits
+    on all public sources and on all but each one, and the families' fitted and held-out errors."""
+    raw = [r for r in data["rows"] if not why_not(r)]
+    table = _loso.error_table(raw, lambda r, prof: price(r, prof)["error"], profiles, profile_name)
+    names = tuple(sorted(set(PROFILES.values())))
+    on_all, held = _loso.leave_one_source_out(rows, table, [profile_name(r) for r in raw], names, OWN)
+    families = {f: (lambda r, f=f: r["family"] == f) for f in FAMILIES}
+    families["fsdp-zero3 (eager + compiled)"] = lambda r: r["family"].startswith("fsdp")
+    figures = _loso.family_figures(held, families)
+    for name, f in figures.items():
+        print(f"{name}: held out median |error| {f['held_out_median_abs']:.1%} (signed "
+              f"{f['held_out_median_signed']:+.1%}), fitted {f['fitted_median_abs']:.1%}")
+    return {"on_all": on_all, "families": figures, "rows": held, "lines": _loso.table_lines(on_all, held, figures)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tag", default="", help="suffix of the result files (e.g. 'before')")
@@ -282,6 +310,7 @@ def main() -> None:
         print(f"{r['family']:20s} {r['model']:18s} {r['gpus']:5d} {r['plan'][:60]:60s} measured "
               f"{r['measured_step_s']:8.3f} s predicted {r['predicted_step_s']:8.3f} s {r['error']:+.1%}", flush=True)
     families = summary(rows)
+    loso = held_out(data, rows, profiles)
     for name, s in families.items():
         print(f"{name}: {s['rows']} rows, median |error| {s['median_abs_error']:.1%}, median signed "
               f"{s['median_signed_error']:+.1%} ({s['min']:+.1%} .. {s['max']:+.1%})")
@@ -301,12 +330,15 @@ def main() -> None:
         lines += [f"| {r['group']} | {r['predicted_tensor_gib']:.2f} | {r['measured_allocated_gib']:.2f} | "
                   f"{r['memory_error']:+.1%} | " + ", ".join(f"{k.removesuffix('_bytes')} {v:.2f}" for k, v in
                                                            r["memory_breakdown_gib"].items()) + " |" for r in mem]
+    lines += loso["lines"]
     lines += ["", f"Not priced ({len(skipped)} rows):", ""]
     lines += [f"- {s['source']} {s['group']} {s['model']}: {s['why']}" for s in skipped]
     write_results("public_h100" + (f"_{args.tag}" if args.tag else ""), rows, "\n".join(lines) + "\n",
                   f"\nProfiles {', '.join(sorted(set(PROFILES.values())))}; data {DATA.name} "
                   f"({len(data['rows'])} rows). {args.note}\n{NOTES}",
-                  {"families": families, "skipped": skipped, "profiles": PROFILES})
+                  {"families": families, "skipped": skipped, "profiles": PROFILES,
+                   "leave_one_source_out": {"fit_on_all": loso["on_all"], "families": loso["families"],
+                                            "rows": loso["rows"]}})
 
 
 if __name__ == "__main__":
