@@ -1,7 +1,7 @@
 """Train a Hugging Face model this project did not write, built from a small config (nothing downloaded), on
 synthetic data; alone or under ``tensoropt launch examples/train_hf.py --device cpu --gpus 2 -- --arch phi3``.
 
-Both architectures fuse projections, which is what makes tensor parallelism over them delicate:
+Each architecture has a shape that makes tensor parallelism over it delicate:
 
 - ``phi3`` (``Phi3ForCausalLM``): ``qkv_proj`` is ``[q | k | v]``, sliced at widths the code computes from the
   config (``num_heads * head_dim``): on one rank's share those slices are wrong, so TensorOpt never shards
@@ -9,6 +9,10 @@ Both architectures fuse projections, which is what makes tensor parallelism over
   holds its part of gate and of up).
 - ``gpt2`` (``GPT2LMHeadModel``): every projection is a ``Conv1D`` (weight stored (in, out)); ``c_attn`` is
   split at ``n_embd`` (never sharded), the MLP's ``c_fc -> c_proj`` is.
+- ``falcon`` (``FalconForCausalLM``): attention and MLP run in parallel from one input, multi-query attention;
+  the MLP's output is added into in place (``mlp_output += attention_output``).
+- ``qwen3`` (``Qwen3ForCausalLM``): per-head RMSNorm on q and k inside the attention, whose weights' gradients
+  would be partial sums over each rank's heads: its attention is kept replicated, the MLP sharded.
 
 Dropout is 0 and the model float32, so every plan reproduces the losses of this script run alone.
 """
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 
+import numpy as np
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,11 +35,17 @@ CONFIGS = {
                  attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
     "gpt2": dict(n_embd=64, n_layer=4, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2,
                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+    "falcon": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, multi_query=True, parallel_attn=True,
+                   new_decoder_architecture=False, alibi=False, bias=False, vocab_size=128, bos_token_id=1,
+                   eos_token_id=2, hidden_dropout=0.0, attention_dropout=0.0),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  attention_dropout=0.0),
 }
 
 
 def build(arch: str, seq_len: int) -> torch.nn.Module:
-    positions = {"phi3": "max_position_embeddings", "gpt2": "n_positions"}[arch]
+    positions = "n_positions" if arch == "gpt2" else "max_position_embeddings"
     config = transformers.AutoConfig.for_model(arch, **CONFIGS[arch], **{positions: seq_len}, use_cache=False)
     return transformers.AutoModelForCausalLM.from_config(config)
 
@@ -46,6 +57,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--out", default=None, help="write the per-step losses (JSON) here")
+    parser.add_argument("--save-params", default=None, help="write the final parameters here (.npy, flattened)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -60,6 +72,11 @@ def main() -> None:
         losses.append(run.train_step({"input_ids": tokens[step], "labels": tokens[step]}))
         if run.rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+    if args.save_params:
+        params = run.full_state_dict()                                 # gathered on every rank
+        if run.rank == 0:
+            np.save(args.save_params, torch.cat([params[k].detach().float().cpu().flatten()
+                                                 for k in sorted(params)]).numpy())
     if run.rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "plan": run.plan and run.plan.summary(), "engine": run.engine}, f)

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from tensoropt.errors import TensorOptError, last_line
-from tensoropt.graph.cache import GraphCache, fingerprint
+from tensoropt.graph.cache import CAPTURE_VERSION, GraphCache, fingerprint
 from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV, PRECISION_ENV
 from tensoropt.runtime.capture_args import read_report
@@ -47,7 +47,6 @@ def _unchanged(graph: OpGraph) -> bool:
 
 def _script_identity(script: str, precision: str | None) -> dict:
     """What a capture depends on besides the script's arguments."""
-    from tensoropt.api import CAPTURE_VERSION
     return {"script": str(Path(script).resolve()), "python": sys.executable, "cwd": os.getcwd(),
             "capture_version": CAPTURE_VERSION} | ({"precision": precision} if precision else {})
 

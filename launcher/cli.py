@@ -10,13 +10,16 @@ import click
 
 from tensoropt.errors import TensorOptError
 from tensoropt.options import limit_options
-from tensoropt.runtime import choose_engine
-from tensoropt.search.engines import COMPILE_SPACES
+from tensoropt.runtime import RUN_DIR_ENV
+from tensoropt.runtime.checkpoint_files import KEEP
+from tensoropt.search.engines import CHECKPOINTS, COMPILE_SPACES, choose_engine
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.space.plan import PRECISIONS
 from tensoropt.space.run_plan import RunPlan
+from tensoropt.space.tp_layout import not_offered
 
 from . import launch as L
+from .checkpoints import check_room, checkpoint_env
 from .inputs import check_counts, check_mem_per_gpu, check_paths, read_plan
 from .memory import simulate_and_compare
 from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, publish
@@ -62,6 +65,9 @@ from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, 
 @click.option("--elastic", is_flag=True, help="re-plan and resume when workers fail, memory runs out or devices change")
 @click.option("--checkpoint-dir", default=None, help="checkpoint here and resume from the latest one found")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True, help="steps")
+@click.option("--keep-checkpoints", "keep", type=click.IntRange(min=1), default=None,
+              help=f"with --checkpoint-dir: keep the newest N checkpoints, the fallback when the newest is damaged "
+                   f"(default {KEEP}; older ones are removed once a newer one is whole)")
 @click.option("--min-gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="elastic: give up when fewer devices remain")
 @click.option("--resources", "resources_file", default=None,
@@ -70,7 +76,7 @@ from .nodes import DEFAULT_RENDEZVOUS_TIMEOUT_S, check_nodes, fetch, plan_port, 
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, engine, precision, compile_, nnodes,
            node_rank, master_addr, master_port, rendezvous_timeout_s, gpus_per_node, dry_run, check_memory, run_dir,
-           no_cache, elastic, checkpoint_dir, checkpoint_every, min_gpus, resources_file, script_args, limits):
+           no_cache, elastic, checkpoint_dir, checkpoint_every, keep, min_gpus, resources_file, script_args, limits):
     """Choose a frontier point for the devices found and run SCRIPT on it (SCRIPT_ARGS after --)."""
     if not Path(script).is_file():
         raise TensorOptError(f"{script}: no such script")
@@ -81,6 +87,8 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
         raise TensorOptError("--check-memory simulates the plan instead of running it: add --dry-run")
     if elastic:
         _check_elastic(checkpoint_dir, plan_path, engine, nnodes, compile_)
+    _check_checkpoints(checkpoint_dir, engine, keep)
+    keep = keep or KEEP
     if compile_ and engine and engine not in COMPILE_SPACES:
         raise TensorOptError(f"--compile compiles the torch engine's blocks; the {engine} engine runs eager PyTorch: "
                              f"drop --compile or --engine {engine}")
@@ -99,7 +107,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
         from .elastic import ElasticOptions, run_elastic
         options = ElasticOptions(Path(checkpoint_dir), checkpoint_every, min_gpus,
                                  Path(resources_file) if resources_file else None, objective, limits,
-                                 max_gpus=gpus)
+                                 max_gpus=gpus, keep=keep)
         run_elastic(script, list(script_args), graph, devices, options, Path(run_dir), click.echo)
         return
     world = devices.count * nnodes
@@ -126,22 +134,31 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
             raise TensorOptError(f"{source} needs {point.peak_memory_bytes / 2**30:.2f} GiB per device, the devices "
                                  f"have {devices.memory_bytes / 2**30:.2f} GiB" +
                                  (f"; {devices.note}" if devices.note else ""))
-    else:
-        point, engine, why, _ = L.plan_for(graph, devices, per_node, objective, "torch" if elastic else engine,
-                                           pipeline=not elastic, limits=limits, precision=precision,  # as elastic.py
-                                           compile=compile_)
-    if checkpoint_dir and engine != "torch":
-        raise TensorOptError(f"--checkpoint-dir needs the torch engine (torch.distributed.checkpoint); the plan runs "
-                             f"on {engine}: add --engine torch")
+    else:       # a launch that checkpoints chooses among the plans of the engines that checkpoint (as elastic.py)
+        asked = engine
+        point, engine, why, _ = L.plan_for(graph, devices, per_node, objective,
+                                           (engine or tuple(CHECKPOINTS)) if checkpoint_dir else engine,
+                                           pipeline=not elastic, limits=limits, precision=precision, compile=compile_)
+        if checkpoint_dir and not asked:
+            why += f"; among the plans of the engines that checkpoint ({', '.join(CHECKPOINTS)}): --checkpoint-dir"
+    if checkpoint_dir and engine not in CHECKPOINTS:      # a plan given (--plan, node 0's) for another engine
+        raise TensorOptError(f"--checkpoint-dir: the plan runs on the {engine} engine, which does not checkpoint "
+                             f"(checkpoints are written with {', '.join(CHECKPOINTS.values())}): add --engine "
+                             f"{next(iter(CHECKPOINTS))}")
+    room = check_room(Path(checkpoint_dir), point.plan, graph, keep, checkpoint_every) if checkpoint_dir else ""
     argv = L.torchrun_argv(script, list(script_args), world // nnodes, nnodes, node_rank, master_addr, master_port,
                            log_dir=str(Path(run_dir).resolve() / "logs"), rendezvous_timeout_s=rendezvous_timeout_s)
     plan_file = L.write_plan(Path(run_dir), point, engine, why, argv, graph, devices.kind)
     click.echo(f"devices: {world} x {devices.kind} ({devices.memory_bytes / 2**30:.1f} GiB each), profile "
                f"{devices.profile_name}" + (f"; {devices.note}" if devices.note else ""))
+    for line in not_offered(graph, L.folded(graph)):
+        click.echo(f"not offered: {line}")
     click.echo(f"chosen: {point.plan.summary()} (engine {engine})")
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
                f"per device; {why}")
     click.echo(f"model states: {L.precision(point.plan, graph)}")
+    if room:
+        click.echo(room)
     click.echo(L.describe(RunPlan.read(plan_file), engine))
     click.echo(f"plan: {plan_file}")
     click.echo("command: " + " ".join(argv))
@@ -151,10 +168,9 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     if dry_run:
         return
     store = publish(master_addr, master_port, json.loads(plan_file.read_text())) if shared and node_rank == 0 else None
-    env = L.main_env(devices, plan_file.resolve())
+    env = L.main_env(devices, plan_file.resolve()) | {RUN_DIR_ENV: str(Path(run_dir).resolve())}
     if checkpoint_dir:
-        from .elastic import checkpoint_env
-        env |= checkpoint_env(Path(checkpoint_dir), checkpoint_every)
+        env |= checkpoint_env(Path(checkpoint_dir), checkpoint_every, keep)
     try:
         L.run_workers(argv, env, Path(run_dir))
     finally:
@@ -171,6 +187,16 @@ def _check_elastic(checkpoint_dir, plan_path, engine, nnodes, compile_) -> None:
         ("--elastic runs eager blocks (its restarts are not tested compiled): drop --compile", compile_)) if bad]
     if problems:
         raise TensorOptError("; ".join(problems))
+
+
+def _check_checkpoints(checkpoint_dir, engine, keep) -> None:
+    if keep is not None and not checkpoint_dir:
+        raise TensorOptError("--keep-checkpoints keeps the checkpoints of --checkpoint-dir: add --checkpoint-dir DIR "
+                             "or drop --keep-checkpoints")
+    if checkpoint_dir and engine and engine not in CHECKPOINTS:
+        raise TensorOptError(f"--checkpoint-dir: the {engine} engine does not checkpoint (checkpoints are written "
+                             f"with {', '.join(CHECKPOINTS.values())}): drop --engine {engine}, and the launcher "
+                             f"chooses among the {', '.join(CHECKPOINTS)} engine's plans")
 
 
 def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int,

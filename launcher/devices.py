@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tensoropt.cost.profile import DeviceProfile, load_profile
 from tensoropt.errors import TensorOptError
-from tensoropt.profiler.run import device_name, memory_bytes
+from tensoropt.profiler.host import device_name, memory_bytes
 from tensoropt.profiler.store import datasheet_profile, find_measured
 
 from .gpus import Gpu, free_memory, visible_gpus

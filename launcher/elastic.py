@@ -11,7 +11,6 @@ rendezvous on a free port), so restarted gloo workers never meet the previous at
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import signal
@@ -27,15 +26,16 @@ import psutil
 from tensoropt.errors import TensorOptError, first_line
 from tensoropt.graph.ir import OpGraph
 from tensoropt.options import MAX_DEVICES
-from tensoropt.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
-from tensoropt.runtime.checkpoint import latest_step
-from tensoropt.runtime.run import RUN_DIR_ENV
+from tensoropt.runtime import RUN_DIR_ENV
+from tensoropt.runtime.checkpoint_files import KEEP, latest_step
+from tensoropt.search.engines import CHECKPOINTS
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.units import parse_bytes
 
 from . import launch as L
+from .checkpoints import check_room, checkpoint_env
 from .gpus import gpu_count
-from .workers import STOP_WAIT_S, kill_tree, stop_tree
+from .workers import STOP_WAIT_S, failure_note, kill_tree, stop_tree
 
 POLL_S = 0.5
 MAX_SAME_FAILURE = 2          # the same failure at the same checkpoint this many times: give up
@@ -50,6 +50,7 @@ class ElasticOptions:
     objective: str
     limits: Limits = NO_LIMITS       # the user's limits on the space, kept by every re-plan
     max_gpus: int | None = None      # --gpus: never more devices than asked for, however many appear
+    keep: int = KEEP                 # --keep-checkpoints
 
 
 @dataclass(frozen=True)
@@ -98,19 +99,6 @@ def resources(devices: L.Devices, resources_file: Path | None, last: Resources |
     return Resources(devices.count, devices.memory_bytes)
 
 
-def checkpoint_env(checkpoint_dir: Path, every: int) -> dict:
-    """What tells the workers' runtime where to checkpoint and resume from."""
-    return {CHECKPOINT_DIR_ENV: str(checkpoint_dir.resolve()), CHECKPOINT_EVERY_ENV: str(every)}
-
-
-def _failure(run_dir: Path) -> dict | None:
-    """What a worker reported before it stopped (see tensoropt.runtime.run), if anything."""
-    for path in sorted(run_dir.glob("failure-rank*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            return json.loads(path.read_text())
-    return None
-
-
 def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.Devices, options: ElasticOptions,
                 run_dir: Path, echo: Callable[[str], None]) -> int:
     """Supervise the job until it finishes (0) or cannot go on (one-line TensorOptError)."""
@@ -122,8 +110,10 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
             raise TensorOptError(f"elastic: {event}; {count} devices left, fewer than --min-gpus {options.min_gpus}: "
                                  "giving up")
         now = dataclasses.replace(devices, count=count, memory_bytes=min(have.memory_bytes, oom_cap))
-        point, engine, why, _ = L.plan_for(graph, now, count, options.objective, "torch", pipeline=False,
+        point, engine, why, _ = L.plan_for(graph, now, count, options.objective, tuple(CHECKPOINTS), pipeline=False,
                                            limits=options.limits)
+        if event == "start":
+            echo(check_room(options.checkpoint_dir, point.plan, graph, options.keep, options.checkpoint_every))
         step = latest_step(options.checkpoint_dir)
         echo(f"elastic: {event}; plan {previous} -> {point.plan.summary()} on {count} devices of "
              f"{now.memory_bytes / 2**30:.1f} GiB; resuming from step {step}")
@@ -132,8 +122,8 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         plan_file = L.write_plan(run_dir, point, engine, why, argv, graph, now.kind)
         for stale in run_dir.glob("failure-rank*.json"):
             stale.unlink()
-        env = L.main_env(now, plan_file.resolve()) | checkpoint_env(options.checkpoint_dir, options.checkpoint_every) \
-            | {RUN_DIR_ENV: str(run_dir.resolve())}
+        env = L.main_env(now, plan_file.resolve()) | {RUN_DIR_ENV: str(run_dir.resolve())} \
+            | checkpoint_env(options.checkpoint_dir, options.checkpoint_every, options.keep)
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
         changed = _wait(proc, devices, options, have, echo)
         if changed != have:
@@ -145,7 +135,9 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         if proc.returncode == 0:
             echo(f"elastic: finished with plan {previous}")
             return 0
-        failure = _failure(run_dir)
+        failure = failure_note(run_dir)
+        if (failure or {}).get("kind") == "checkpoint":  # a full disk, or checkpoints of another model: no retry helps
+            raise TensorOptError(f"elastic: {failure['message']}")
         oom = (failure or {}).get("kind") == "oom"      # the worker's note: torchrun itself exits 1 on any failure
         if oom:
             event = f"out of memory at step {(failure or {}).get('step', '?')} (plan needed " \

@@ -11,7 +11,7 @@ from pathlib import Path
 from tensoropt.errors import TensorOptError, first_line
 from tensoropt.options import MAX_DEVICES
 from tensoropt.paths import check_output_dir
-from tensoropt.profiler.run import memory_bytes
+from tensoropt.profiler.host import memory_bytes
 from tensoropt.space.plan import plan_problems
 from tensoropt.units import parse_bytes
 

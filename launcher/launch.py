@@ -16,11 +16,11 @@ from tensoropt.frontier import Frontier
 from tensoropt.graph.cache import write_json_atomic
 from tensoropt.graph.ir import OpGraph
 from tensoropt.planning import NoPlanError, NoPlanFitsError, folded
-from tensoropt.profiler.run import threads_per_worker
+from tensoropt.profiler.store import threads_per_worker
 from tensoropt.runtime import PLAN_ENV
-from tensoropt.runtime.deepspeed_engine import deepspeed_config
-from tensoropt.runtime.precision import PRECISION_ENV, checked, of_plan
-from tensoropt.runtime.precision import words as precision_words
+from tensoropt.runtime.ds_config import deepspeed_config
+from tensoropt.runtime.precision_names import PRECISION_ENV, checked, of_plan
+from tensoropt.runtime.precision_names import words as precision_words
 from tensoropt.search.engines import COMPILED_PLANS, ENGINE_SPACES, ENGINES, master_weights, priced_graph
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.search.limits import NO_LIMITS, Limits
@@ -137,20 +137,27 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
     return list(zip(front.points, front.engines))
 
 
-def _plan(graph: OpGraph, devices: Devices, per_node: int, engine: str | None, pipeline: bool, limits: Limits,
-          precision: str | None, fits: bool, compile: bool = False) -> Frontier:
+def _engines(engine: str | tuple[str, ...] | None) -> list[str]:
+    """The engines whose plans are searched: ``engine`` alone, those of a tuple (``search.engines.CHECKPOINTS``:
+    the engines that checkpoint), or all of them."""
+    return [engine] if isinstance(engine, str) else list(engine or ENGINES)
+
+
+def _plan(graph: OpGraph, devices: Devices, per_node: int, engine: str | tuple[str, ...] | None, pipeline: bool,
+          limits: Limits, precision: str | None, fits: bool, compile: bool = False) -> Frontier:
     return planning.plan(graph, cluster(devices, per_node), budget=devices.memory_bytes,
-                         engines=[engine] if engine else ENGINES, limits=limits,
+                         engines=_engines(engine), limits=limits,
                          precision=precision or default_precision(graph), pipeline=pipeline, fits=fits,
                          compile=compile)
 
 
-def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, engine: str | None = None,
-             pipeline: bool = True, limits: Limits = NO_LIMITS,
+def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str,
+             engine: str | tuple[str, ...] | None = None, pipeline: bool = True, limits: Limits = NO_LIMITS,
              precision: str | None = None, compile: bool = False) -> tuple[FrontierPoint, str, str, int]:
     """(point, engine, why, frontier size) for the devices found, within the user's ``limits``, in
     ``precision`` (default ``default_precision``): the frontier ``tensoropt.plan`` gives for the devices'
-    memory, and the point of it the objective prefers; ``compile``: among plans that run compiled blocks."""
+    memory, and the point of it the objective prefers; ``engine``: among that engine's plans (a tuple: those
+    engines'), else every engine's; ``compile``: among plans that run compiled blocks."""
     global_batch = int(graph.meta("global_batch") or 0)
     try:
         front = _plan(graph, devices, per_node, engine, pipeline, limits, precision, fits=True, compile=compile)
@@ -161,9 +168,9 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, en
                                  + (f" within {limits.flags()}" if limits else "") + ": drop --compile"
                                  + (" or relax the limits" if limits else "")) from None
         if limits:
+            engines = f", engine {' or '.join(_engines(engine))}" if engine else ""
             raise TensorOptError(f"no plan the runtime can apply on {devices.count} devices respects {limits.flags()} "
-                                 f"(global batch {global_batch}" + (f", engine {engine}" if engine else "")
-                                 + "): relax the limits") from None
+                                 f"(global batch {global_batch}{engines}): relax the limits") from None
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
                              f"{devices.count} devices: make it a multiple of {devices.count}") from None
     except NoPlanFitsError as exc:
@@ -179,11 +186,17 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str, en
 def run_workers(argv: list[str], env: dict, run_dir: Path) -> None:
     """Run torchrun until its workers finish. Ctrl-C (or SIGTERM) stops the workers and ends the launch as a
     ``KeyboardInterrupt`` (one line, exit status 130); a failure shows the first failing rank's own error and is
-    a one-line ``TensorOptError`` (``launcher.workers``); torchrun's own output is kept in RUN_DIR/torchrun.log."""
+    a one-line ``TensorOptError`` (``launcher.workers``), or, when the workers stopped on a checkpoint they could
+    not write or load, their own one line (their note in ``run_dir``); torchrun's own output is kept in
+    RUN_DIR/torchrun.log."""
+    for stale in run_dir.glob("failure-rank*.json"):
+        stale.unlink()
     outcome = workers.run(argv, env, run_dir / "torchrun.log")
     if outcome.interrupted:
         raise KeyboardInterrupt
     if outcome.status:
+        if (note := workers.failure_note(run_dir)) and note.get("kind") == "checkpoint":
+            raise TensorOptError(note["message"])       # the workers' own line (runtime.run.exit_on_checkpoint_error)
         logs = f"; every rank's output: {run_dir / 'logs'}" if outcome.output.last else ""
         raise TensorOptError(workers.report(outcome) + logs)
     workers.release_held(outcome.output)

@@ -24,7 +24,6 @@ from tensoropt.cost.model import estimate
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.cache import write_json_atomic
 from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV
-from tensoropt.runtime.memory_check import SIMULATE_ENV, unsimulated
 from tensoropt.search.ft import FrontierPoint
 
 from .argv import capture_argv
@@ -36,6 +35,7 @@ ROWS = (("parameters", "parameters_bytes"), ("gradients", "gradients_bytes"), ("
 
 def simulate_script(script: str, script_args: list[str], plan_file: Path, timeout_s: float = 600) -> dict:
     """Rank 0's simulated step of the plan in ``plan_file`` (``memory_check.simulate``), run in one process."""
+    from tensoropt.runtime.memory_check import SIMULATE_ENV  # with torch: only when a plan is simulated
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "memory.json"
         env = {**os.environ, PLAN_ENV: str(plan_file.resolve()), SIMULATE_ENV: str(out)}
@@ -80,6 +80,7 @@ def simulate_and_compare(script: str, script_args: list[str], plan_file: Path, e
                  devices: Devices, echo: Callable[[str], object]) -> dict | None:
     """Simulate the plan written to ``plan_file`` and print it beside the prediction (module doc); the plan's
     engine or layout that cannot be simulated is said in one line and skipped (None)."""
+    from tensoropt.runtime.memory_check import unsimulated
     plan = point.plan
     if reason := unsimulated(plan, engine):
         echo(f"memory check: skipped: {reason}")

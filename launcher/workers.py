@@ -19,6 +19,7 @@ and every worker under it at once (they may sit in sessions of their own), so no
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import subprocess
@@ -146,6 +147,15 @@ def _relay(stream, output: WorkerOutput, out) -> None:
         output.take(line, out)
 
 
+def failure_note(run_dir: Path) -> dict | None:
+    """What a worker noted before it stopped (``tensoropt.runtime.run``: out of memory, a checkpoint), the lowest
+    rank's, if any."""
+    for path in sorted(run_dir.glob("failure-rank*.json"), key=lambda p: (len(p.name), p.name)):
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(path.read_text())
+    return None
+
+
 def report(outcome: Outcome, out=None) -> str:
     """Show the first failing rank's own error (its traceback once, under a header) and return the one-line
     summary the launcher stops with."""
@@ -190,4 +200,4 @@ def _last_line(lines: list[str]) -> str:
     return text[-1][:300] if text else "(no message)"
 
 
-__all__ = ["Outcome", "WorkerOutput", "kill_tree", "release_held", "report", "run", "stop_tree"]
+__all__ = ["Outcome", "WorkerOutput", "failure_note", "kill_tree", "release_held", "report", "run", "stop_tree"]

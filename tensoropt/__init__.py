@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {"Captured": "api", "capture": "api", "plan": "planning", "FoldedGraph": "graph.fold",
             "fold": "graph.fold", "Op": "graph.ir", "OpGraph": "graph.ir", "Frontier": "frontier",
-            "parallelize": "runtime", "meta_init": "runtime"}
+            "parallelize": "runtime.entry", "meta_init": "runtime.entry"}
 
 __all__ = ["Captured", "FoldedGraph", "Frontier", "Op", "OpGraph", "capture", "fold", "meta_init", "parallelize",
            "plan", "__version__"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .graph.cache import GraphCache, fingerprint
+from .graph.cache import CAPTURE_VERSION, GraphCache, fingerprint
 from .graph.capture import trace_module
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
@@ -19,8 +19,6 @@ from .models import ModelSource, example_shape, in_dtype, module_identity, resol
 from .space.tp_check import check_tensor_parallel, with_tp_checks
 from .space.vocab import check_vocab_modules, with_vocab_check
 
-# Bump when capture, op rules or the IR change what a captured graph contains.
-CAPTURE_VERSION = 11
 # the weights' dtype a precision captures a --model in (``runtime.precision.parameter_dtype``: bf16-mixed keeps
 # float32 master weights and computes under autocast)
 WEIGHT_DTYPES = {"bf16-mixed": "float32", "bf16-true": "bfloat16", "32-true": "float32"}

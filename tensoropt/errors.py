@@ -26,6 +26,11 @@ class ModelSpecError(TensorOptError):
     """The ``--model`` argument names nothing TensorOpt can build."""
 
 
+class CheckpointError(TensorOptError):
+    """A checkpoint could not be written, or a whole one not loaded: a worker stops with this line
+    (``runtime.run.exit_on_checkpoint_error``), and the launcher says it (``launcher.launch.run_workers``)."""
+
+
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

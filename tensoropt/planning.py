@@ -18,18 +18,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from torch import nn
 
-from .api import Captured, capture
 from .cost.model import GraphFacts, ModelCost
 from .cost.profile import Cluster
 from .errors import TensorOptError
 from .frontier import Frontier
+from .graph.bf16_meta import bf16_weights_graph
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
-from .graph.precision import bf16_weights_graph
 from .search.engines import (
     COMPILE_SPACES,
     ENGINE_SPACES,
@@ -44,6 +43,11 @@ from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
 from .space.plan import Plan, compute_dtype
 from .units import parse_bytes
+
+if TYPE_CHECKING:       # capturing needs torch; planning a graph already captured does not
+    from torch import nn
+
+    from .api import Captured
 
 # the graphs analysed last, newest first: each with its folding, its whole-graph facts and its cost models
 _FOLDED: list[tuple[OpGraph, FoldedGraph, GraphFacts, dict[tuple[Cluster, bool], ModelCost]]] = []
@@ -161,6 +165,7 @@ def _graph(model, example_inputs, seq_len, precision: str | None) -> tuple[OpGra
     launcher captures a script, a module as it computes (under the caller's autocast, if any)."""
     if isinstance(model, OpGraph):
         return model, 0.0
+    from .api import Captured, capture
     if isinstance(model, Captured):
         captured = model
     elif isinstance(model, str):

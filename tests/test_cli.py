@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 from click.testing import CliRunner
-from conftest import EXAMPLES, SMALL_GPT
+from conftest import EXAMPLES, REPO, SMALL_GPT
 
 from tensoropt.cli import cli
 
@@ -113,3 +113,14 @@ def test_user_file_errors(tmp_path):
         assert result.output.count("\n") == 1
     result = CliRunner().invoke(cli, ["inspect", "--model", f"{EXAMPLES / 'custom_model.py'}:nothing"])
     assert result.exit_code == 1 and "has no function 'nothing'" in result.output
+
+
+def test_the_launcher_and_the_planner_import_no_torch():
+    """A launch from a cached capture plans and starts its workers without importing torch (~2 CPU-s a launch):
+    the CLI, the launcher, the planner and the DeepSpeed config import it only where a model is captured or run."""
+    code = ("import sys, tensoropt.cli.group, launcher.cli, tensoropt.planning, tensoropt.search.ft, "
+            "tensoropt.runtime.ds_config, tensoropt.runtime.precision_names, tensoropt.runtime; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout[:500]

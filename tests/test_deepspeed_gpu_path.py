@@ -103,13 +103,12 @@ def test_deepspeed_trains_a_bf16_model_in_bf16_mode(tmp_path):
 @pytest.mark.parametrize("engine,zero", [("torch", 0), ("deepspeed", 3)])
 def test_out_of_memory_while_the_plan_is_applied_exits_with_the_oom_status(tmp_path, engine, zero):
     """The model's init_fn runs out of memory when the worker materialises it (inside ``parallelize``): the
-    worker exits 75 and leaves the launcher its note, as an out-of-memory step does."""
-    env = {**ENV, "TENSOROPT_RUN_DIR": str(tmp_path / "notes")}
-    (tmp_path / "notes").mkdir()
-    result = _launch(tmp_path, engine, zero, "--oom-in-init", env=env)
+    worker exits 75 and leaves its note in the launch's run directory (the launcher tells the workers where), as an
+    out-of-memory step does."""
+    result = _launch(tmp_path, engine, zero, "--oom-in-init")
     assert result.returncode != 0
     # the launcher's one line names the first failing rank and its status (torchrun's report is in torchrun.log)
     assert re.search(rf"^error: rank \d failed \(exit status {OOM_EXIT_CODE}\)", result.stderr, re.M), \
         result.stderr[-3000:]
-    notes = [json.loads(p.read_text()) for p in sorted((tmp_path / "notes").glob("failure-rank*.json"))]
+    notes = [json.loads(p.read_text()) for p in sorted((tmp_path / "run").glob("failure-rank*.json"))]
     assert notes and all(n["kind"] == "oom" and n["step"] == 0 and "simulated" in n["message"] for n in notes), notes

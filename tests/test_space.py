@@ -56,3 +56,19 @@ def test_moe_layer_mlp_stays_replicated(write_json):
 def test_convolutions_have_no_tensor_parallel_branch(spec):
     _, spaces = _spaces(spec)
     assert all(space.branches == () and not space.tp_allowed(2) and space.tp_allowed(1) for _, space in spaces)
+
+
+def test_the_pointwise_table_is_what_the_installed_torch_tags():
+    """The planner reads ATen's pointwise tags from a table (so that planning a captured graph imports no torch):
+    it must be exactly what this torch tags; another torch version rewrites it (python -m tensoropt.space.sp_check)."""
+    import torch
+
+    from tensoropt.space.pointwise_table import POINTWISE, TORCH_VERSION
+    from tensoropt.space.sp_check import tagged_pointwise
+    if torch.__version__ != TORCH_VERSION:
+        pytest.skip(f"the table was written from torch {TORCH_VERSION}, this is {torch.__version__}")
+    assert tagged_pointwise() == POINTWISE
+    import torch._inductor.inductor_prims  # noqa: F401  registers prims.fma, which no capture records
+    assert tagged_pointwise() == POINTWISE, "the table must not depend on what the process imported before"
+    assert {"aten.add.Tensor", "aten.mul.Tensor", "aten.gelu.default"} <= POINTWISE
+    assert not {"aten.cumsum.default", "aten._softmax.default", "aten.mm.default"} & POINTWISE

@@ -83,7 +83,7 @@ def losses_alone(script, out, *args, steps: int = 3, precision: str = "32-true")
     return list(_ALONE[key])
 
 
-_DRY_RUNS: dict[tuple, Plan] = {}
+_DRY_RUNS: dict[tuple, tuple[Plan, str]] = {}
 
 
 def dry_run_plan(script, run_dir, devices: int = 2, *script_args) -> Plan:
@@ -91,12 +91,19 @@ def dry_run_plan(script, run_dir, devices: int = 2, *script_args) -> Plan:
     that tests edit into the plans they run with ``--plan``. One dry run per test process for one (script, devices,
     arguments): five modules start from GPT's 2-device plan, and the launcher's choice depends on nothing else
     (``run_dir`` holds the first caller's run)."""
-    key = (str(script), devices, tuple(map(str, script_args)))
+    return chosen_plan(script, run_dir, devices, *script_args)[0]
+
+
+def chosen_plan(script, run_dir, devices: int = 2, *script_args, options: tuple = ()) -> tuple[Plan, str]:
+    """``dry_run_plan`` under the launcher's ``options`` (``--objective min-memory``, ``--tp 2``): the plan it
+    chooses and the engine it chooses for it, once per test process for one (script, devices, arguments, options)."""
+    key = (str(script), devices, tuple(map(str, script_args)), tuple(map(str, options)))
     if key not in _DRY_RUNS:
-        result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, "--run-dir", run_dir,
+        result = tensoropt_cli("launch", script, "--device", "cpu", "--gpus", devices, *options, "--run-dir", run_dir,
                                "--dry-run", "--", *script_args, cwd=LAUNCH_CWD)
         assert result.returncode == 0, result.stderr[-2000:]
-        _DRY_RUNS[key] = Plan.from_json(json.loads((run_dir / "plan.json").read_text()))
+        written = json.loads((run_dir / "plan.json").read_text())
+        _DRY_RUNS[key] = Plan.from_json(written), written["engine"]
     return _DRY_RUNS[key]
 
 

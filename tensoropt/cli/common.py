@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import click
 
-from ..api import capture
 from ..cost.model import ModelCost
 from ..cost.profile import Cluster, DeviceProfile, load_profile
 from ..errors import TensorOptError
@@ -60,6 +59,7 @@ def load(model: str, device: str, seq_len: int | None, dtype: str | None = None,
     """``model`` captured in ``dtype``, or in ``precision`` as the launcher captures a script in it
     (``tensoropt.capture``), on ``device``'s profile."""
     profile = load_profile(device)
+    from ..api import capture  # with torch: a graph from the cache is read without it (graph.cache)
     captured = capture(model, seq_len=seq_len, dtype=dtype, precision=precision)
     loaded = Loaded(captured.graph, fold(captured.graph), profile, captured.capture_seconds)
     # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the

@@ -10,7 +10,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..api import capture
 from ..cost.profile import Cluster, load_profile
 from ..errors import TensorOptError
 from ..frontier import Frontier, load_frontier, plot_frontier
@@ -37,6 +36,7 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
     failure one line; ``compile``: among the plans that run compiled blocks (``search.engines.COMPILE_SPACES``),
     priced so."""
     profile = load_profile(device)
+    from ..api import capture  # torch: imported when a model is captured, not when the CLI starts
     captured = capture(model, seq_len=seq_len, precision=precision)
     # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the
     # search (a full collection there cost gpt3-175b's search ~70 ms, a third of it)

@@ -9,8 +9,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..api import capture
 from ..graph.fold import fold
+from ..space.tp_layout import not_offered
 from .format import binary_bytes, count, si
 
 MODEL_HELP = "preset name (e.g. gpt3-175b), a JSON config (family or Hugging Face), or FILE.py:FUNCTION"
@@ -24,6 +24,7 @@ def positive(ctx: click.Context, param: click.Parameter, value: int | None) -> i
 
 def inspect_report(model: str, batch_size: int | None, seq_len: int | None, use_cache: bool) -> dict:
     """Capture + fold and the JSON report of ``inspect --json``."""
+    from ..api import capture  # torch: imported when a model is captured, not when the CLI starts
     captured = capture(model, batch_size=batch_size, seq_len=seq_len, cache=use_cache)
     graph = captured.graph
     start = time.perf_counter()
@@ -42,6 +43,7 @@ def inspect_report(model: str, batch_size: int | None, seq_len: int | None, use_
         "saved_activation_bytes": graph.saved_activation_bytes,
         "autocast": graph.meta("autocast") or None,       # the dtype of the autocast the forward runs under
         "folding": folded.summary(positions=True) | {"fold_seconds": round(fold_seconds, 4)},
+        "not_offered": not_offered(graph, folded),     # layouts left out of every plan, with their reasons
     }
 
 
@@ -75,6 +77,8 @@ def _print_tables(report: dict) -> None:
     if not report["folding"]["unique_blocks"]:
         blocks.add_row("(no repeated substructure)", "", "", "")
     console.print(blocks)
+    for line in report["not_offered"]:
+        console.print(f"not offered: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 @click.command()

@@ -42,7 +42,7 @@ from ..graph.fold import Block, FoldedGraph
 from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.plan import LayerStrategy, Plan
-from ..space.tp_check import tp_checks
+from ..space.tp_meta import tp_checks
 from ..space.vocab import VocabLayout, vocab_layout
 from .comm import p2p_s
 from .context import Context, ContextTable
@@ -179,6 +179,9 @@ class ModelCost:
             if space.sequence_refused:
                 raise ValueError(f"sequence parallelism cannot split the stream of block {bp.block!r}: "
                                  f"{space.sequence_refused}")
+            if space.sp_max_tp and space.sp_max_tp % plan.tp:
+                raise ValueError(f"sequence parallelism over {plan.tp} devices fails for block {bp.block!r} "
+                                 f"(run at capture on fake tensors; it runs over degrees dividing {space.sp_max_tp})")
             if not space.sp_allowed(plan.tp):
                 raise ValueError(f"sequence parallelism over {plan.tp} devices splits the {space.seq_len} positions "
                                  f"of block {bp.block!r} unevenly: use a tp that divides the sequence length")

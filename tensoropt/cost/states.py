@@ -134,4 +134,16 @@ def state_bytes(dtype: str, master_weights: bool = True, precision: str = "", ze
     return MIXED_PRECISION if master_weights and DTYPE_BYTES.get(dtype, 2) < 4 else own_dtype(dtype)
 
 
-__all__ = ["DTYPE_BYTES", "MIXED_PRECISION", "StateBytes", "own_dtype", "state_bytes", "torch_mixed"]
+def checkpoint_bytes(dtype: str, master_weights: bool = True, precision: str = "", zero: int = 0,
+                     grad_dtype: str = "") -> int:
+    """Bytes per parameter a checkpoint of the model states holds, whatever the plan shards (a checkpoint holds each
+    state once, across all ranks): the weights the optimizer steps and its states, no gradients. The torch
+    engine's bf16-mixed steps its float32 weights (4 + AdamW's 8); 32-true 4 + 8, bf16-true 2 + 4; DeepSpeed's bf16
+    mode its bf16 weights beside the float32 master and moments (2 + 12)."""
+    held = state_bytes(dtype, master_weights, precision, zero, grad_dtype)
+    weights = 4 if precision == "bf16-mixed" and not master_weights else DTYPE_BYTES.get(dtype, 2)
+    return weights + held.optimizer
+
+
+__all__ = ["DTYPE_BYTES", "MIXED_PRECISION", "StateBytes", "checkpoint_bytes", "own_dtype", "state_bytes",
+           "torch_mixed"]

@@ -15,6 +15,9 @@ from typing import Any
 
 from .ir import OpGraph
 
+# Bump when capture, op rules or the IR change what a captured graph contains (part of every cache key).
+CAPTURE_VERSION = 12
+
 
 def default_cache_dir() -> Path:
     """``$TENSOROPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/tensoropt``, else ``~/.cache/tensoropt``."""

@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
-from .ir import Op, OpGraph, Ref, TensorMeta
-from .loss import CROSS_ENTROPY_CALLS, check_loss, counting_cross_entropy, describe
+from .ir import CROSS_ENTROPY_CALLS, Op, OpGraph, Ref, TensorMeta
+from .loss import check_loss, counting_cross_entropy, describe
 from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
 from .precision import active_autocast, cuda_autocast_on_cpu
 from .views import FULL, footprint

@@ -164,6 +164,9 @@ class Op:
         )
 
 
+CROSS_ENTROPY_CALLS = "cross_entropy_calls"    # graph metadata: calls of torch's cross-entropy entry point
+
+
 @dataclass(frozen=True)
 class OpGraph:
     """A captured model: ops in execution order plus the model's state and inputs."""

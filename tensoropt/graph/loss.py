@@ -49,7 +49,6 @@ def describe(value: object, top: bool = True) -> str:
     return f"{article}{type(value).__name__}"
 
 
-CROSS_ENTROPY_CALLS = "cross_entropy_calls"    # graph metadata: calls of torch's cross-entropy entry point
 
 
 @contextlib.contextmanager

@@ -23,19 +23,15 @@ precision=...)``, so a ``--model`` planned by ``tensoropt frontier`` is priced a
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.amp.autocast_mode import autocast
 
-from .ir import OpGraph
+from .bf16_meta import BF16_WEIGHTS_META, bf16_weights_graph, with_bf16_weights  # noqa: F401
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
-BF16_WEIGHTS_META = "bf16_weights_graph"     # graph metadata: the model captured with bf16 weights (JSON)
 
 
 def active_autocast() -> torch.dtype | None:
@@ -113,22 +109,3 @@ def weights_in_bf16(model: nn.Module) -> Iterator[None]:
     finally:
         for param, data in zip(params, kept):
             param.data = data
-
-
-def with_bf16_weights(graph: OpGraph, bf16_weights: OpGraph) -> OpGraph:
-    """``graph`` (bf16-mixed: float32 weights under a bf16 autocast) carrying ``bf16_weights``, the same model
-    captured with its weights cast to bf16 under the same autocast, as FSDP2 and DeepSpeed run it. Kept in the
-    metadata so that the graph cache, the launcher and every caller that passes a graph keep both."""
-    meta = dict(graph.metadata) | {BF16_WEIGHTS_META: json.dumps(bf16_weights.to_json())}
-    return replace(graph, metadata=tuple(sorted(meta.items())))
-
-
-def bf16_weights_graph(graph: OpGraph) -> OpGraph | None:
-    """The graph ``with_bf16_weights`` attached, None for a graph captured without one."""
-    text = graph.meta(BF16_WEIGHTS_META)
-    return _parsed(text) if text else None
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed(text: str) -> OpGraph:
-    return OpGraph.from_json(json.loads(text))

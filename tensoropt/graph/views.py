@@ -18,7 +18,10 @@ Examples for ``qkv`` of ``N = 3C`` features: ``qkv.split(C, -1)[1]`` reads ``(C,
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:        # only annotations: the planner reads captured graphs without importing torch
+    import torch
 
 IRREGULAR = (-1,)
 FULL: tuple[int, ...] = ()

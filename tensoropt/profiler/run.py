@@ -23,18 +23,17 @@ Fits:
 
 from __future__ import annotations
 
-import os
-import platform
 import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import collectives
 from . import device as bench
+from .host import device_name, memory_bytes  # noqa: F401  (re-exported)
+from .store import threads_per_worker
 
 # "adam": an offloaded optimizer updates a partition of GBs, so the step is timed on 16M parameters (256 MB of
 # weight, gradient and moments) in both plans: at 1M (16 MB) AdamW ran from the cache, 232M parameters/s against
@@ -118,34 +117,6 @@ def link_of(comm: list[dict]) -> dict:
                      if (points := [c for c in comm if c["op"] == op])}
     return {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency, "efficiency": 1.0,
             "collective_bandwidths_bytes_per_s": by_collective}
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "cpu"
-
-
-def memory_bytes(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read the host's memory size")
-
-
-def threads_per_worker(nproc: int) -> int:
-    """Host threads one of ``nproc`` workers on this machine gets: the cores this process may run on,
-    shared evenly. The profile measures the host optimizer with as many, and the launcher gives GPU
-    workers as many (``OMP_NUM_THREADS``), so that offload runs at the rate it was priced at."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, nproc))
 
 
 def runtime_overhead_bytes(device: str, name: str) -> tuple[int, str]:

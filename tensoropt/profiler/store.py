@@ -48,5 +48,14 @@ def datasheet_profile(device_name: str) -> str:
                          "--out profiles/NAME.json and pass --profile profiles/NAME.json)")
 
 
+def threads_per_worker(nproc: int) -> int:
+    """Host threads one of ``nproc`` workers on this machine gets: the cores this process may run on,
+    shared evenly. The profile measures the host optimizer with as many, and the launcher gives GPU
+    workers as many (``OMP_NUM_THREADS``), so that offload runs at the rate it was priced at."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, nproc))
+
+
+
 __all__ = ["DATASHEETS", "PROFILE_DIR_ENV", "datasheet_profile", "device_slug", "find_measured", "measured_dir",
-           "measured_path"]
+           "measured_path", "threads_per_worker"]

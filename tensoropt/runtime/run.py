@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ import torch
 from ..errors import TensorOptError
 from ..graph.loss import loss_problem, loss_tensor
 from ..space.run_plan import RunPlan
+from . import RUN_DIR_ENV, SIMULATED_MEMORY_ENV  # noqa: F401  (named with the launcher's variables)
+from .checkpoint_files import KEEP
 from .compile import compile_report
 from .device import check_placement, local_tensor, to_device
 
@@ -140,7 +143,7 @@ def _zero3_values(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 CLOSE_GRACE_S = 0.2                 # see Run.close
 OOM_EXIT_CODE = 75                  # a worker ran out of device memory (the launcher re-plans with less)
-RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_MEMORY_BYTES"
+CHECKPOINT_EXIT_CODE = 74           # a checkpoint could not be written or loaded (sysexits' EX_IOERR)
 
 
 def _simulate_out_of_memory(plan: RunPlan | None) -> None:
@@ -158,6 +161,22 @@ def _report_failure(kind: str, step: int, rank: int, message: str) -> None:
         from ..graph.cache import write_json_atomic
         write_json_atomic(Path(run_dir) / f"failure-rank{rank}.json",
                           {"kind": kind, "step": step, "rank": rank, "message": message})
+
+
+@contextlib.contextmanager
+def exit_on_checkpoint_error(step: int, rank: int) -> Iterator[None]:
+    """A checkpoint that cannot be written, or a whole one that does not load, ends the worker with
+    ``CHECKPOINT_EXIT_CODE`` and no traceback: a note the launcher turns into its one-line error (every rank gets
+    the same ``CheckpointError``: the ranks decide together), or, run without the launcher, the line itself on
+    rank 0's stderr."""
+    from ..errors import CheckpointError, error_line
+    try:
+        yield
+    except CheckpointError as exc:
+        _report_failure("checkpoint", step, rank, str(exc))
+        if not os.environ.get(RUN_DIR_ENV) and rank == 0:
+            print(error_line(exc), file=sys.stderr, flush=True)
+        raise SystemExit(CHECKPOINT_EXIT_CODE) from None
 
 
 @contextlib.contextmanager
@@ -198,6 +217,7 @@ class Run:
     start_step: int = 0              # the step this process resumed from: the training loop starts here
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_keep: int = KEEP      # the newest checkpoints kept (launch --keep-checkpoints)
     model: object = field(default=None, repr=False)
     optimizer: object = field(default=None, repr=False)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where this rank trains
@@ -240,7 +260,8 @@ class Run:
             reset_peak_memory(self.device)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             from .checkpoint import save
-            save(Path(self.checkpoint_dir), self.step, self.model, self.optimizer)
+            with exit_on_checkpoint_error(self.step, self.rank):
+                save(Path(self.checkpoint_dir), self.step, self.model, self.optimizer, self.checkpoint_keep)
         return float(loss) if sync else loss
 
     def device_report(self) -> dict:

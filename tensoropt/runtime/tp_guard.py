@@ -14,6 +14,9 @@ It costs one block copy in float32 for a moment, before the model itself is give
 A block the plan runs sequence-parallel is also run that way (``sequence_parallel``: its stream split along the
 sequence, entered and left whole): code outside the branches that mixes positions, which the planner's analysis
 (``space.sp_check``) should have refused, gives other outputs there, or fails inside DTensor, and stops the run.
+Failures that need no values (DTensor refusing an op, autograd refusing an in-place op) are found earlier, at
+capture, where the launcher runs every layout it may offer on fake tensors (``layout_probe``) and offers none
+that fails; what is left here is values.
 """
 
 from __future__ import annotations

@@ -57,7 +57,21 @@ class Columns(ColwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-class ConvRows(RowwiseParallel):
+class Rows(RowwiseParallel):
+    """``RowwiseParallel`` whose whole (all-reduced) output is a tensor of its own. torch's style hands back
+    ``to_local()`` of the all-reduced DTensor: a view made inside a custom autograd function, which autograd
+    forbids to modify in place, while models add into a linear's output in place (Falcon's parallel attention and
+    MLP: ``mlp_output += attention_output``, "Output 0 of _ToTorchTensor is a view and is being modified
+    inplace"); the rank then also exits with the all-reduce pending. The output is copied once out of that view
+    (the copy also waits for the all-reduce); its base is freed at once (nothing saves it)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output else out
+
+
+class ConvRows(Rows):
     """``RowwiseParallel`` for a ``Conv1D``: its (in, out) weight split on dim 0, its bias replicated."""
 
     def _partition(self, _name: str, module: nn.Module, mesh) -> None:
@@ -85,7 +99,7 @@ def row_style(module: nn.Module, sequence_parallel: bool = False) -> RowwisePara
     """The style that shards ``module``'s input features (the ranks' partial outputs are summed: all-reduced,
     or reduce-scattered along the sequence, dim 1, into a sequence-sharded DTensor under sequence parallelism)."""
     kwargs = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}
-    return ConvRows(**kwargs) if linear_kind(module) == "conv1d" else RowwiseParallel(**kwargs)
+    return ConvRows(**kwargs) if linear_kind(module) == "conv1d" else Rows(**kwargs)
 
 
 def shard_copy(copy: nn.Module, branches: Branches, tp_mesh, sp_layout: Branches | None = None, name: str = "",
@@ -109,4 +123,4 @@ def styles(copy: nn.Module, branches: Branches, tp: int, sequence_parallel: bool
     return out
 
 
-__all__ = ["Columns", "ConvRows", "column_style", "row_style", "shard_copy", "styles"]
+__all__ = ["Columns", "ConvRows", "Rows", "column_style", "row_style", "shard_copy", "styles"]

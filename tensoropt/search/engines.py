@@ -13,8 +13,8 @@ which names the engine that runs it. Plain data on a ``Plan``: no GPU.
 from __future__ import annotations
 
 from ..errors import TensorOptError
+from ..graph.bf16_meta import bf16_weights_graph
 from ..graph.ir import OpGraph
-from ..graph.precision import bf16_weights_graph
 from ..space.plan import Plan
 from ..space.run_plan import ENGINES
 
@@ -24,6 +24,11 @@ ENGINE_SPACES = {
     "deepspeed": dict(zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), sequence_parallel=False,
                       offload=True, max_virtual_stages=1, pipeline_stages=(1,), tensor_parallel=(1,)),
 }
+
+# how an engine's plans checkpoint (launch --checkpoint-dir, --elastic): a launch that checkpoints searches only the
+# plans of these engines, and a worker refuses to checkpoint under another. DeepSpeed's own checkpoints
+# (engine.save_checkpoint) hold ZeRO partitions in its own layout, which do not load into another plan's engine.
+CHECKPOINTS = {"torch": "torch.distributed.checkpoint"}
 
 # with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP, FSDP2 ZeRO 1-3, tensor
 # parallelism and pipeline stages (interleaved too) around or inside compiled copies, plain or fully recomputed. Not
@@ -128,5 +133,5 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
                          "engine does not apply" + ("" if requested else " (nor does DeepSpeed)"))
 
 
-__all__ = ["COMPILED_PLANS", "COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine",
+__all__ = ["CHECKPOINTS", "COMPILED_PLANS", "COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine",
            "computes_with_bf16_weights", "grad_dtypes", "master_weights", "priced_graph", "unsupported"]

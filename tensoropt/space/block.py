@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..graph.fold import common_scope
 from ..graph.ir import Op
 from .fused import FeatureLayout, feature_layout
-from .sp_check import sequence_refusal
+from .sp_check import SP_CHECK_KEY, sequence_refusal
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class BlockSpace:
     refused: tuple[tuple[str, str], ...] = ()   # (branch, why) of branches that cannot be sharded
     sequence_refused: str = "not analysed"       # why the stream cannot be split by sequence ("" if it can)
     seq_len: int | None = None
+    sp_max_tp: int = 0              # sequence parallelism's degrees divide it (run at capture); 0: not run
 
     def tp_allowed(self, tp: int) -> bool:
         return tp == 1 or (bool(self.branches) and all(b.max_tp % tp == 0 for b in self.branches))
@@ -53,7 +54,8 @@ class BlockSpace:
     def sp_allowed(self, tp: int) -> bool:
         """Whether a copy may run sequence-parallel over ``tp`` ranks: a per-token stream (``space.sp_check``) whose
         sequence ``tp`` divides."""
-        return tp > 1 and not self.sequence_refused and bool(self.seq_len) and self.seq_len % tp == 0
+        return tp > 1 and not self.sequence_refused and bool(self.seq_len) and self.seq_len % tp == 0 \
+            and (not self.sp_max_tp or self.sp_max_tp % tp == 0)
 
 
 def _weight(op: Op):
@@ -73,8 +75,10 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
     """Branches, stream and attention core of a block template (sources coded local/prev).
 
     ``checks`` are the capture-time runs of each branch on one rank's share (``space.tp_check``:
-    {branch: {"max_tp": m} | {"refused": why}}): a refused branch stays replicated, a checked one is
-    planned up to its checked degree. None (a graph captured without them) plans what the data flow allows.
+    {branch: {"max_tp": m} | {"refused": why}}, joined by the runtime's own runs where the launcher captured the
+    model, ``runtime.layout_probe``, with the block's sequence-parallel run under ``SP_CHECK_KEY``): a refused
+    branch stays replicated, a checked one is planned up to its checked degree. None (a graph captured without
+    them) plans what the data flow allows.
 
     Tensors are labelled as Megatron-LM treats them: the stream (replicated) starts at the
     block's inputs; a linear reading the stream is column-parallel and its output is sharded; a
@@ -128,6 +132,10 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
             candidates.append((cols, rows, tuple(i for i in members if not role[i])))
     branches, refused = [], []
     for (cols, rows, inner), name in zip(candidates, _branch_names(ops, [c + r for c, r, _ in candidates])):
+        if held := _inner_parameters(ops, cols + rows, inner, constant):
+            refused.append((name, f"the ops between its linears read {', '.join(held)}: each rank would compute a "
+                                  "partial sum of their gradients over its share, which the runtime does not add up"))
+            continue
         layouts = [feature_layout(ops, c, out_features(ops[c])) for c in cols]
         if why := next((f"{ops[c].module_path or 'a linear'}: {lay}" for c, lay in zip(cols, layouts)
                         if isinstance(lay, str)), None):
@@ -145,8 +153,30 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
     in_branch = {i for b in branches for i in b.ops}
     stream = tuple(i for i in range(n) if i not in in_branch)
     core = tuple(sorted({i for b in branches for i in _attention_core(ops, b)}))
-    return BlockSpace(tuple(branches), stream, core, carried_bytes, tuple(sorted(refused)),
-                      sequence_refusal(ops, in_branch, seq_len), seq_len)
+    sequence_refused = sequence_refusal(ops, in_branch, seq_len)
+    probed = (checks or {}).get(SP_CHECK_KEY, {})       # the runtime's run at capture (``runtime.layout_probe``)
+    if not sequence_refused and "refused" in probed:
+        sequence_refused = probed["refused"]
+    return BlockSpace(tuple(branches), stream, core, carried_bytes, tuple(sorted(refused)), sequence_refused, seq_len,
+                      int(probed.get("max_tp", 0)))
+
+
+def _inner_parameters(ops: tuple[Op, ...], linears: tuple[int, ...], inner: tuple[int, ...],
+                      constant: list[bool]) -> list[str]:
+    """Parameters other than the branch's linears' own that its inner ops read, directly or through constant ops (a
+    cast): Qwen3's per-head ``q_norm``/``k_norm`` weights. Each rank uses the whole of such a weight on its share of
+    the heads, so its gradient there is a partial sum that the runtime would have to add over the ranks."""
+    owners = {r.name.rpartition(".")[0] for i in linears for r in ops[i].sources if r.kind == "param"}
+    memo: dict[int, set[str]] = {}
+
+    def read(i: int) -> set[str]:
+        if i not in memo:
+            memo[i] = {r.name for r in ops[i].sources if r.kind == "param"}
+            for r in ops[i].sources:
+                if r.kind == "local" and constant[r.index]:
+                    memo[i] |= read(r.index)
+        return memo[i]
+    return sorted({name for i in inner for name in read(i) if name.rpartition(".")[0] not in owners})
 
 
 def _attention_core(ops: tuple[Op, ...], branch: Branch) -> set[int]:

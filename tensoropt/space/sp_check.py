@@ -15,9 +15,14 @@ runtime would otherwise run it on a share of the sequence).
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
 from ..graph.ir import Op
+from .pointwise_table import POINTWISE
+
+# a block's entry in the capture checks (``space.tp_meta.TP_CHECKS_META``): the runtime's run of its first copy
+# sequence-parallel on fake tensors (``runtime.layout_probe``), {"max_tp": m} | {"refused": why}; no branch is named so
+SP_CHECK_KEY = "<sequence parallelism>"
 
 # reductions that, when they keep (batch, sequence), reduce over features only
 PER_TOKEN_REDUCTIONS = {"sum", "mean", "amax", "amin", "var", "var_mean", "std", "norm", "linalg_vector_norm",
@@ -75,14 +80,57 @@ def _not_per_token(op: Op, seq_len: int) -> str:
 
 
 def _pointwise(target: str) -> bool:
-    """Whether ATen tags the overload ``pointwise`` (its output element i depends on input elements i only)."""
-    namespace, _, rest = target.partition(".")
-    packet_name, _, overload = rest.partition(".")
-    try:
-        packet = getattr(getattr(torch.ops, namespace), packet_name)
-        return torch.Tag.pointwise in getattr(packet, overload or "default").tags
-    except (AttributeError, RuntimeError):
-        return False
+    """Whether ATen tags the overload ``pointwise`` (its output element i depends on input elements i only): read from
+    ``pointwise_table``, ATen's tags written out, so that planning a captured graph needs no torch."""
+    return target in POINTWISE
 
 
-__all__ = ["sequence_refusal"]
+def tagged_pointwise() -> frozenset[str]:
+    """The aten and prims overloads the installed torch tags ``pointwise`` (what ``pointwise_table`` holds).
+
+    Only the prims that ``torch._prims`` itself defines count: other modules register more in that namespace when
+    they are imported (inductor's ``prims.fma``), so the registry's contents depend on what a process imported
+    before; a capture never records those."""
+    import torch
+    import torch._prims
+
+    own_prims = set(torch._prims.__all__)
+    names = set()
+    for full in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = full.partition("::")
+        if namespace not in ("aten", "prims"):
+            continue
+        name, _, overload = rest.partition(".")
+        if namespace == "prims" and name not in own_prims:
+            continue
+        try:
+            op = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+        except (AttributeError, RuntimeError):
+            continue
+        if torch.Tag.pointwise in op.tags:
+            names.add(f"{namespace}.{name}.{overload or 'default'}")
+    return frozenset(names)
+
+
+def write_pointwise_table() -> None:
+    """Rewrite ``pointwise_table.py`` from the installed torch (``python -m tensoropt.space.sp_check``)."""
+    import torch
+
+    path = Path(__file__).with_name("pointwise_table.py")
+    names = "\n".join(f"    {n!r}," for n in sorted(tagged_pointwise()))
+    path.write_text(f'''"""ATen's pointwise overloads, as torch {torch.__version__} tags them (``torch.Tag.pointwise``):
+written by ``python -m tensoropt.space.sp_check`` (do not edit); tests/test_space.py compares it with the installed
+torch."""
+
+TORCH_VERSION = {torch.__version__!r}
+POINTWISE = frozenset({{
+{names}
+}})
+''')
+
+
+__all__ = ["SP_CHECK_KEY", "sequence_refusal", "tagged_pointwise", "write_pointwise_table"]
+
+
+if __name__ == "__main__":
+    write_pointwise_table()

@@ -19,7 +19,6 @@ against the unsharded block's on a small real input.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 
@@ -30,8 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..graph.fold import fold
 from ..graph.ir import Op, OpGraph
 from .block import analyse_block, in_features, out_features, owner_module
+from .tp_meta import TP_CHECKS_META, tp_checks, with_tp_checks
 
-TP_CHECKS_META = "tp_checks"     # graph metadata: {block: {branch: {"max_tp": m} | {"refused": why}}}
 MAX_CHECKED_TP = 64              # degrees above this are never planned (no node holds more devices)
 
 
@@ -76,19 +75,6 @@ def _stricter(a: dict | None, b: dict) -> dict:
     if a is None or "refused" in a:
         return a or b
     return b if "refused" in b else {"max_tp": math.gcd(a["max_tp"], b["max_tp"])}
-
-
-def with_tp_checks(graph: OpGraph, checks: dict) -> OpGraph:
-    """``graph`` with the checks recorded in its metadata."""
-    from dataclasses import replace
-    meta = dict(graph.metadata) | {TP_CHECKS_META: json.dumps(checks, sort_keys=True)}
-    return replace(graph, metadata=tuple(sorted(meta.items())))
-
-
-def tp_checks(graph: OpGraph, block: str) -> dict | None:
-    """The recorded checks of ``block``'s branches; None for a graph captured without them (planned as analysed)."""
-    text = graph.meta(TP_CHECKS_META)
-    return None if text is None else json.loads(text).get(block, {})
 
 
 def linear_kind(module: nn.Module) -> str | None:

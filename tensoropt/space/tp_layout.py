@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..graph.fold import FoldedGraph, fold
 from ..graph.ir import Op, OpGraph
 from .block import Branch, analyse_block, owner_module
-from .tp_check import tp_checks
+from .tp_meta import tp_checks
 
 TP_LAYOUT_KEY = "tp_layout"
 
@@ -39,6 +39,21 @@ def tp_layout(graph: OpGraph, folded: FoldedGraph | None = None) -> dict[str, li
     return out
 
 
+def not_offered(graph: OpGraph, folded: FoldedGraph | None = None) -> list[str]:
+    """One line per layout the space leaves out of every plan, with its reason: each branch tensor parallelism
+    keeps replicated (``space.block``, ``space.tp_check``, the runtime's run at capture) and each block that is
+    never run sequence-parallel (``space.sp_check``, the same run); for ``launch`` and ``inspect`` to state."""
+    folded = folded or fold(graph)
+    seq_len = int(graph.meta("seq_len") or 0) or None
+    out = []
+    for block in folded.blocks:
+        space = analyse_block(block.ops, seq_len, checks=tp_checks(graph, block.name))
+        out += [f"{block.name}: branch {name!r} not sharded: {why}" for name, why in space.refused]
+        if space.branches and space.sequence_refused:
+            out.append(f"{block.name}: no sequence parallelism: {space.sequence_refused}")
+    return out
+
+
 def _branch(branch: Branch, ops: tuple[Op, ...], scope: str) -> dict:
     out = {"branch": branch.name, "column": [owner_module(ops[i], scope) for i in branch.column],
            "row": [owner_module(ops[i], scope) for i in branch.row], "max_tp": branch.max_tp}
@@ -47,4 +62,4 @@ def _branch(branch: Branch, ops: tuple[Op, ...], scope: str) -> dict:
     return out | ({"segments": segments} if segments else {})
 
 
-__all__ = ["TP_LAYOUT_KEY", "tp_layout"]
+__all__ = ["TP_LAYOUT_KEY", "not_offered", "tp_layout"]

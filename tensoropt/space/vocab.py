@@ -23,10 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from torch import nn
-
-from ..graph.ir import Op, OpGraph, dtype_bytes
-from ..graph.loss import CROSS_ENTROPY_CALLS
+from ..graph.ir import CROSS_ENTROPY_CALLS, Op, OpGraph, dtype_bytes
 
 VOCAB_META = "vocab_check"          # graph metadata: {"refused": why} when the model's modules cannot be sharded
 VOCAB_PARALLEL_KEY = "vocab_parallel"   # plan.json: the layout the workers apply (``VocabLayout.for_tp``)
@@ -159,6 +156,8 @@ def _only_feeds_loss(ops: tuple[Op, ...], consumers: dict[int, list[Op]], head: 
 def check_vocab_modules(model, graph: OpGraph) -> dict:
     """At capture time, with the model at hand: {} when the graph's embedding and head are an ``nn.Embedding``
     and an ``nn.Linear`` (what ``RowwiseParallel`` / ``ColwiseParallel`` shard), else {"refused": why}."""
+    from torch import nn  # capture time only: the planner reads the recorded check without torch
+
     layout = vocab_layout(graph)
     if layout.refused:
         return {}

@@ -1,0 +1,112 @@
+"""Offered means runnable (issue 37): layouts the workers could not run are refused at capture, with their reason.
+
+``runtime.layout_probe`` shards each block's first copy as the workers do, on a fake process group, and runs it
+forward and backward on fake tensors; ``space.block`` keeps branches whose inner ops read parameters replicated.
+Small hand-written blocks, captured on meta (no process starts)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+from tensoropt.graph.capture import trace_module
+from tensoropt.graph.fold import fold
+from tensoropt.runtime import tp_styles
+from tensoropt.runtime.layout_probe import probe_layouts
+from tensoropt.space.block import analyse_block
+from tensoropt.space.sp_check import SP_CHECK_KEY
+from tensoropt.space.tp_check import check_tensor_parallel, tp_checks, with_tp_checks
+from tensoropt.space.tp_layout import not_offered
+
+HIDDEN, HEADS, SEQ = 32, 4, 8
+
+
+class Block(nn.Module):
+    """ln -> up -> gelu -> down, added to the stream; ``shape`` varies what the block does around that branch."""
+
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.shape, self.ln = shape, nn.LayerNorm(HIDDEN)
+        self.up, self.down = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+        self.head_norm = nn.RMSNorm(4 * HIDDEN // HEADS)
+        self.register_buffer("scale", torch.ones(HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.ln(x))
+        if self.shape == "head-norm":         # a norm with a weight between the linears, per head (Qwen3's q_norm)
+            h = self.head_norm(h.view(*h.shape[:2], HEADS, -1)).flatten(2)
+        y = self.down(F.gelu(h))
+        if self.shape == "in-place":          # Falcon: mlp_output += attention_output
+            y += x
+            return y
+        if self.shape == "stream-buffer":     # a buffer scaling the stream (a plain tensor beside the DTensor stream)
+            return x * self.scale + y
+        return x + y
+
+
+class Model(nn.Module):
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(shape) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def captured(shape: str, probe: bool = True):
+    with torch.device("meta"):
+        model = Model(shape)
+    inputs = (torch.empty(2, SEQ, HIDDEN, device="meta"),)
+    graph = trace_module(model, inputs, shape, {"seq_len": str(SEQ), "batch_size": "2"}, require_loss=True)
+    graph = with_tp_checks(graph, check_tensor_parallel(model, inputs, graph))
+    return with_tp_checks(graph, probe_layouts(model, inputs, graph)) if probe else graph
+
+
+def block_space(graph):
+    (block,) = fold(graph).blocks
+    return analyse_block(block.ops, SEQ, checks=tp_checks(graph, block.name))
+
+
+def test_a_plain_block_is_offered_every_layout():
+    graph = captured("plain")
+    space = block_space(graph)
+    assert [b.name for b in space.branches] == ["up+down"] and space.sp_allowed(2) and space.sp_allowed(8)
+    assert json.loads(graph.meta("tp_checks"))["layers.*"][SP_CHECK_KEY] == {"max_tp": 8}
+    assert not_offered(graph) == []
+
+
+def test_a_buffer_in_the_stream_refuses_sequence_parallelism_at_capture():
+    """The analysis accepts it (a pointwise mul); the runtime's sequence-parallel copy fails: refused with why."""
+    assert block_space(captured("stream-buffer", probe=False)).sp_allowed(2)
+    graph = captured("stream-buffer")
+    space = block_space(graph)
+    assert not space.sp_allowed(2) and [b.name for b in space.branches] == ["up+down"]
+    assert "got mixed torch.Tensor and DTensor" in space.sequence_refused
+    (line,) = not_offered(graph)
+    assert line.startswith("layers.*: no sequence parallelism: sequence parallelism on 2 tensor-parallel ranks the "
+                           "runtime's sharded layers.1 fails on fake tensors: RuntimeError: aten.mul.Tensor got mixed")
+
+
+def test_a_row_output_added_into_in_place_runs_sharded(monkeypatch):
+    """Falcon's ``mlp_output += attention_output``: runs with the runtime's row style; with torch's own (a view of
+    the all-reduced output) the capture refuses the branch with the error the workers met."""
+    assert [b.name for b in block_space(captured("in-place")).branches] == ["up+down"]
+    monkeypatch.setattr(tp_styles.Rows, "_prepare_output_fn", staticmethod(RowwiseParallel._prepare_output_fn))
+    space = block_space(captured("in-place"))
+    assert not space.branches
+    ((name, why),) = space.refused
+    assert name == "up+down" and "is a view and is being modified inplace" in why
+
+
+@pytest.mark.parametrize("probe", [False, True])
+def test_a_parameter_between_the_linears_keeps_the_branch_replicated(probe):
+    """Qwen3's per-head q_norm/k_norm: each rank's gradient of the norm weight is a partial sum over its heads."""
+    space = block_space(captured("head-norm", probe))
+    assert not space.branches
+    ((name, why),) = space.refused
+    assert name == "up+down" and why.startswith("the ops between its linears read layers.1.head_norm.weight")
