@@ -110,3 +110,41 @@ def test_a_parameter_between_the_linears_keeps_the_branch_replicated(probe):
     assert not space.branches
     ((name, why),) = space.refused
     assert name == "up+down" and why.startswith("the ops between its linears read layers.1.head_norm.weight")
+
+
+def test_the_row_style_sums_in_place_into_a_tensor_of_its_own(one_rank):
+    """No copy beside the matmul's output (Megatron's reduce from the model-parallel region): the partial outputs
+    are all-reduced in place (c10d's ``allreduce_``, not the functional all-reduce that copies, nor a clone),
+    the model may add into the output in place, and values and gradients are the unsharded module's."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
+    sharded = copy.deepcopy(whole)
+    parallelize_module(sharded, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": tp_styles.Rows()})
+    x = torch.randn(2, SEQ, HIDDEN)
+    with Ops() as ops:
+        y = sharded(x)
+    assert "c10d.allreduce_.default" in ops.names, ops.names
+    assert not [n for n in ops.names if "clone" in n or "copy" in n or "_c10d_functional" in n], ops.names
+    y += x                                  # Falcon's in-place add into a row linear's output
+    (y.square().mean()).backward()
+    want = whole(x)
+    want += x
+    want.square().mean().backward()
+    torch.testing.assert_close(y, want)
+    for (name, got), (_, ref) in zip(sharded.named_parameters(), whole.named_parameters(), strict=True):
+        torch.testing.assert_close(got.grad.full_tensor(), ref.grad, msg=name)

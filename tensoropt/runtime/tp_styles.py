@@ -19,8 +19,9 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..space.fused import segment_order
@@ -57,18 +58,45 @@ class Columns(ColwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
+class _SumOfPartials(torch.autograd.Function):
+    """The sum over the tensor-parallel ranks of a row linear's partial output, all-reduced in place into the
+    matmul's own output and handed back as a plain tensor (Megatron-LM's reduce from the model-parallel region).
+
+    torch's ``RowwiseParallel`` redistributes the partial DTensor to ``Replicate()`` (a functional all-reduce,
+    which copies its input) and hands back ``to_local()``: a view made inside a custom autograd function, which
+    autograd forbids to modify in place, while models add into a row linear's output in place (Falcon's parallel
+    attention and MLP: ``mlp_output += attention_output``). Here the output is the partial sum's own storage,
+    summed in place: no copy, and the model may modify it. The gradient of every rank's partial output is the
+    whole output's gradient: a replicated DTensor (as torch's redistribution gives it)."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        ctx.mesh = partial.device_mesh
+        local = partial._local_tensor
+        dist.all_reduce(local, group=ctx.mesh.get_group())
+        return local
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DTensor.from_local(grad, ctx.mesh, [Replicate()], run_check=False)
+
+
 class Rows(RowwiseParallel):
-    """``RowwiseParallel`` whose whole (all-reduced) output is a tensor of its own. torch's style hands back
-    ``to_local()`` of the all-reduced DTensor: a view made inside a custom autograd function, which autograd
-    forbids to modify in place, while models add into a linear's output in place (Falcon's parallel attention and
-    MLP: ``mlp_output += attention_output``, "Output 0 of _ToTorchTensor is a view and is being modified
-    inplace"); the rank then also exits with the all-reduce pending. The output is copied once out of that view
-    (the copy also waits for the all-reduce); its base is freed at once (nothing saves it)."""
+    """``RowwiseParallel`` whose whole output is summed in place and is a tensor of its own (``_SumOfPartials``);
+    under sequence parallelism (``use_local_output=False``, reduce-scattered to ``Shard(1)``) torch's own.
+
+    Under ``torch.compile`` dynamo traces the in-place sum as a functional all-reduce whose output it treats as
+    the function's view, so there the sum is torch's and its ``to_local()`` view is cloned (inductor schedules
+    that copy with the rest of the block; whether it fuses it away is not measured)."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return out.clone() if use_local_output else out
+        if use_local_output and isinstance(outputs, DTensor) and tuple(output_layouts) == (Replicate(),) \
+                and all(p.is_partial() and p.reduce_op == "sum" for p in outputs.placements):
+            if not torch.compiler.is_compiling():
+                return _SumOfPartials.apply(outputs)
+            return RowwiseParallel._prepare_output_fn(output_layouts, True, mod, outputs, device_mesh).clone()
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 class ConvRows(Rows):
