@@ -40,9 +40,12 @@ def test_profile_matches_the_schema_the_cost_model_reads(quick_profile):
     assert profile.measured and data["schema_version"] == 1
     assert {"device_name", "device_count", "torch", "date", "method", "quick"} <= set(data["metadata"])
     assert data["metadata"]["device_count"] == 2 and data["metadata"]["quick"] is True
-    assert profile.peak("float32") > 1e9 and profile.peak("bfloat16") > 1e9
-    assert profile.memory_bandwidth_bytes_per_s > 1e8 and profile.intra_node.bandwidth_bytes_per_s > 1e6
-    assert 0 < profile.intra_node.latency_s < 0.1 and 0 < profile.kernel_overhead_s < 1e-3
+    # measured rates: positive and finite (how fast they are depends on the CPU and its load: bf16 matmuls on a
+    # loaded AVX2 core measured 0.64 GFLOP/s; a timing floor here failed a correct profile)
+    rates = (profile.peak("float32"), profile.peak("bfloat16"), profile.memory_bandwidth_bytes_per_s,
+             profile.intra_node.bandwidth_bytes_per_s)
+    assert all(0 < r < float("inf") for r in rates), rates
+    assert 0 < profile.intra_node.latency_s < float("inf") and 0 < profile.kernel_overhead_s < float("inf")
     assert all(0 < e <= 1 for _, e in profile.matmul_efficiency)
 
 
