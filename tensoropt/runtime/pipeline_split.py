@@ -3,8 +3,8 @@
 ``torch.export`` traces the model on one micro-batch (its shapes become the stage-to-stage message shapes,
 which pipelining needs to know in advance) and the cut points are the plan's block copies, so stage ``s``
 runs its equal share of copies, stage 0 also what comes before the first copy (embeddings) and the last
-stage what comes after the last (head and loss: the model's forward returns the loss, so the last stage's
-output is the loss).
+stage what comes after the last (head and loss: the model's forward returns the loss, or an output with ``.loss``
+traced as returning that alone, ``pipeline_trace``, so the last stage's output is the loss).
 """
 
 from __future__ import annotations
