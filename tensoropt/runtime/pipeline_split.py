@@ -76,6 +76,23 @@ def retarget_devices(stage_module: nn.Module, device: torch.device) -> None:
             graph_module.recompile()
 
 
+def non_persistent_buffers(model: nn.Module) -> set[str]:
+    """The full names of ``model``'s buffers it keeps out of its state dict (``persistent=False``: a Llama's
+    rotary ``inv_freq``)."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            for name in module._non_persistent_buffers_set}
+
+
+def keep_out_of_state_dict(stage_module: nn.Module, names: set[str]) -> None:
+    """Mark the stage module's buffers the model kept out of its state dict (``non_persistent_buffers``) as such
+    again: ``torch.export`` lifts every buffer, and the unflattened stage would save them, so its state dict (a
+    checkpoint, ``Run.full_state_dict``) would hold names the model's does not."""
+    for prefix, module in stage_module.named_modules():
+        for name in module._buffers:
+            if (f"{prefix}.{name}" if prefix else name) in names:
+                module._non_persistent_buffers_set.add(name)
+
+
 def split_spec(model: nn.Module, plan: Plan) -> dict:
     """Split points before the first copy of every stage but the first, for ``pp * virtual_stages`` stages
     (device ``r`` runs stages ``r, r + pp, ...``: each gets an equal share of its device's copies). Refuses a
@@ -258,5 +275,6 @@ def _carried(stages: list, boundary: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-__all__ = ["Relay", "Wiring", "example_micro_batch", "retarget_devices", "split_spec", "message_gradients",
+__all__ = ["Relay", "Wiring", "example_micro_batch", "keep_out_of_state_dict", "message_gradients",
+           "non_persistent_buffers", "retarget_devices", "split_spec",
            "stage_messages", "stage_wiring", "tie_within_stage"]
