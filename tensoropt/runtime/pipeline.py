@@ -50,8 +50,8 @@ from .pipeline_split import (
     Relay,
     example_micro_batch,
     keep_out_of_state_dict,
-    non_persistent_buffers,
     retarget_devices,
+    saved_buffers,
     split_spec,
     stage_messages,
     stage_wiring,
@@ -93,7 +93,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
     mine = [pp_rank + k * pp for k in range(virtual)]
     tied, recomputed = tied_parameters(model), recompute_wrappers(model, plan)
-    unsaved = non_persistent_buffers(model)
+    saved = saved_buffers(model)
     compiled = set(compiled_modules(model, plan))
     signature = inspect.signature(model.forward)
     if tp > 1:
@@ -115,7 +115,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     for s in mine:
         module = pipe.get_stage_module(s)
         retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
-        keep_out_of_state_dict(module, unsaved)
+        keep_out_of_state_dict(module, saved)
         shared[s] = tie_within_stage(module, tied, held[s])
         received, sent = stage_messages(pipe, s)
         boundaries = sequence_parallel_boundaries(plan, s, (stream_message(received, tp) is not None,

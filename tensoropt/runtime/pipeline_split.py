@@ -76,20 +76,21 @@ def retarget_devices(stage_module: nn.Module, device: torch.device) -> None:
             graph_module.recompile()
 
 
-def non_persistent_buffers(model: nn.Module) -> set[str]:
-    """The full names of ``model``'s buffers it keeps out of its state dict (``persistent=False``: a Llama's
-    rotary ``inv_freq``)."""
-    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-            for name in module._non_persistent_buffers_set}
+def saved_buffers(model: nn.Module) -> set[str]:
+    """The full names of the buffers ``model`` saves in its state dict (not those registered ``persistent=False``,
+    such as a Llama's rotary ``inv_freq``)."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules(remove_duplicate=False)
+            for name in module._buffers if name not in module._non_persistent_buffers_set}
 
 
-def keep_out_of_state_dict(stage_module: nn.Module, names: set[str]) -> None:
-    """Mark the stage module's buffers the model kept out of its state dict (``non_persistent_buffers``) as such
-    again: ``torch.export`` lifts every buffer, and the unflattened stage would save them, so its state dict (a
-    checkpoint, ``Run.full_state_dict``) would hold names the model's does not."""
+def keep_out_of_state_dict(stage_module: nn.Module, saved: set[str]) -> None:
+    """Mark every buffer of the stage module that the model does not save (``saved_buffers``) as not persistent:
+    ``torch.export`` lifts every buffer, and the constants a forward makes (Falcon's ``lifted_tensor_0``...), into
+    the unflattened stage, whose state dict (a checkpoint, ``Run.full_state_dict``) would then hold names the
+    model's does not."""
     for prefix, module in stage_module.named_modules():
         for name in module._buffers:
-            if (f"{prefix}.{name}" if prefix else name) in names:
+            if (f"{prefix}.{name}" if prefix else name) not in saved:
                 module._non_persistent_buffers_set.add(name)
 
 
@@ -276,5 +277,5 @@ def _carried(stages: list, boundary: int) -> tuple[str, ...]:
 
 
 __all__ = ["Relay", "Wiring", "example_micro_batch", "keep_out_of_state_dict", "message_gradients",
-           "non_persistent_buffers", "retarget_devices", "split_spec",
+           "retarget_devices", "saved_buffers", "split_spec",
            "stage_messages", "stage_wiring", "tie_within_stage"]
