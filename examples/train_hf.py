@@ -11,10 +11,14 @@ Each architecture has a shape that makes tensor parallelism over it delicate:
   split at ``n_embd`` (never sharded), the MLP's ``c_fc -> c_proj`` is.
 - ``falcon`` (``FalconForCausalLM``): attention and MLP run in parallel from one input, multi-query attention;
   the MLP's output is added into in place (``mlp_output += attention_output``).
+- ``llama`` (``LlamaForCausalLM``): grouped-query attention (2 key/value heads for 4 query heads), rotary tables
+  made once before the first layer (relayed between pipeline stages).
 - ``qwen3`` (``Qwen3ForCausalLM``): per-head RMSNorm on q and k inside the attention, whose weights' gradients
   would be partial sums over each rank's heads: its attention is kept replicated, the MLP sharded.
 
-Dropout is 0 and the model float32, so every plan reproduces the losses of this script run alone.
+Every model's forward returns a ``CausalLMOutput`` with ``.loss`` (the labels shifted inside) and ``.logits``; under
+pipeline stages the last one computes that loss (``runtime.pipeline_trace``). Dropout is 0 and the model float32, so
+every plan reproduces the losses of this script run alone.
 """
 
 import argparse
@@ -38,6 +42,9 @@ CONFIGS = {
     "falcon": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, multi_query=True, parallel_attn=True,
                    new_decoder_architecture=False, alibi=False, bias=False, vocab_size=128, bos_token_id=1,
                    eos_token_id=2, hidden_dropout=0.0, attention_dropout=0.0),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  attention_dropout=0.0),
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                   attention_dropout=0.0),

@@ -12,7 +12,15 @@ from tensoropt.errors import TensorOptError
 from tensoropt.options import limit_options
 from tensoropt.runtime import RUN_DIR_ENV
 from tensoropt.runtime.checkpoint_files import KEEP
-from tensoropt.search.engines import CHECKPOINTS, COMPILE_SPACES, choose_engine
+from tensoropt.search.engines import (
+    CHECKPOINTS,
+    COMPILE_SPACES,
+    choose_engine,
+    pipeline_refused,
+    pipelines_not_offered,
+    staged_tp_refused,
+    tp_in_stages,
+)
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.space.plan import PRECISIONS
 from tensoropt.space.run_plan import RunPlan
@@ -151,7 +159,7 @@ def launch(script, gpus, device, profile, mem_per_gpu, objective, plan_path, eng
     plan_file = L.write_plan(Path(run_dir), point, engine, why, argv, graph, devices.kind)
     click.echo(f"devices: {world} x {devices.kind} ({devices.memory_bytes / 2**30:.1f} GiB each), profile "
                f"{devices.profile_name}" + (f"; {devices.note}" if devices.note else ""))
-    for line in not_offered(graph, L.folded(graph)):
+    for line in not_offered(graph, L.folded(graph)) + pipelines_not_offered(graph):
         click.echo(f"not offered: {line}")
     click.echo(f"chosen: {point.plan.summary()} (engine {engine})")
     click.echo(f"predicted: {point.iteration_time_s:.4f} s/iteration, {point.peak_memory_bytes / 2**30:.2f} GiB "
@@ -213,6 +221,10 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
                              f"{planned}, this script's model repeats {blocks}")
     if plan.devices != devices.count:
         raise TensorOptError(f"{source} is a plan for {plan.devices} devices, this launch has {devices.count}")
+    if plan.pp > 1 and (refused := pipeline_refused(graph)):
+        raise TensorOptError(f"{source} has {plan.pp} pipeline stages, which this model does not run in: {refused}")
+    if tp_in_stages(plan) and (refused := staged_tp_refused(graph)):
+        raise TensorOptError(f"{source} runs tp {plan.tp} inside {plan.pp} pipeline stages: {refused}")
     try:
         engine = choose_engine(L.planned_precision(plan, "torch", precision), engine or written.engine or None)
     except TensorOptError as exc:

@@ -21,7 +21,15 @@ from tensoropt.runtime import PLAN_ENV
 from tensoropt.runtime.ds_config import deepspeed_config
 from tensoropt.runtime.precision_names import PRECISION_ENV, checked, of_plan
 from tensoropt.runtime.precision_names import words as precision_words
-from tensoropt.search.engines import COMPILED_PLANS, ENGINE_SPACES, ENGINES, master_weights, priced_graph
+from tensoropt.search.engines import (
+    COMPILED_PLANS,
+    ENGINE_SPACES,
+    ENGINES,
+    master_weights,
+    pipeline_refused,
+    priced_graph,
+    staged_tp_refused,
+)
 from tensoropt.search.ft import FrontierPoint
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.space.plan import Plan, compute_dtype
@@ -127,9 +135,9 @@ def runnable_front(graph: OpGraph, devices: Devices, per_node: int, engine: str 
     """The frontier of plans an engine can run, whatever their memory: ``tensoropt.plan`` over the engines
     (``engine`` alone if given), fastest first; on a tie the engine listed first in ENGINES wins.
     ``pipeline=False`` leaves pipeline stages out of the space (elastic runs: checkpoints of stages
-    are not resharded yet; ``tensoropt.plan`` also leaves them out for a model whose forward returns more than
-    the loss). The user's ``limits`` narrow each engine's part of the space. Every plan is priced in
-    ``precision`` (default ``default_precision``) as its engine holds it."""
+    are not resharded yet; ``tensoropt.plan`` also leaves them out for a model whose forward returns no loss the
+    last stage can compute, ``search.engines.pipeline_refused``). The user's ``limits`` narrow each engine's part
+    of the space. Every plan is priced in ``precision`` (default ``default_precision``) as its engine holds it."""
     try:
         front = _plan(graph, devices, per_node, engine, pipeline, limits, precision, fits=False)
     except NoPlanError:
@@ -170,7 +178,8 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str,
         if limits:
             engines = f", engine {' or '.join(_engines(engine))}" if engine else ""
             raise TensorOptError(f"no plan the runtime can apply on {devices.count} devices respects {limits.flags()} "
-                                 f"(global batch {global_batch}{engines}): relax the limits") from None
+                                 f"(global batch {global_batch}{engines}): "
+                                 f"{_pipelines_refused(graph, limits, pipeline) or 'relax the limits'}") from None
         raise TensorOptError(f"no plan the runtime can apply splits global batch {global_batch} over "
                              f"{devices.count} devices: make it a multiple of {devices.count}") from None
     except NoPlanFitsError as exc:
@@ -181,6 +190,19 @@ def plan_for(graph: OpGraph, devices: Devices, per_node: int, objective: str,
     why += f" (objective {objective}, {len(front.points)} frontier points" + \
         (f"; {limits.describe()})" if limits else ")")
     return best, front.engine_of(best), why, len(front.points)
+
+
+def _pipelines_refused(graph: OpGraph, limits: Limits, pipeline: bool) -> str | None:
+    """Why the plans ``limits`` leave are none: the pipeline stages they ask for (``--pp`` without 1), which this
+    model's output does not split into (``search.engines.pipeline_refused``), or with the tensor parallelism they
+    ask for (``--tp`` without 1) inside them (``staged_tp_refused``); None for any other reason."""
+    stages, degrees = limits.pipeline_stages, limits.tensor_parallel
+    if not pipeline or not stages or 1 in stages:
+        return None
+    if refused := pipeline_refused(graph):
+        return f"no pipeline stages: {refused}"
+    refused = staged_tp_refused(graph) if degrees and 1 not in degrees else None
+    return f"no tensor parallelism inside pipeline stages: {refused}" if refused else None
 
 
 def run_workers(argv: list[str], env: dict, run_dir: Path) -> None:

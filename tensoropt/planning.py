@@ -35,7 +35,10 @@ from .search.engines import (
     ENGINES,
     grad_dtypes,
     master_weights,
+    pipeline_refused,
     priced_graph,
+    staged_tp_refused,
+    tp_in_stages,
     unsupported,
 )
 from .search.ft import FrontierPoint, SearchSpace, search
@@ -179,14 +182,18 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
             limits: Limits, compile: bool = False) -> list[tuple[SearchSpace, Callable[[Plan], str | None]]]:
     """(space, runs) pairs to search, each space priced for its ``engine`` in ``precision``; ``runs(plan)`` is the
     engine that runs a plan found there ("" for none), None to drop it. With ``engines``, each engine's part: a
-    model whose forward returns more than the loss (a Hugging Face output) has no pipeline plans under an engine
-    (the pipeline engine cannot split it), and with ``compile`` only the engines that compile, narrowed to what they
-    run compiled (``COMPILE_SPACES``). Without, the whole space (module doc): the torch engine's states for every
-    plan without offload, DeepSpeed's for its own part and for the offloading plans no engine runs (none with
-    ``compile``: DeepSpeed runs eager). A part the ``limits`` empty is not searched."""
+    model whose forward returns no loss the last pipeline stage can compute (a tuple, say:
+    ``search.engines.pipeline_refused``) has no pipeline plans, one returning a Hugging Face output with ``.loss``
+    none with tensor parallelism inside the stages (``staged_tp_refused``), and with ``compile`` only the engines
+    that compile, narrowed to what they run compiled (``COMPILE_SPACES``). Without,
+    the whole space (module doc): the torch engine's states for every plan without offload, DeepSpeed's for its own
+    part and for the offloading plans no engine runs (none with ``compile``: DeepSpeed runs eager). A part the
+    ``limits`` empty is not searched."""
+    torch_runs = _runs_on("torch", staged=pipeline_refused(graph) is None,
+                          staged_tp=staged_tp_refused(graph) is None)
     if engines is None:
         whole = {} if pipeline else {"pipeline_stages": (1,)}
-        parts = [("torch", whole | {"offload": False}, lambda p: "" if unsupported(p, "torch") else "torch")]
+        parts = [("torch", whole | {"offload": False}, lambda p: torch_runs(p) or "")]
         parts += [] if compile else [
             ("deepspeed", ENGINE_SPACES["deepspeed"], lambda p: None if unsupported(p, "deepspeed") else "deepspeed"),
             ("deepspeed", whole, lambda p: "" if p.offload and unsupported(p, "deepspeed") else None)]
@@ -194,10 +201,10 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
         unknown = [e for e in engines if e not in ENGINE_SPACES]
         if unknown:
             raise TensorOptError(f"unknown engine {unknown[0]!r}: use {' or '.join(ENGINES)}")
-        split = pipeline and graph.meta("output", "tensor") == "tensor"
+        split = pipeline and pipeline_refused(graph) is None
         parts = [(e, ENGINE_SPACES[e] | (COMPILE_SPACES[e] if compile else {})
-                  | ({} if split else {"pipeline_stages": (1,)}), _runs_on(e))
-                 for e in engines if not compile or e in COMPILE_SPACES]
+                  | ({} if split else {"pipeline_stages": (1,)}),
+                  torch_runs if e == "torch" else _runs_on(e)) for e in engines if not compile or e in COMPILE_SPACES]
     spaces = []
     for engine, part, runs in parts:
         space = limits.restrict(SearchSpace(global_batch=global_batch, dtype=compute_dtype(precision),
@@ -208,9 +215,15 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
     return spaces
 
 
-def _runs_on(engine: str) -> Callable[[Plan], str | None]:
-    """``engine`` for the plans it runs, None for the others (its part of the space holds some it does not)."""
-    return lambda plan: None if unsupported(plan, engine) else engine
+def _runs_on(engine: str, staged: bool = True, staged_tp: bool = True) -> Callable[[Plan], str | None]:
+    """``engine`` for the plans it runs, None for the others (its part of the space holds some it does not). Of a
+    model whose output the stages cannot split (``staged=False``: ``search.engines.pipeline_refused``) it runs no
+    pipeline plan; of one whose stages run without tensor parallelism (``staged_tp=False``: ``staged_tp_refused``)
+    none with both."""
+    def runs(plan: Plan) -> str | None:
+        refused = unsupported(plan, engine) or (plan.pp > 1 and not staged) or (tp_in_stages(plan) and not staged_tp)
+        return None if refused else engine
+    return runs
 
 
 def by_graph(graph: OpGraph, engine: str, space: SearchSpace, devices: int) -> list[tuple[OpGraph, SearchSpace]]:

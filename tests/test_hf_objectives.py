@@ -1,6 +1,7 @@
 """Offered means runnable (issue 37): Hugging Face models whose blocks the analysis accepts but the runtime's
 sharding once failed on, built from small configs (float32, dropout 0), launched on 2 CPU workers under the plan
-each objective chooses; every plan trains to the losses of the script run alone.
+each objective chooses; every plan trains to the losses of the script run alone (``--objective min-memory`` chose
+two pipeline stages for both once pipelines were offered for Hugging Face outputs: ``tests/test_hf_pipeline.py``).
 
 - Falcon (attention and MLP in parallel from one input, multi-query attention) adds into the MLP's row-linear
   output in place: torch's ``RowwiseParallel`` hands back a view autograd forbids to modify

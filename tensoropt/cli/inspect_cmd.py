@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..graph.fold import fold
+from ..search.engines import pipelines_not_offered
 from ..space.tp_layout import not_offered
 from .format import binary_bytes, count, si
 
@@ -43,7 +44,8 @@ def inspect_report(model: str, batch_size: int | None, seq_len: int | None, use_
         "saved_activation_bytes": graph.saved_activation_bytes,
         "autocast": graph.meta("autocast") or None,       # the dtype of the autocast the forward runs under
         "folding": folded.summary(positions=True) | {"fold_seconds": round(fold_seconds, 4)},
-        "not_offered": not_offered(graph, folded),     # layouts left out of every plan, with their reasons
+        # layouts left out of every plan, with their reasons
+        "not_offered": not_offered(graph, folded) + pipelines_not_offered(graph),
     }
 
 

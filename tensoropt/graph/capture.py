@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
-from .ir import CROSS_ENTROPY_CALLS, Op, OpGraph, Ref, TensorMeta
-from .loss import check_loss, counting_cross_entropy, describe
+from .ir import CROSS_ENTROPY_CALLS, OUTPUT_KEY, Op, OpGraph, Ref, TensorMeta
+from .loss import check_loss, counting_cross_entropy, describe, loss_tensor
 from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
 from .precision import active_autocast, cuda_autocast_on_cpu
 from .views import FULL, footprint
@@ -253,8 +253,16 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     precision = {"autocast": _dtype_name(dtype or autocast_inside)} if (dtype or autocast_inside) else {}
     return replace(graph, metadata=tuple(sorted({
         **(metadata or {}), **precision, "returns": describe(output), CROSS_ENTROPY_CALLS: str(calls[0]),
-        # pipeline stages need a forward that returns the loss tensor itself (not a Hugging Face output)
-        "output": "tensor" if isinstance(output, torch.Tensor) else "structured"}.items())))
+        OUTPUT_KEY: output_kind(output)}.items())))
+
+
+def output_kind(output: object) -> str:
+    """What a forward returned, as far as pipeline stages care (``search.engines.pipeline_refused``): ``tensor``
+    (the loss itself), ``loss`` (an output carrying it, ``.loss`` or ``["loss"]``: a Hugging Face output, whose
+    other fields the stages leave out, ``runtime.pipeline_trace``) or ``structured`` (no loss there to split)."""
+    if isinstance(output, torch.Tensor):
+        return "tensor"
+    return "loss" if loss_tensor(output) is not None else "structured"
 
 
 def _trace(model: nn.Module, example_inputs: tuple | Mapping, name: str,

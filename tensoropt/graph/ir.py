@@ -165,6 +165,7 @@ class Op:
 
 
 CROSS_ENTROPY_CALLS = "cross_entropy_calls"    # graph metadata: calls of torch's cross-entropy entry point
+OUTPUT_KEY = "output"       # graph metadata: what the forward returned (graph.capture.output_kind)
 
 
 @dataclass(frozen=True)

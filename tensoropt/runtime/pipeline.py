@@ -49,7 +49,9 @@ from .pipeline_executor import StageRunner, run_schedule
 from .pipeline_split import (
     Relay,
     example_micro_batch,
+    keep_out_of_state_dict,
     retarget_devices,
+    saved_buffers,
     split_spec,
     stage_messages,
     stage_wiring,
@@ -91,6 +93,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     pp_rank, dp_rank, n_stages = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), pp * virtual
     mine = [pp_rank + k * pp for k in range(virtual)]
     tied, recomputed = tied_parameters(model), recompute_wrappers(model, plan)
+    saved = saved_buffers(model)
     compiled = set(compiled_modules(model, plan))
     signature = inspect.signature(model.forward)
     if tp > 1:
@@ -112,6 +115,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     for s in mine:
         module = pipe.get_stage_module(s)
         retarget_devices(module, device)            # before recomputation wraps the blocks' graphs
+        keep_out_of_state_dict(module, saved)
         shared[s] = tie_within_stage(module, tied, held[s])
         received, sent = stage_messages(pipe, s)
         boundaries = sequence_parallel_boundaries(plan, s, (stream_message(received, tp) is not None,
@@ -151,7 +155,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         stepper = pipeline_stepper(runners, steps, optimizer, signature, tuple(inputs), reductions, dp * tp,
                                    loss_context(vocab_split), device, mesh["pp"].get_group())
     run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan.micro_batch, plan.grad_accumulation,
-              plan.global_batch, run_plan, "torch", stepper, device=device)
+              plan.global_batch, run_plan, "torch", stepper, device=device, pipeline_group=mesh["pp"].get_group())
     return (modules[0] if virtual == 1 else merged_view(modules)), optimizer, run
 
 

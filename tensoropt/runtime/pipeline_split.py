@@ -3,8 +3,8 @@
 ``torch.export`` traces the model on one micro-batch (its shapes become the stage-to-stage message shapes,
 which pipelining needs to know in advance) and the cut points are the plan's block copies, so stage ``s``
 runs its equal share of copies, stage 0 also what comes before the first copy (embeddings) and the last
-stage what comes after the last (head and loss: the model's forward returns the loss, so the last stage's
-output is the loss).
+stage what comes after the last (head and loss: the model's forward returns the loss, or an output with ``.loss``
+traced as returning that alone, ``pipeline_trace``, so the last stage's output is the loss).
 """
 
 from __future__ import annotations
@@ -74,6 +74,24 @@ def retarget_devices(stage_module: nn.Module, device: torch.device) -> None:
             node.update_kwarg("device", device)
         if nodes:
             graph_module.recompile()
+
+
+def saved_buffers(model: nn.Module) -> set[str]:
+    """The full names of the buffers ``model`` saves in its state dict (not those registered ``persistent=False``,
+    such as a Llama's rotary ``inv_freq``)."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules(remove_duplicate=False)
+            for name in module._buffers if name not in module._non_persistent_buffers_set}
+
+
+def keep_out_of_state_dict(stage_module: nn.Module, saved: set[str]) -> None:
+    """Mark every buffer of the stage module that the model does not save (``saved_buffers``) as not persistent:
+    ``torch.export`` lifts every buffer, and the constants a forward makes (Falcon's ``lifted_tensor_0``...), into
+    the unflattened stage, whose state dict (a checkpoint, ``Run.full_state_dict``) would then hold names the
+    model's does not."""
+    for prefix, module in stage_module.named_modules():
+        for name in module._buffers:
+            if (f"{prefix}.{name}" if prefix else name) not in saved:
+                module._non_persistent_buffers_set.add(name)
 
 
 def split_spec(model: nn.Module, plan: Plan) -> dict:
@@ -258,5 +276,6 @@ def _carried(stages: list, boundary: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-__all__ = ["Relay", "Wiring", "example_micro_batch", "retarget_devices", "split_spec", "message_gradients",
+__all__ = ["Relay", "Wiring", "example_micro_batch", "keep_out_of_state_dict", "message_gradients",
+           "retarget_devices", "saved_buffers", "split_spec",
            "stage_messages", "stage_wiring", "tie_within_stage"]

@@ -13,17 +13,25 @@ the model's device: the graphs then compute as FSDP2 runs them, with a bf16 resi
 between stages (traced with the float32 master weights under autocast, the stream stayed float32, twice the
 bytes Megatron-LM keeps, and the messages too). The stage modules get the model's own parameters and buffers back
 (float32: the master copy FSDP2 shards), found by name.
+
+The model is traced returning its loss alone (``_loss_only``): a Hugging Face causal LM returns an output with
+``.loss`` and ``.logits`` (``torch.export`` flattens it to a tuple), and the last stage must hand the schedule the
+loss, the value ``run.train_step`` averages, as the model computes it (its label shifting included: it is inside the
+forward). The logits still feed the loss inside the last stage but are not returned (the script reads the loss from
+``train_step``, never the model's output, under every plan).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from ..graph.loss import loss_tensor
 from .precision import traced_autocast
 
 CPU = torch.device("cpu")
@@ -39,7 +47,7 @@ def trace_pipeline(model: nn.Module, args: tuple, kwargs: dict, split_spec: dict
     from torch.distributed.pipelining import pipeline
     device = next(iter(model.parameters())).device
     if not bf16_weights and (device.type != "meta" or precision != "bf16-mixed"):
-        with traced_autocast(precision, device):
+        with traced_autocast(precision, device), _loss_only(model):
             return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
@@ -55,13 +63,38 @@ def trace_pipeline(model: nn.Module, args: tuple, kwargs: dict, split_spec: dict
                 meta = meta.to(torch.bfloat16)
             fakes[id(t)] = FakeTensor(fake_mode, meta, CPU)
         return fakes[id(t)]
-    with _swapped_states(model, fake), traced_autocast(precision, CPU):
+    with _swapped_states(model, fake), traced_autocast(precision, CPU), _loss_only(model):
         pipe = pipeline(model, mb_args=tuple(fake(a) for a in args), mb_kwargs={k: fake(v) for k, v in kwargs.items()},
                         split_spec=split_spec)
     if bf16_weights:
         _restore_states(pipe, originals)
     _fakes_to_meta(pipe.split_gm)
     return pipe
+
+
+@contextlib.contextmanager
+def _loss_only(model: nn.Module) -> Iterator[None]:
+    """Within: ``model``'s forward returns the loss its output carries (``output.loss``, ``output["loss"]``) in
+    place of the output, so the last stage computes the loss and nothing after it (module doc); a tensor, or an
+    output without a loss, is returned as it is (the cut then says what the last stage must return). The same
+    forward under the same signature (``functools.wraps``: ``torch.export`` binds the example's keyword arguments to
+    it), set on the instance and taken off on leaving."""
+    own = vars(model).get("forward")
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def loss_forward(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        loss = None if isinstance(output, torch.Tensor) else loss_tensor(output)
+        return output if loss is None else loss
+    model.forward = loss_forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 def _named_states(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -123,6 +123,25 @@ def host_copy(value, keep: bool = True):
     return whole.detach().to("cpu", copy=True) if isinstance(whole, torch.Tensor) else whole
 
 
+def _across_stages(own: dict, group, device: torch.device, keep: bool) -> dict:
+    """The whole model's state from each pipeline rank's ``own`` (its stages' values, on the host): every name once,
+    broadcast over ``group`` by the first rank that holds it (a tied parameter's copies on several stages are kept
+    equal, ``pipeline.sum_shared_gradients``), one tensor at a time through ``device`` (NCCL moves device tensors
+    only); {} unless ``keep``. Only names, shapes and dtypes travel as objects."""
+    import torch.distributed as dist
+    layouts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, {n: (tuple(v.shape), v.dtype) for n, v in own.items()}, group=group)
+    me, out = dist.get_rank(group), {}
+    for name in sorted(set().union(*layouts)):
+        owner = next(r for r, layout in enumerate(layouts) if name in layout)
+        shape, dtype = layouts[owner][name]
+        buffer = own[name].to(device) if owner == me else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buffer, group=group, group_src=owner)
+        if keep:
+            out[name] = own[name] if owner == me else buffer.to("cpu", copy=True)
+    return out
+
+
 def _is_zero3(model) -> bool:
     """Parameters partitioned by DeepSpeed ZeRO 3 (each holds only ``ds_tensor``, this rank's slice)."""
     return isinstance(model, torch.nn.Module) and any(hasattr(p, "ds_id") for p in model.parameters())
@@ -221,6 +240,8 @@ class Run:
     model: object = field(default=None, repr=False)
     optimizer: object = field(default=None, repr=False)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where this rank trains
+    # the process group of this rank's pipeline (one rank per stage device), None without pipeline stages
+    pipeline_group: object = field(default=None, repr=False)
     _placement_checked: bool = field(default=False, repr=False)
 
     def local_rows(self, global_batch: int | None = None) -> range:
@@ -283,18 +304,22 @@ class Run:
 
         Gathered one tensor at a time, each copied to the host before the next is gathered, so the device
         holds at most one whole parameter beyond its own shards (the whole model would not fit on one GPU
-        that trains only its shards of it)."""
+        that trains only its shards of it). With pipeline stages each rank first gathers its own stages' and then
+        the pipeline's ranks hand them to each other, again one tensor at a time (``_across_stages``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         from .feature_order import feature_orders, in_model_order
         wanted = ranks is None or self.rank in ranks
+        keep = wanted or self.pipeline_group is not None        # a stage's own values are sent on
         orders, out = feature_orders(self.model), {}
         values = (_zero3_values(self.model) if _is_zero3(self.model)
                   else iter(get_model_state_dict(self.model).items()))
         for name, value in values:
-            host = host_copy(value, wanted)
-            if wanted:
+            host = host_copy(value, keep)
+            if keep:
                 out[name] = in_model_order(host, *orders[name]) if name in orders else host   # fused projections
+        if self.pipeline_group is not None:
+            out = _across_stages(out, self.pipeline_group, self.device, wanted)
         return out
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..errors import TensorOptError
 from ..graph.bf16_meta import bf16_weights_graph
-from ..graph.ir import OpGraph
+from ..graph.ir import OUTPUT_KEY, OpGraph
 from ..space.plan import Plan
 from ..space.run_plan import ENGINES
 
@@ -123,6 +123,44 @@ def priced_graph(graph: OpGraph, engine: str, zero: int, pp: int, precision: str
     return graph
 
 
+def pipeline_refused(graph: OpGraph) -> str | None:
+    """Why no engine runs ``graph``'s model in pipeline stages, in one line; None where they run it. The stages'
+    last one hands back the loss alone (``runtime.pipeline_trace``): the forward must return it, as a tensor or in
+    an output that carries it (``.loss`` or ``["loss"]``, a Hugging Face output: its other fields, the logits, are
+    not handed back, and the script reads ``run.train_step``'s loss, never the output). Anything else (a tuple, an
+    output without the loss) has no loss for the last stage to compute."""
+    if graph.meta(OUTPUT_KEY, "tensor") in ("tensor", "loss"):
+        return None
+    return (f"the forward returns {graph.meta('returns') or 'no loss'}, no loss for the last stage to compute: "
+            "return the loss (a scalar tensor, or an output with .loss)")
+
+
+def staged_tp_refused(graph: OpGraph) -> str | None:
+    """Why ``graph``'s model runs pipeline stages only without tensor parallelism, in one line; None where both
+    combine. The stages are traced graphs, whose linears ``runtime.pipeline_tp`` gives back as ``nn.Linear`` to shard
+    them; for a model returning a Hugging Face output only tp 1 stages are run (issue 37, torch 2.13 on CPU workers):
+    GPT-2's ``Conv1D`` traces to an ``addmm`` on its (in, out) weight, no linear to give back, and Llama's RMSNorm
+    cast (``.to(float32)``), traced with an ``aten._assert_tensor_metadata`` that has no DTensor rule, stops a
+    sequence-parallel stage."""
+    if graph.meta(OUTPUT_KEY, "tensor") != "loss":
+        return None
+    return (f"the forward returns {graph.meta('returns')}: its stages run at tp 1 (tensor parallelism inside its "
+            "traced stages is not run yet: GPT-2's Conv1D, Llama's norm casts)")
+
+
+def tp_in_stages(plan: Plan) -> bool:
+    """Whether ``plan`` runs tensor parallelism inside pipeline stages."""
+    return plan.pp > 1 and plan.tp > 1
+
+
+def pipelines_not_offered(graph: OpGraph) -> list[str]:
+    """The ``not offered:`` lines of ``launch`` and ``inspect`` for pipeline stages, where they are left out."""
+    if refused := pipeline_refused(graph):
+        return [f"pipeline stages: {refused}"]
+    refused = staged_tp_refused(graph)
+    return [f"tensor parallelism inside pipeline stages: {refused}"] if refused else []
+
+
 def choose_engine(plan: Plan, requested: str | None = None) -> str:
     """The engine that runs a plan: ``requested`` if it can, else torch, else DeepSpeed."""
     for engine in [requested] if requested else ENGINES:
@@ -134,4 +172,5 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
 
 
 __all__ = ["CHECKPOINTS", "COMPILED_PLANS", "COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine",
-           "computes_with_bf16_weights", "grad_dtypes", "master_weights", "priced_graph", "unsupported"]
+           "computes_with_bf16_weights", "grad_dtypes", "master_weights", "pipeline_refused", "pipelines_not_offered",
+           "priced_graph", "staged_tp_refused", "tp_in_stages", "unsupported"]

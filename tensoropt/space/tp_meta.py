@@ -20,7 +20,7 @@ def with_tp_checks(graph: OpGraph, checks: dict) -> OpGraph:
 def tp_checks(graph: OpGraph, block: str) -> dict | None:
     """The recorded checks of ``block``'s branches; None for a graph captured without them (planned as analysed)."""
     text = graph.meta(TP_CHECKS_META)
-    return None if text is None else json.loads(text).get(block, {})
+    return json.loads(text).get(block, {}) if text else None
 
 
 __all__ = ["TP_CHECKS_META", "tp_checks", "with_tp_checks"]
