@@ -35,7 +35,7 @@ from tensoropt.units import parse_bytes
 from . import launch as L
 from .checkpoints import check_room, checkpoint_env
 from .gpus import gpu_count
-from .workers import STOP_WAIT_S, failure_note, kill_tree, stop_tree
+from .workers import STOP_WAIT_S, clear_failure_notes, failure_note, kill_tree, stop_tree
 
 POLL_S = 0.5
 MAX_SAME_FAILURE = 2          # the same failure at the same checkpoint this many times: give up
@@ -120,8 +120,7 @@ def run_elastic(script: str, script_args: list[str], graph: OpGraph, devices: L.
         previous = point.plan.summary()
         argv = L.torchrun_argv(script, script_args, count)
         plan_file = L.write_plan(run_dir, point, engine, why, argv, graph, now.kind)
-        for stale in run_dir.glob("failure-rank*.json"):
-            stale.unlink()
+        clear_failure_notes(run_dir)
         env = L.main_env(now, plan_file.resolve()) | {RUN_DIR_ENV: str(run_dir.resolve())} \
             | checkpoint_env(options.checkpoint_dir, options.checkpoint_every, options.keep)
         proc = subprocess.Popen(argv, env=env, start_new_session=True)

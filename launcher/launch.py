@@ -211,8 +211,7 @@ def run_workers(argv: list[str], env: dict, run_dir: Path) -> None:
     a one-line ``TensorOptError`` (``launcher.workers``), or, when the workers stopped on a checkpoint they could
     not write or load, their own one line (their note in ``run_dir``); torchrun's own output is kept in
     RUN_DIR/torchrun.log."""
-    for stale in run_dir.glob("failure-rank*.json"):
-        stale.unlink()
+    workers.clear_failure_notes(run_dir)
     outcome = workers.run(argv, env, run_dir / "torchrun.log")
     if outcome.interrupted:
         raise KeyboardInterrupt

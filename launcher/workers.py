@@ -147,10 +147,19 @@ def _relay(stream, output: WorkerOutput, out) -> None:
         output.take(line, out)
 
 
+FAILURE_NOTES = "failure-rank*.json"      # what a worker notes before it stops (tensoropt.runtime.run)
+
+
+def clear_failure_notes(run_dir: Path) -> None:
+    """Remove the notes of an earlier start in ``run_dir``, so that ``failure_note`` reads this start's only."""
+    for stale in run_dir.glob(FAILURE_NOTES):
+        stale.unlink()
+
+
 def failure_note(run_dir: Path) -> dict | None:
     """What a worker noted before it stopped (``tensoropt.runtime.run``: out of memory, a checkpoint), the lowest
     rank's, if any."""
-    for path in sorted(run_dir.glob("failure-rank*.json"), key=lambda p: (len(p.name), p.name)):
+    for path in sorted(run_dir.glob(FAILURE_NOTES), key=lambda p: (len(p.name), p.name)):
         with contextlib.suppress(OSError, ValueError):
             return json.loads(path.read_text())
     return None

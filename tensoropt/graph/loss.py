@@ -49,8 +49,6 @@ def describe(value: object, top: bool = True) -> str:
     return f"{article}{type(value).__name__}"
 
 
-
-
 @contextlib.contextmanager
 def wrapped_cross_entropy(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """While inside, torch's cross-entropy entry point (``torch._C._nn.cross_entropy_loss``, which ``F.cross_entropy``

@@ -56,6 +56,5 @@ def threads_per_worker(nproc: int) -> int:
     return max(1, cores // max(1, nproc))
 
 
-
 __all__ = ["DATASHEETS", "PROFILE_DIR_ENV", "datasheet_profile", "device_slug", "find_measured", "measured_dir",
            "measured_path", "threads_per_worker"]
