@@ -18,10 +18,15 @@ minute), and the ratio is what a slower or faster machine changes least.
     python benchmarks/search_speed.py [--repeats 7]     # writes results/search_speed.{json,md}
     python benchmarks/search_speed.py --check           # compares with the committed results (CI)
 
-Guards: ``results/search_speed.json`` keeps per row the lowest ratio ever committed (``guards``). ``--check``
-exits 1, naming the row, when a row's ratio is more than ``--slowdown`` (1.3) times its guard in its first timing
-and in two re-timings of it; a re-run that is that much slower writes nothing and exits 1 too (a slower search is
-a defect to fix or to report, never a new reference); a faster one lowers the guard.
+Guards: ``results/search_speed.json`` keeps per row the lowest ratio ever committed (``guards``). A row whose
+ratio is more than ``--slowdown`` (1.3) times its guard in its first timing and in two re-timings of it is then
+timed against the code that set its guard: the oldest commit whose results file holds that guard is extracted
+(``git archive``) and both planners run by turns in two processes (``_by_turns.py``). A ratio to a fixed workload
+moves from one CPU to another (on one 2-core machine the search took 2x its usual CPU time and the reference
+1.3x), the guard's own code on the same machine does not: ``--check`` exits 1, naming the row, when this checkout
+is more than 1.3x slower than that code too, or when no such commit can be found (a shallow clone, a guard not
+committed). A re-run that is that much slower writes nothing and exits 1 too (a slower search is a defect to fix or
+to report, never a new reference); a faster one lowers the guard.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import RESULTS, write_results
+from _by_turns import by_turns, median_ratio, planner_row, source_at
+from _common import REPO, RESULTS, write_results
 
 import tensoropt
 from tensoropt.cost.profile import Cluster, load_profile
@@ -45,6 +51,7 @@ from tensoropt.search.limits import Limits
 SLOWDOWN = 1.3
 # how a ratio is measured: guards committed under another method are not comparable and are set afresh
 METHOD = "median of (plan CPU time / the reference run's just before), issue 34"
+SHALLOW_NAME = "gpt3-175b-width-12-layers"     # the rows' name for SHALLOW, written to a JSON spec of this stem
 SHALLOW = {"family": "gpt", "hidden_size": 12288, "num_layers": 12, "num_attention_heads": 96,
            "ffn_hidden_size": 4 * 12288, "seq_length": 2048, "vocab_size": 50257}
 # where the time goes, from cProfile on the search (gpt3-175b on 1024 A100s); re-profile when it changes
@@ -113,7 +120,7 @@ def measure(captured: dict[str, tensoropt.Captured], repeats: int, rows=ROWS) ->
 
 def capture_rows(tmp: Path, rows=ROWS) -> dict[str, tensoropt.Captured]:
     """Each row's model captured once (in bf16-mixed, as ``tensoropt frontier`` captures a preset)."""
-    spec = tmp / "gpt3-175b-width-12-layers.json"
+    spec = tmp / f"{SHALLOW_NAME}.json"
     spec.write_text(json.dumps(SHALLOW))
     return {model: tensoropt.capture(str(spec) if model == spec.stem else model, precision="bf16-mixed")
             for model in dict.fromkeys(row[1] for row in rows)}
@@ -180,6 +187,59 @@ def committed_guards() -> dict[str, float]:
     return committed.get("guards", {})
 
 
+def guard_commit(label: str, guard: float) -> str | None:
+    """The oldest commit whose ``results/search_speed.json`` holds ``guard`` for ``label`` under this METHOD, in an
+    unbroken run of versions up to now: the commit whose code set the guard. None in a shallow clone (its oldest
+    commit need not be where the guard was set) or where no commit holds it."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        return None
+    found = None
+    for commit in git("log", "--format=%H", "--", "benchmarks/results/search_speed.json").stdout.split():
+        shown = git("show", f"{commit}:benchmarks/results/search_speed.json")
+        committed = json.loads(shown.stdout) if shown.returncode == 0 else {}
+        if committed.get("method") != METHOD or committed.get("guards", {}).get(label) != guard:
+            break
+        found = commit
+    return found
+
+
+def slower_than_code(rows: list[tuple], sources: dict[str, Path], now: Path, slowdown: float,
+                     specs: dict[str, str], rounds: int = 40) -> list[str]:
+    """The labels of ``rows`` whose planner in ``now`` (a folder holding ``tensoropt/`` and ``profiles/``) is more
+    than ``slowdown`` times slower than in ``sources[label]``, the two timed by turns on this machine. ``specs``:
+    the path of a model JSON for a row's model that is no preset."""
+    slow = []
+    for row in rows:
+        label, model, devices, batch, device, folded, stages = row
+        planned = planner_row(specs.get(model, model), devices, batch, device, folded, stages)
+        seconds = by_turns({"guard": sources[label], "now": now}, {"guard": planned, "now": planned}, rounds, runs=1)
+        times = median_ratio(seconds, "now", "guard")
+        verdict = "SLOW" if times > slowdown else "ok"
+        print(f"{verdict:5} {label} against the guard's code: {times:.2f} times (median of {rounds} runs by turns)")
+        if verdict == "SLOW":
+            slow.append(label)
+    return slow
+
+
+def confirm_against_guard_code(slow: list[str], guards: dict[str, float], slowdown: float, tmp: Path) -> list[str]:
+    """Of the rows slow by their ratio, those this checkout also plans ``slowdown`` times slower than the commit
+    that set their guard (or whose commit cannot be found). ``tmp``: where ``capture_rows`` wrote its specs."""
+    rows = [r for r in ROWS if r[0] in slow]
+    sources, unfound = {}, []
+    for row in rows:
+        commit = guard_commit(row[0], guards[row[0]])
+        if commit is None:
+            print(f"SLOW  {row[0]}: no commit holds its guard here (shallow clone or uncommitted guard)")
+            unfound.append(row[0])
+            continue
+        print(f"      {row[0]}: guard set at {commit[:10]}, timing its code by turns with this checkout's")
+        sources[row[0]] = tmp / commit if (tmp / commit).exists() else source_at(REPO, commit, tmp / commit)
+    specs = {SHALLOW_NAME: str(tmp / f"{SHALLOW_NAME}.json")}
+    return unfound + slower_than_code([r for r in rows if r[0] in sources], sources, REPO, slowdown, specs)
+
+
 def report(references: list[float], rows: list[dict], guards: dict[str, float], cli: dict[str, float]) -> None:
     by = {r["label"]: r for r in rows}
     # depth ratios of CPU times (as the guards): the wall clock of this shared machine moves more between rows
@@ -237,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [again[r["label"]] if again.get(r["label"], r)["reference_ratio"] < r["reference_ratio"] else r
                     for r in rows]
             slow = compare([r for r in rows if r["label"] in slow], guards, args.slowdown)
+        if slow:
+            slow = confirm_against_guard_code(slow, guards, args.slowdown, Path(tmp))
     if slow:
         print(f"search slowed down more than {args.slowdown:g}x its guard: {'; '.join(slow)}"
               + ("" if args.check else " (nothing written: fix the slow-down or report it)"), file=sys.stderr)
