@@ -2,16 +2,16 @@
 imported from here and none importing this one back:
 
 - ``blocks``: which modules are the plan's block copies (every concern below acts per copy);
-- ``precision``: the weights' dtype, autocast and FSDP2's mixed-precision policy (``--precision``);
-- ``tensor_parallel`` (with ``tp_styles``, ``tp_guard``, ``sequence_parallel``, ``vocab_parallel``):
+- ``engines.precision``: the weights' dtype, autocast and FSDP2's mixed-precision policy (``--precision``);
+- ``parallel.tensor_parallel`` (with ``tp_styles``, ``tp_guard``, ``sequence_parallel``, ``vocab_parallel``):
   Megatron-LM's layout with ``torch.distributed.tensor``, the sequence split between branches, the
   vocabulary-parallel embedding, head and loss;
-- ``recompute``: full (``checkpoint_wrapper``) or selective (``selective``) recomputation per copy;
-- ``compile``: ``torch.compile`` per copy (``--compile``), after the two above and before data parallelism;
-- ``data_parallel``: DDP (ZeRO 0) or FSDP2 ``fully_shard`` per copy (ZeRO 1-3), the same functions for the
-  whole model and for pipeline stages;
-- ``materialize``: placement, a meta-built model given storage for this rank's part only;
-- ``pipeline`` (with ``pipeline_split``, ``pipeline_tp``): stages with ``torch.distributed.pipelining``,
+- ``memory.recompute``: full (``checkpoint_wrapper``) or selective (``memory.selective``) recomputation per copy;
+- ``engines.compile``: ``torch.compile`` per copy (``--compile``), after the two above and before data parallelism;
+- ``parallel.data_parallel``: DDP (ZeRO 0) or FSDP2 ``fully_shard`` per copy (ZeRO 1-3), the same functions for
+  the whole model and for pipeline stages;
+- ``memory.materialize``: placement, a meta-built model given storage for this rank's part only;
+- ``pipeline.stages`` (with ``pipeline.split``, ``pipeline.tp``): stages with ``torch.distributed.pipelining``,
   which applies the concerns above inside each stage.
 """
 
