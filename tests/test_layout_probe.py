@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 
 from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
-from tensoropt.runtime import tp_styles
+from tensoropt.runtime.parallel import tp_styles
 from tensoropt.runtime.parallel.layout_probe import probe_layouts
 from tensoropt.space.block import analyse_block
 from tensoropt.space.sp_check import SP_CHECK_KEY

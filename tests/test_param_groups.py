@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from tensoropt.runtime import checkpoint
+from tensoropt.runtime.checkpoint import sharded as checkpoint
 from tensoropt.runtime.engines.param_groups import build_optimizer
 
 
