@@ -3,8 +3,8 @@
 DeepSpeed cannot run on fake tensors (its partitioning and bucketed reductions read real storage and need a real
 process group), so each row trains ``examples/train_gpt.py`` on two CPU workers through ``tensoropt launch
 --engine deepspeed --plan`` with ``TENSOROPT_MEMORY_OUT``: every rank tracks its first two steps with the same
-tracker as the simulations (``runtime.memory_check``; DeepSpeed's own flat buffers, partitions and buckets are
-named by ``runtime.deepspeed_tensors``) and writes the second step's peak by category. ``actual_bytes`` is the
+tracker as the simulations (``runtime.memory.check``; DeepSpeed's own flat buffers, partitions and buckets are
+named by ``runtime.engines.deepspeed_tensors``) and writes the second step's peak by category. ``actual_bytes`` is the
 larger of the two ranks' peaks. The prediction is the library's: ``cost.model.estimate`` of the same plan on the
 captured graph (as ``tensoropt launch`` prices it), less the profile's ``runtime_overhead_bytes``.
 

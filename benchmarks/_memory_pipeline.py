@@ -3,12 +3,12 @@ beside the cost model's prediction of the same plan (issue 19 part 5).
 
 Each row is two ``tensoropt launch examples/train_llama_large.py --plan PLAN --dry-run --check-memory`` (one per
 simulated rank): the launcher captures the script, prices the plan with ``tensoropt.cost.model.estimate`` and
-simulates the rank's second step through the torch engine's own pipeline (``runtime.pipeline``: stages built
+simulates the rank's second step through the torch engine's own pipeline (``runtime.pipeline.stages``: stages built
 with their messages' shapes, the real ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run on a fake process group,
-``runtime.memory_check``). The model is Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices;
+``runtime.memory.check``). The model is Llama-3-8B-like (32 layers, hidden 4096, 4096 tokens) on 8 devices;
 ``--quick`` keeps its dimensions with 8 layers (every case: 32 simulations, ~20-30 min on 2 busy cores).
 
-``actual_bytes`` is the larger simulated peak of tensor bytes (``memory_tracker.StepMemory``) of rank 0 (stage 0:
+``actual_bytes`` is the larger simulated peak of tensor bytes (``memory.tracker.StepMemory``) of rank 0 (stage 0:
 the embedding, the most micro-batches in flight) and the last stage's first rank (the head and its logits,
 ``TENSOROPT_SIMULATE_RANK``): the stages between hold fewer micro-batches in flight and no loose ops. The tests
 hold both ranks' simulation equal to a real 2-worker run's tracked peaks (``tests/test_memory_check.py``).

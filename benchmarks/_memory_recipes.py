@@ -4,7 +4,7 @@ on fake tensors and priced by the cost model, as the torch engine runs it in the
 Each row is ``tensoropt launch benchmarks/preset_train.py --plan RECIPE --dry-run --check-memory`` for rank 0 and,
 with pipeline stages, for the last stage's first rank (the head and its logits): the launcher captures the script,
 prices the plan (``tensoropt.cost.model.estimate``) and simulates the rank's second step through the torch engine's
-own ``apply`` on a fake process group of the recipe's world size (``runtime.memory_check``). ``actual_bytes`` is the
+own ``apply`` on a fake process group of the recipe's world size (``runtime.memory.check``). ``actual_bytes`` is the
 larger simulated peak of the two. Target (issue 33): every simulated peak at most 80 GiB (tensors only, as the
 tracker counts them) and predicted within 0..+5% of it.
 

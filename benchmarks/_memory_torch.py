@@ -3,7 +3,7 @@ model's prediction of the same plan (issue 19 part 5).
 
 Each row is one ``tensoropt launch examples/train_llama_large.py --plan PLAN --dry-run --check-memory`` (the
 launcher captures the script in the plan's precision, prices the plan with ``tensoropt.cost.model.estimate`` and
-simulates rank 0's second step through the torch engine's own ``apply``: ``runtime.memory_check.simulate``), so
+simulates rank 0's second step through the torch engine's own ``apply``: ``runtime.memory.check.simulate``), so
 the prediction is the library's own pricing and the peak is what the engine holds, at real scale on a CPU:
 a Llama-3-8B-like model on 8 devices for every family, LLaMA-2 70B on 64 for the plans the planner chooses there,
 and Megatron-LM's 22B GPT (Korthikanti et al. 2022, Table 3: hidden 6144, 48 layers, 64 heads, eager attention,
@@ -15,7 +15,7 @@ depend on the runtime, not on the prices, so ``rows()`` re-prices them with the 
 two, and simulates only a case not stored there; ``rows(simulate=True)`` (``memory_accuracy.py --simulate
 _memory_torch``) simulates every case again, as a change to the runtime needs (the 70B plans take minutes each).
 
-``actual_bytes`` is rank 0's simulated peak of tensor bytes (``memory_tracker.StepMemory``); rank 0 holds the
+``actual_bytes`` is rank 0's simulated peak of tensor bytes (``memory.tracker.StepMemory``); rank 0 holds the
 largest share (the loose ops' parameters, the first vocabulary shard) in every plan here.
 """
 

@@ -3,7 +3,7 @@
 For every plan family the providers below offer, the cost model's predicted peak tensor memory
 (``tensoropt.cost.model.estimate`` less the profile's ``runtime_overhead_bytes``, the CUDA context, libraries
 and fragmentation that no tensor count sees) is compared with the peak tensor bytes of the same plan, simulated on
-fake tensors (``tensoropt.runtime.memory_check.simulate``) or measured in a real CPU run
+fake tensors (``tensoropt.runtime.memory.check.simulate``) or measured in a real CPU run
 (``TENSOROPT_MEMORY_OUT``). Target, every row: 0 <= predicted / actual - 1 <= 0.05.
 
 Providers (each ``rows(quick=False) -> list[dict]``, imported when present, so this runs with any of them):

@@ -17,7 +17,7 @@ Each architecture has a shape that makes tensor parallelism over it delicate:
   would be partial sums over each rank's heads: its attention is kept replicated, the MLP sharded.
 
 Every model's forward returns a ``CausalLMOutput`` with ``.loss`` (the labels shifted inside) and ``.logits``; under
-pipeline stages the last one computes that loss (``runtime.pipeline_trace``). Dropout is 0 and the model float32, so
+pipeline stages the last one computes that loss (``runtime.pipeline.trace``). Dropout is 0 and the model float32, so
 every plan reproduces the losses of this script run alone.
 """
 

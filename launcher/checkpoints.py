@@ -9,7 +9,7 @@ bytes for 3,241,052 on disk (tests/test_checkpoint_faults.py holds it within 5%)
 one is written the newest ``--keep-checkpoints`` stay, so the directory must take ``keep + 1`` of them, less those
 it already holds (a resumed run replaces them one by one): too little free space is a one-line error before any
 worker starts. A disk that fills during the run anyway is the workers' one-line error
-(``runtime.checkpoint``)."""
+(``runtime.checkpoint.sharded``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tensoropt.cost.states import checkpoint_bytes
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.ir import OpGraph
 from tensoropt.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV, CHECKPOINT_KEEP_ENV
-from tensoropt.runtime.checkpoint_files import HEADER_BYTES, KEEP, complete_count
+from tensoropt.runtime.checkpoint.files import HEADER_BYTES, KEEP, complete_count
 from tensoropt.space.plan import Plan
 
 SHARDED_PER_PARAMETER = 3              # the weight and AdamW's exp_avg and exp_avg_sq: one item per shard

@@ -11,7 +11,7 @@ import click
 from tensoropt.errors import TensorOptError
 from tensoropt.options import limit_options
 from tensoropt.runtime import RUN_DIR_ENV
-from tensoropt.runtime.checkpoint_files import KEEP
+from tensoropt.runtime.checkpoint.files import KEEP
 from tensoropt.search.engines import (
     CHECKPOINTS,
     COMPILE_SPACES,

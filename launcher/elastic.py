@@ -27,7 +27,7 @@ from tensoropt.errors import TensorOptError, first_line
 from tensoropt.graph.ir import OpGraph
 from tensoropt.options import MAX_DEVICES
 from tensoropt.runtime import RUN_DIR_ENV
-from tensoropt.runtime.checkpoint_files import KEEP, latest_step
+from tensoropt.runtime.checkpoint.files import KEEP, latest_step
 from tensoropt.search.engines import CHECKPOINTS
 from tensoropt.search.limits import NO_LIMITS, Limits
 from tensoropt.units import parse_bytes

@@ -18,9 +18,9 @@ from tensoropt.graph.ir import OpGraph
 from tensoropt.planning import NoPlanError, NoPlanFitsError, folded
 from tensoropt.profiler.store import threads_per_worker
 from tensoropt.runtime import PLAN_ENV
-from tensoropt.runtime.ds_config import deepspeed_config
-from tensoropt.runtime.precision_names import PRECISION_ENV, checked, of_plan
-from tensoropt.runtime.precision_names import words as precision_words
+from tensoropt.runtime.engines.ds_config import deepspeed_config
+from tensoropt.runtime.engines.precision_names import PRECISION_ENV, checked, of_plan
+from tensoropt.runtime.engines.precision_names import words as precision_words
 from tensoropt.search.engines import (
     COMPILED_PLANS,
     ENGINE_SPACES,
@@ -81,13 +81,13 @@ def default_precision(graph: OpGraph | None = None) -> str:
 
 def script_autocast(graph: OpGraph) -> str | None:
     """The dtype of the script's own autocast (captured so), None where it has none. A graph captured for
-    bf16-mixed has the capture's autocast: the script's, if any, is the same region (``runtime.precision``)."""
+    bf16-mixed has the capture's autocast: the script's, if any, is the same region (``runtime.engines.precision``)."""
     return None if graph.meta("precision") == "bf16-mixed" else graph.meta("autocast")
 
 
 def check_precision(graph: OpGraph, precision: str, named: bool = True) -> str:
     """The precision to run: ``precision``, except for a script under its own bf16 autocast, which computes in
-    bf16 whatever the engine does, so only bf16-mixed says what it runs (``runtime.precision``): a precision
+    bf16 whatever the engine does, so only bf16-mixed says what it runs (``runtime.engines.precision``): a precision
     ``named`` on the command line that contradicts it is a one-line error, a default (``--plan``'s,
     ``TENSOROPT_PRECISION``) gives way to it."""
     if script_autocast(graph) != "bfloat16" or precision == "bf16-mixed":

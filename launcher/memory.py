@@ -3,7 +3,7 @@
 The script runs once more as a capture does (one process, every tensor on the meta device, see
 ``tensoropt.runtime.capture_run``), now with the plan and ``TENSOROPT_SIMULATE_MEMORY``: ``tensoropt.parallelize``
 applies the plan through the torch engine on fake tensors and a fake process group and tracks two steps
-(``tensoropt.runtime.memory_check``). The peak tensor bytes of the second step, by category, are printed next to
+(``tensoropt.runtime.memory.check``). The peak tensor bytes of the second step, by category, are printed next to
 the cost model's breakdown of the same plan and written to ``memory_check.json`` in the run directory.
 
 The prediction's ``other`` holds the largest transient working set, the autocast's weight copies and the
@@ -34,8 +34,8 @@ ROWS = (("parameters", "parameters_bytes"), ("gradients", "gradients_bytes"), ("
 
 
 def simulate_script(script: str, script_args: list[str], plan_file: Path, timeout_s: float = 600) -> dict:
-    """Rank 0's simulated step of the plan in ``plan_file`` (``memory_check.simulate``), run in one process."""
-    from tensoropt.runtime.memory_check import SIMULATE_ENV  # with torch: only when a plan is simulated
+    """Rank 0's simulated step of the plan in ``plan_file`` (``memory.check.simulate``), run in one process."""
+    from tensoropt.runtime.memory.check import SIMULATE_ENV  # with torch: only when a plan is simulated
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "memory.json"
         env = {**os.environ, PLAN_ENV: str(plan_file.resolve()), SIMULATE_ENV: str(out)}
@@ -80,7 +80,7 @@ def simulate_and_compare(script: str, script_args: list[str], plan_file: Path, e
                  devices: Devices, echo: Callable[[str], object]) -> dict | None:
     """Simulate the plan written to ``plan_file`` and print it beside the prediction (module doc); the plan's
     engine or layout that cannot be simulated is said in one line and skipped (None)."""
-    from tensoropt.runtime.memory_check import unsimulated
+    from tensoropt.runtime.memory.check import unsimulated
     plan = point.plan
     if reason := unsimulated(plan, engine):
         echo(f"memory check: skipped: {reason}")

@@ -10,16 +10,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .graph.bf16_meta import with_bf16_weights
 from .graph.cache import CAPTURE_VERSION, GraphCache, fingerprint
 from .graph.capture import trace_module
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
-from .graph.precision import active_autocast, engines_autocast, weights_in_bf16, with_bf16_weights
+from .graph.precision import active_autocast, engines_autocast, weights_in_bf16
 from .models import ModelSource, example_shape, in_dtype, module_identity, resolve_model
 from .space.tp_check import check_tensor_parallel, with_tp_checks
 from .space.vocab import check_vocab_modules, with_vocab_check
 
-# the weights' dtype a precision captures a --model in (``runtime.precision.parameter_dtype``: bf16-mixed keeps
+# the weights' dtype a precision captures a --model in (``runtime.engines.precision.parameter_dtype``: bf16-mixed keeps
 # float32 master weights and computes under autocast)
 WEIGHT_DTYPES = {"bf16-mixed": "float32", "bf16-true": "bfloat16", "32-true": "float32"}
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensoropt
-from tensoropt.runtime.materialize import script_name
+from tensoropt.runtime.memory.materialize import script_name
 
 
 class Attention(nn.Module):

@@ -11,7 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensoropt.profiler.collectives import free_port
-from tensoropt.runtime.deepspeed_engine import deepspeed_config, skip_inference_all_reduce_op
+from tensoropt.runtime.engines.deepspeed_engine import skip_inference_all_reduce_op
+from tensoropt.runtime.engines.ds_config import deepspeed_config
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 

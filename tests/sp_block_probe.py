@@ -19,10 +19,10 @@ from torch.utils._pytree import tree_leaves
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.param_groups import build_optimizer
-from tensoropt.runtime.selective import selective_wrapper
-from tensoropt.runtime.tp_guard import _check_sequence_parallel
-from tensoropt.runtime.tp_styles import shard_copy
+from tensoropt.runtime.engines.param_groups import build_optimizer
+from tensoropt.runtime.memory.selective import selective_wrapper
+from tensoropt.runtime.parallel.tp_guard import _check_sequence_parallel
+from tensoropt.runtime.parallel.tp_styles import shard_copy
 from tensoropt.space.run_plan import TPBranch
 
 LAYOUT = (TPBranch("attn", ("attn.qkv",), ("attn.proj",), 4), TPBranch("mlp", ("mlp.up",), ("mlp.down",), 64))

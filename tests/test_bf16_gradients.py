@@ -15,9 +15,9 @@ from tensoropt.cost.model import ModelCost, estimate, state_bytes
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.graph.fold import fold
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.data_parallel import fsdp_micro_batch
-from tensoropt.runtime.precision import fsdp_kwargs
-from tensoropt.runtime.torch_engine import apply
+from tensoropt.runtime.engines.precision import fsdp_kwargs
+from tensoropt.runtime.engines.torch_engine import apply
+from tensoropt.runtime.parallel.data_parallel import fsdp_micro_batch
 from tensoropt.search.engines import choose_engine, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 from tensoropt.space.run_plan import RunPlan

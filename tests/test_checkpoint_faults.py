@@ -22,7 +22,7 @@ import pytest
 from conftest import LAUNCH_CWD
 from workers import ENV, GPT_SCRIPT
 
-from tensoropt.runtime.checkpoint_files import (
+from tensoropt.runtime.checkpoint.files import (
     LATEST,
     MANIFEST,
     candidates,
@@ -222,7 +222,7 @@ def _fake_checkpoint(directory: Path, step: int) -> Path:
 
 
 def test_candidates_problems_and_pruning_without_workers(tmp_path):
-    """checkpoint_files alone: newest first from latest.json down, never above it; each damage named; pruning keeps
+    """checkpoint.files alone: newest first from latest.json down, never above it; each damage named; pruning keeps
     the newest whole ones and removes torn partials, never the newest."""
     for step in (2, 4, 6, 8):
         _fake_checkpoint(tmp_path, step)

@@ -119,7 +119,7 @@ def test_the_launcher_and_the_planner_import_no_torch():
     """A launch from a cached capture plans and starts its workers without importing torch (~2 CPU-s a launch):
     the CLI, the launcher, the planner and the DeepSpeed config import it only where a model is captured or run."""
     code = ("import sys, tensoropt.cli.group, launcher.cli, tensoropt.planning, tensoropt.search.ft, "
-            "tensoropt.runtime.ds_config, tensoropt.runtime.precision_names, tensoropt.runtime; "
+            "tensoropt.runtime.engines.ds_config, tensoropt.runtime.engines.precision_names, tensoropt.runtime; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

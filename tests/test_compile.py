@@ -1,4 +1,4 @@
-"""``tensoropt launch --compile`` (issue 19 part 1): every block copy under ``torch.compile`` (runtime.compile),
+"""``tensoropt launch --compile`` (issue 19 part 1): every block copy under ``torch.compile`` (runtime.engines.compile),
 planned and priced as compiled, and refused where the engines do not run it compiled (search.engines).
 
 The five launches compile for real with inductor on the CPU (g++: each distinct block's forward and backward, about
@@ -28,7 +28,7 @@ from tensoropt.cli import cli
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.memory_check import unsimulated
+from tensoropt.runtime.memory.check import unsimulated
 from tensoropt.search.engines import COMPILE_SPACES, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 

@@ -22,8 +22,8 @@ from tensoropt.cost.deepspeed_memory import (
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.cost.torch_memory import loss_forward_bytes, loss_gradient_bytes
-from tensoropt.runtime.deepspeed_engine import deepspeed_config
-from tensoropt.runtime.deepspeed_tensors import host_gradients, role_of
+from tensoropt.runtime.engines.deepspeed_tensors import host_gradients, role_of
+from tensoropt.runtime.engines.ds_config import deepspeed_config
 from tensoropt.search.ft import SearchSpace, search
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 

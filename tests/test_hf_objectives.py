@@ -5,7 +5,7 @@ two pipeline stages for both once pipelines were offered for Hugging Face output
 
 - Falcon (attention and MLP in parallel from one input, multi-query attention) adds into the MLP's row-linear
   output in place: torch's ``RowwiseParallel`` hands back a view autograd forbids to modify
-  (``runtime.tp_styles.Rows`` hands back a tensor of its own).
+  (``runtime.parallel.tp_styles.Rows`` hands back a tensor of its own).
 - Qwen3 (per-head RMSNorm on q and k inside the attention) was offered its attention sharded, sequence-parallel or
   not: sequence-parallel its norm weights became ``Replicate`` DTensors meeting the branch's local tensors (the
   workers stopped), and without it each rank summed their gradients over its heads only (losses within tolerance

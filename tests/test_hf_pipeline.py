@@ -1,5 +1,5 @@
 """Pipeline stages for Hugging Face causal LMs (issue 37): their forward returns an output with ``.loss`` and
-``.logits``; the stages are traced returning the loss alone (``runtime.pipeline_trace``), so the last stage computes
+``.logits``; the stages are traced returning the loss alone (``runtime.pipeline.trace``), so the last stage computes
 the loss the model computes, its label shifting included. The planner offers pipelines for such a model and leaves
 them out, with a one-line reason naming what the forward returns, for one whose output holds no loss.
 
@@ -24,8 +24,8 @@ from launcher.devices import detect
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.capture import trace_module
-from tensoropt.runtime.pipeline_split import Relay, split_spec, stage_wiring
-from tensoropt.runtime.pipeline_trace import trace_pipeline
+from tensoropt.runtime.pipeline.split import Relay, split_spec, stage_wiring
+from tensoropt.runtime.pipeline.trace import trace_pipeline
 from tensoropt.search.engines import pipeline_refused
 from tensoropt.search.limits import Limits
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan

@@ -83,7 +83,7 @@ def test_two_workers_match_one_process(reference, chosen, tmp_path, engine, zero
         assert config["gradient_accumulation_steps"] == 4 // micro_batch
         assert ("offload_optimizer" in config["zero_optimization"]) == offload
         # DeepSpeed compiled no C++ op on its way (its shared-memory all-reduce serves inference only: a ~60 s gcc
-        # run at a machine's first start; runtime.deepspeed_engine.skip_inference_all_reduce_op)
+        # run at a machine's first start; runtime.engines.deepspeed_engine.skip_inference_all_reduce_op)
         assert not list(Path(ISOLATED["TORCH_EXTENSIONS_DIR"]).iterdir())
 
 

@@ -1,6 +1,6 @@
 """Offered means runnable (issue 37): layouts the workers could not run are refused at capture, with their reason.
 
-``runtime.layout_probe`` shards each block's first copy as the workers do, on a fake process group, and runs it
+``runtime.parallel.layout_probe`` shards each block's first copy as the workers do, on a fake process group, and runs it
 forward and backward on fake tensors; ``space.block`` keeps branches whose inner ops read parameters replicated.
 Small hand-written blocks, captured on meta (no process starts)."""
 
@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 
 from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
-from tensoropt.runtime import tp_styles
-from tensoropt.runtime.layout_probe import probe_layouts
+from tensoropt.runtime.parallel import tp_styles
+from tensoropt.runtime.parallel.layout_probe import probe_layouts
 from tensoropt.space.block import analyse_block
 from tensoropt.space.sp_check import SP_CHECK_KEY
 from tensoropt.space.tp_check import check_tensor_parallel, tp_checks, with_tp_checks

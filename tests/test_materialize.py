@@ -12,8 +12,8 @@ from torch import nn
 import tensoropt
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig, init_weights
-from tensoropt.runtime.init_trace import construction_order, trace_calls, track_tensors
-from tensoropt.runtime.materialize import Materializer, script_name
+from tensoropt.runtime.memory.init_trace import construction_order, trace_calls, track_tensors
+from tensoropt.runtime.memory.materialize import Materializer, script_name
 
 CPU = torch.device("cpu")
 CFG = TransformerConfig(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,

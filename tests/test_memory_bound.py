@@ -2,7 +2,7 @@
 
 Each case is one ``launch --dry-run --check-memory`` of examples/train_gpt.py's default model on 2 devices: one
 process, no workers; the prediction is ``cost.model.estimate`` less the profile's runtime overhead, the peak is
-rank 0's second step simulated on fake tensors (``runtime.memory_check``). ``benchmarks/memory_accuracy.py``
+rank 0's second step simulated on fake tensors (``runtime.memory.check``). ``benchmarks/memory_accuracy.py``
 holds the same at real scale."""
 
 import json

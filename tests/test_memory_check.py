@@ -14,8 +14,8 @@ import torch
 from conftest import LAUNCH_CWD
 from workers import ENV, GPT_SCRIPT, gpt_plan, launched_once, tensoropt_cli
 
-from tensoropt.runtime.memory_check import unsimulated
-from tensoropt.runtime.memory_tracker import StepMemory
+from tensoropt.runtime.memory.check import unsimulated
+from tensoropt.runtime.memory.tracker import StepMemory
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 RELATIVE = 0.02          # "within a few percent"; the cases below agree to 0.3% or within 1 KiB

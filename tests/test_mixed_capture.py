@@ -10,7 +10,7 @@ from launcher.capture import capture_script
 from launcher.launch import Devices, cluster, cost_model, planned_precision, price, runnable_front
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import load_profile
-from tensoropt.graph.precision import bf16_weights_graph
+from tensoropt.graph.bf16_meta import bf16_weights_graph
 from tensoropt.planning import folded
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 

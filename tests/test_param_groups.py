@@ -1,4 +1,4 @@
-"""The script's optimizer under tensor parallelism (``runtime.param_groups``): groups split so foreach kernels
+"""The script's optimizer under tensor parallelism (``runtime.engines.param_groups``): groups split so foreach kernels
 never see DTensors and plain tensors in one list, state dicts kept in the script's group layout.
 
 One process, a one-rank gloo group and a one-device mesh: enough for DTensors to exist and for foreach to
@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from tensoropt.runtime import checkpoint
-from tensoropt.runtime.param_groups import build_optimizer
+from tensoropt.runtime.checkpoint import sharded as checkpoint
+from tensoropt.runtime.engines.param_groups import build_optimizer
 
 
 @pytest.fixture(scope="module")

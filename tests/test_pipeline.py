@@ -15,7 +15,7 @@ from workers import ENV, GPT_SCRIPT, LOSS_RTOL, dry_run_plan, launched_with_plan
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.pipeline_split import Relay, message_gradients, split_spec, stage_messages, stage_wiring
+from tensoropt.runtime.pipeline.split import Relay, message_gradients, split_spec, stage_messages, stage_wiring
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 # the tests that start workers are slow and share the "multiprocess" xdist group; the two in-process ones are neither
@@ -155,7 +155,7 @@ def test_a_sent_output_keeps_no_storage_and_its_backward_is_exact(kind, freed):
     whole of one: its base goes too), kept where a backward does (``exp``) or where it views part of a tensor; and
     either way the backward from the received gradient gives the input's and the weights' gradients of the stage run
     plainly."""
-    from tensoropt.runtime.pipeline_executor import StageRunner
+    from tensoropt.runtime.pipeline.executor import StageRunner
     torch.manual_seed(0)
     module, x = _Residual(kind), torch.randn(4, 8)
     width = 4 if kind == "partial" else 8

@@ -101,8 +101,8 @@ def test_copy_backward_gradients_on_a_stage(write_json):
 
 
 def test_the_vocabulary_split_embedding_makes_its_rows_gradient_only():
-    """Megatron-LM's vocabulary-parallel embedding (``runtime.vocab_parallel.VocabEmbedding``): a tp rank looks up
-    its own rows, so the embedding's backward makes a gradient of V/tp rows (torch's RowwiseParallel made the whole
+    """Megatron-LM's vocabulary-parallel embedding (``runtime.parallel.vocab_parallel.VocabEmbedding``): a tp rank looks
+    up its own rows, so the embedding's backward makes a gradient of V/tp rows (torch's RowwiseParallel made the whole
     table's, V rows, on every rank: Nemotron-4 340B's 8.8 GiB in bf16). One rank of two on a fake process group:
     ``embedding_dense_backward`` is asked for 8 of the table's 16 rows, and the weight's gradient is the rank's
     shard."""
@@ -113,7 +113,7 @@ def test_the_vocabulary_split_embedding_makes_its_rows_gradient_only():
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from tensoropt.runtime.vocab_parallel import VocabEmbedding
+    from tensoropt.runtime.parallel.vocab_parallel import VocabEmbedding
 
     class Rows(TorchDispatchMode):
         seen: list = []

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.recompute import recomputed_modules
+from tensoropt.runtime.memory.recompute import recomputed_modules
 from tensoropt.search.engines import choose_engine, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 

@@ -173,7 +173,7 @@ def test_frontier_bad_input(model, tmp_path):
 
 def test_a_plain_integer_is_a_byte_count(model, tmp_path):
     """--mem 45936257537 is bytes, as in DeepSpeed configs and torch; a fraction still needs a unit."""
-    from tensoropt.cli.common import parse_bytes
+    from tensoropt.units import parse_bytes
     assert parse_bytes("45936257537") == parse_bytes("45936257537B") == 45936257537
     assert parse_bytes(" 1024 ") == parse_bytes("1KiB") and parse_bytes(512, "mem_per_gpu") == 512
     code, out = frontier_json(model, "--out", tmp_path / "f.json")

@@ -21,7 +21,7 @@ from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.fold import fold
 from tensoropt.runtime import unsupported
-from tensoropt.runtime.deepspeed_engine import deepspeed_config
+from tensoropt.runtime.engines.ds_config import deepspeed_config
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 GPT = str(EXAMPLES / "train_gpt.py")
@@ -326,7 +326,7 @@ def test_32_true_trains_a_bf16_built_model_in_float32(tmp_path, alone):
 @pytest.mark.slow
 def test_a_meta_built_model_gets_a_bf16_mixed_pipeline(tmp_path):
     """bf16-mixed pipeline stages of a meta-built model are traced on fake CPU tensors under the CPU's autocast
-    (runtime.pipeline_trace; trained in tests/test_pipeline.py): the launcher offers them."""
+    (runtime.pipeline.trace; trained in tests/test_pipeline.py): the launcher offers them."""
     mixed = tensoropt_cli("launch", GPT, "--device", "cpu", "--gpus", 2, "--pp", 2, "--precision", "bf16-mixed",
                           "--dry-run", "--run-dir", tmp_path, "--", "--meta", "--layers", LAYERS, cwd=LAUNCH_CWD)
     assert mixed.returncode == 0 and "chosen: dp1 tp1 pp2" in mixed.stdout, mixed.stderr[-2000:]
@@ -340,7 +340,7 @@ def test_casting_a_model_keeps_its_tied_weights_tied(fake):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tensoropt.models.transformer import DecoderLM, TransformerConfig
-    from tensoropt.runtime.precision import cast_model
+    from tensoropt.runtime.engines.precision import cast_model
     with torch.device("meta"):
         model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
                                             seq_length=16, vocab_size=64)).to(torch.bfloat16)

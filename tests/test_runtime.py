@@ -13,7 +13,7 @@ from tensoropt.cost.profile import load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
 from tensoropt.runtime import choose_engine, unsupported
-from tensoropt.runtime.deepspeed_engine import deepspeed_config
+from tensoropt.runtime.engines.ds_config import deepspeed_config
 from tensoropt.runtime.run import Run
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 

@@ -119,7 +119,7 @@ def test_grouped_copies_equal_exhaustive_enumeration(write_json):
 def test_virtual_stages_each_pay_the_layout_changes_of_their_own_sequence_parallel_copies(write_json, whole, split,
                                                                                           changes):
     """pp2 x 2 virtual stages, 4 copies a device (2 a stage): each stage holding SP copies enters and leaves them
-    with the whole sequence (runtime.pipeline_tp.shard_stage), so estimate prices ceil(n_sp / 2) pairs of
+    with the whole sequence (runtime.pipeline.tp.shard_stage), so estimate prices ceil(n_sp / 2) pairs of
     layout changes; everything else is the layers' sums (hand-computed here) priced by evaluate."""
     model = _model(write_json, {**TINY_GPT, "num_layers": 8}, 8, 4)
     ((block, cost),) = model.blocks

@@ -1,4 +1,4 @@
-"""Selective recomputation in the torch engine (``runtime.selective``): one block copy keeps all autograd
+"""Selective recomputation in the torch engine (``runtime.memory.selective``): one block copy keeps all autograd
 saves but its attention core, which the cost model says it drops, and trains exactly as without it."""
 
 import copy
@@ -19,7 +19,7 @@ from tensoropt.cost.model import ModelCost
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.selective import selective_wrapper
+from tensoropt.runtime.memory.selective import selective_wrapper
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 BATCH, SEQ = 2, 64
@@ -96,7 +96,7 @@ def test_selective_block_drops_exactly_the_attention_core_and_keeps_its_gradient
         assert torch.equal(dx, plain_dx), seed
         grads = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in grads.items()}
         assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
-    from tensoropt.runtime.selective import LEARNED
+    from tensoropt.runtime.memory.selective import LEARNED
     assert getattr(wrapped._checkpoint_wrapped_module, LEARNED)      # the later forwards ran as learned
     assert kept[0] == kept[1] == kept[2]
 
@@ -115,7 +115,7 @@ def _modes_inside(block) -> list:
     starts."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from tensoropt.runtime.selective import CoreMode
+    from tensoropt.runtime.memory.selective import CoreMode
     seen = []
     block.attn.register_forward_pre_hook(lambda *_: seen.append((
         any(isinstance(m, CoreMode) for m in _get_current_dispatch_mode_stack()),
@@ -162,8 +162,8 @@ def test_an_input_of_the_core_changed_after_the_forward_stops_the_backward_in_on
 
 def test_the_engine_wraps_each_copy_as_its_strategy_says():
     """Per copy, in model order: selective copies get the selective wrapper, full ones torch's checkpoint."""
-    from tensoropt.runtime.recompute import apply_recompute
-    from tensoropt.runtime.selective import selective_checkpoint
+    from tensoropt.runtime.memory.recompute import apply_recompute
+    from tensoropt.runtime.memory.selective import selective_checkpoint
     model = DecoderLM(TransformerConfig(hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
                                         seq_length=16, vocab_size=64))
     plan = Plan(devices=1, dp=1, tp=1, pp=1, micro_batch=1, global_batch=1, blocks=(BlockPlan("layers.*", tuple(

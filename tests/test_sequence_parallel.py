@@ -1,5 +1,5 @@
-"""Sequence parallelism in the torch engine (``runtime.sequence_parallel``): which blocks the planner offers it to,
-and real torchrun runs over gloo on CPU, compared with the same script run alone (float32, rtol 2e-5)."""
+"""Sequence parallelism in the torch engine (``runtime.parallel.sequence_parallel``): which blocks the planner offers it
+to, and real torchrun runs over gloo on CPU, compared with the same script run alone (float32, rtol 2e-5)."""
 
 import contextlib
 import dataclasses
@@ -146,7 +146,7 @@ def test_a_saved_gathered_input_is_kept_as_its_own_share_on_fake_tensors_too():
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tensoropt.runtime.sequence_parallel import _GatherOnce
+    from tensoropt.runtime.parallel.sequence_parallel import _GatherOnce
     for mode in (FakeTensorMode(), contextlib.nullcontext()):
         with mode:
             attn_share, mlp_share = torch.empty(1, 4, 8), torch.empty(1, 4, 8)

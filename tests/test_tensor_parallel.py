@@ -11,7 +11,7 @@ from workers import dry_run_plan, tensoropt_cli, tp2
 
 import tensoropt
 from tensoropt.errors import TensorOptError
-from tensoropt.runtime.tensor_parallel import check_degree, sharded_branches
+from tensoropt.runtime.parallel.tensor_parallel import check_degree, sharded_branches
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 from tensoropt.space.run_plan import RunPlan, tp_layout_from_json
 from tensoropt.space.tp_layout import tp_layout

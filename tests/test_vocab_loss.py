@@ -1,6 +1,6 @@
-"""The lean vocabulary-parallel cross-entropy (``runtime.vocab_loss``): the same loss and logit gradient as torch's
-``F.cross_entropy`` on the whole logits, on 2 gloo workers; a backward that makes no logit-sized tensor but the cast
-to the logits' dtype; the capture telling a loss that comes through ``F.cross_entropy`` from one made of
+"""The lean vocabulary-parallel cross-entropy (``runtime.parallel.vocab_loss``): the same loss and logit gradient as
+torch's ``F.cross_entropy`` on the whole logits, on 2 gloo workers; a backward that makes no logit-sized tensor but the
+cast to the logits' dtype; the capture telling a loss that comes through ``F.cross_entropy`` from one made of
 ``log_softmax`` and ``nll_loss``; and the cost model pricing each as it runs."""
 
 import dataclasses
@@ -107,7 +107,7 @@ def test_a_pipeline_stage_calls_the_loss_through_the_entry_point_the_step_routes
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from tensoropt.graph.loss import counting_cross_entropy
-    from tensoropt.runtime.pipeline_tp import _route_cross_entropy
+    from tensoropt.runtime.pipeline.tp import _route_cross_entropy
     model = gpt()
     ids = torch.randint(0, 128, (1, 32))
     pipe = pipeline(model, mb_args=(ids, ids), split_spec={"layers.1": SplitPoint.BEGINNING})

@@ -23,7 +23,7 @@ from tensoropt.errors import TensorOptError
 from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.vocab_parallel import apply_vocab_parallel, check_vocab, vocab_entry
+from tensoropt.runtime.parallel.vocab_parallel import apply_vocab_parallel, check_vocab, vocab_entry
 from tensoropt.space.plan import Plan
 from tensoropt.space.run_plan import RunPlan, VocabSplit
 from tensoropt.space.tp_check import check_tensor_parallel, with_tp_checks

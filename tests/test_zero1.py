@@ -12,8 +12,8 @@ from workers import GPT_SCRIPT, LOSS_RTOL, dry_run_plan, launched_with_plan, tp2
 
 from tensoropt.cost.model import estimate, state_bytes
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
-from tensoropt.runtime.data_parallel import fsdp_micro_batch
-from tensoropt.runtime.torch_engine import apply
+from tensoropt.runtime.engines.torch_engine import apply
+from tensoropt.runtime.parallel.data_parallel import fsdp_micro_batch
 from tensoropt.search.engines import ENGINE_SPACES, choose_engine, unsupported
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 from tensoropt.space.run_plan import RunPlan

@@ -1,6 +1,6 @@
 """Run by tests/test_vocab_loss.py under torchrun (2 CPU workers): the lean vocabulary-parallel cross-entropy
-(``runtime.vocab_loss``) against torch's ``F.cross_entropy`` on the whole logits, and what its backward allocates
-against torch's ``loss_parallel``. Writes ``<out>.<rank>.json``."""
+(``runtime.parallel.vocab_loss``) against torch's ``F.cross_entropy`` on the whole logits, and what its backward
+allocates against torch's ``loss_parallel``. Writes ``<out>.<rank>.json``."""
 
 import contextlib
 import json
@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tensoropt.runtime.parallel.vocab_loss import fused_loss
 from tensoropt.runtime.run import Run
-from tensoropt.runtime.vocab_loss import fused_loss
 
 TOKENS, VOCAB, IGNORE = 24, 32, -1
 

@@ -14,8 +14,8 @@ from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 GPT_SCRIPT = str(EXAMPLES / "train_gpt.py")
 # two workers, two cores: one thread each. The suite compares launched runs with the script run alone at float32
-# tolerances: both run in 32-true (the launcher's default precision and the script alone's, see runtime.precision);
-# tests of the other precisions name theirs (tests/test_precision.py)
+# tolerances: both run in 32-true (the launcher's default precision and the script alone's, see
+# runtime.engines.precision); tests of the other precisions name theirs (tests/test_precision.py)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TENSOROPT_PRECISION": "32-true"}
 
 
@@ -137,7 +137,7 @@ def launched_with_plan(plan: Plan, tmp_path, devices: int, script: str = GPT_SCR
     data = json.loads((tmp_path / "losses.json").read_text())
     assert (data["plan"], data["engine"]) == (plan.summary(), engine)
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
-    # an engine whose step the tracker does not wrap (runtime.memory_check.measuring) writes no record: None
+    # an engine whose step the tracker does not wrap (runtime.memory.check.measuring) writes no record: None
     record = tmp_path / "memory-0.json"
     extra = {"memory": json.loads(record.read_text()) if record.exists() else None} if memory else {}
     if params:

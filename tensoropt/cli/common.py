@@ -14,7 +14,6 @@ from ..errors import TensorOptError
 from ..graph.fold import FoldedGraph, fold
 from ..graph.ir import OpGraph
 from ..options import MAX_DEVICES_PER_NODE, check_counts
-from ..units import parse_bytes  # noqa: F401  (re-exported: the commands parse sizes with it)
 
 
 def parse_gpus(text: str) -> list[int]:

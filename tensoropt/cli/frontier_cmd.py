@@ -19,7 +19,8 @@ from ..paths import PLOT_SUFFIXES, check_output_file
 from ..planning import NoPlanError, NoPlanFitsError, plan
 from ..search.limits import NO_LIMITS, Limits
 from ..space.plan import PRECISIONS
-from .common import model_options, parse_bytes, parse_gpus
+from ..units import parse_bytes
+from .common import model_options, parse_gpus
 from .format import binary_bytes
 from .inspect_cmd import MODEL_HELP
 

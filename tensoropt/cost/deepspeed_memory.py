@@ -7,7 +7,7 @@ second one under ``overlap_comm``), whatever the model's size. Its defaults (5e8
 config.py``) were chosen for billion-parameter models on GPUs: on a 0.84M-parameter rank they were 2 GB of
 float32 buckets. ``bucket_sizes`` caps each such size at the model's parameter count (a bucket never holds more
 gradients than the model has), and the runtime writes exactly those sizes into the config it trains with
-(``runtime.deepspeed_engine.deepspeed_config``), so the buffers priced here are the ones that run.
+(``runtime.engines.deepspeed_engine.deepspeed_config``), so the buffers priced here are the ones that run.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ branch costs one all-reduce of its output in the forward and one of its input gr
 backward; under sequence parallelism (Korthikanti et al. 2022) each all-reduce becomes an
 all-gather plus a reduce-scatter of the same total volume, and the stream's ops and activations
 divide by tp (every SP copy, recomputed or not, gathers its branches' inputs once more in the backward, having
-kept only its share of them: ``runtime.sequence_parallel``). Activation memory is what the captured graph says
+kept only its share of them: ``runtime.parallel.sequence_parallel``). Activation memory is what the captured graph says
 autograd keeps, divided by the op's shard; recomputation keeps less and runs more (Chen et al. 2016; Korthikanti
 et al. 2022): ``selective`` drops the attention core, ``full`` keeps only the block's input and holds, while its
 backward runs, what its recomputation saves (the same tensors as without recomputation, the gathered inputs as
@@ -64,7 +64,8 @@ def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
 def _row_bias_elements(ops: tuple[Op, ...], space: BlockSpace) -> np.ndarray:
     """Elements of the biases (1-D parameters) the branches' row linears read first: ``RowwiseParallel`` splits a
     row linear's weight and keeps its bias whole on every rank (torch ``distributed/tensor/parallel/style.py``,
-    ``RowwiseParallel._partition_linear_fn``: bias ``Replicate()``; ``runtime.tp_styles.ConvRows`` likewise)."""
+    ``RowwiseParallel._partition_linear_fn``: bias ``Replicate()``; ``runtime.parallel.tp_styles.ConvRows``
+    likewise)."""
     rows = {i for branch in space.branches for i in branch.row}
     seen, out = set(), np.zeros(len(ops))
     for i, op in enumerate(ops):
@@ -136,7 +137,7 @@ class BlockCost:
             elif sequence_parallel:
                 # a replicated branch on a sequence-split stream gathers its input in the forward and its output's
                 # gradient in the backward; its output and input gradient are sliced locally
-                # (runtime.sequence_parallel)
+                # (runtime.parallel.sequence_parallel)
                 total += 2 * all_gather_s(nbytes, tp, 1, self.cluster)
         return total
 
@@ -174,7 +175,7 @@ class BlockCost:
         # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
         # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
         # without recomputation, under selective recomputation, and in a full recomputation's recomputed
-        # forward (runtime.sequence_parallel composes its saved-tensor hooks with the recomputation's)
+        # forward (runtime.parallel.sequence_parallel composes its saved-tensor hooks with the recomputation's)
         gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
                               for b in self.space.branches) if sp else comm
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
@@ -264,8 +265,8 @@ class LooseOps:
         self.params = _param_elements(ops, range(len(ops)))
         self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
         # the ops from the logits to the loss (casts, views, log-softmax, nll_loss): under the lean vocabulary-parallel
-        # loss (``runtime.vocab_loss``) their backward is the in-place one, the gradient the saved softmax itself and
-        # its cast to the logits' dtype, all within ``torch_memory.loss_gradient_bytes``'s moment
+        # loss (``runtime.parallel.vocab_loss``) their backward is the in-place one, the gradient the saved softmax
+        # itself and its cast to the logits' dtype, all within ``torch_memory.loss_gradient_bytes``'s moment
         self.loss_path = self.vocab_split & np.array([not any(r.kind == "param" for r in op.sources) for op in ops],
                                                      dtype=bool)
 

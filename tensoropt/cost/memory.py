@@ -48,7 +48,7 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     # or the lean vocabulary-parallel loss's forward) and the loose ops' kept activations (the saved softmax among
     # them) live only around it: the copies' backward, whose working set is ``transient_bytes``, runs after the loose
     # ops' backward freed them (the last stage runs each micro-batch's backward right after its forward). The first
-    # stage's embedding backward makes its rows' gradient only (``runtime.vocab_parallel.VocabEmbedding``)
+    # stage's embedding backward makes its rows' gradient only (``runtime.parallel.vocab_parallel.VocabEmbedding``)
     back_first = np.maximum(r.first_back - transient_bytes, 0.0)
     back_last = np.maximum(r.last_acts + np.maximum(r.last_back, r.stage_loss) + at_loss_bytes - transient_bytes, 0.0)
     messages_first, messages_last = message_bytes(r.pp, r.v, r.m, r.mb, carried)
@@ -78,7 +78,7 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     grads = r.grad * params / gradients_divisor(r.pp, r.zero, r.dp)
     # a DDP stage (ZeRO 0) runs its micro-batches' backwards under ``no_sync`` but the last: they accumulate into
     # ``.grad`` tensors of their own beside the bucket DDP allocated with the wrapper, as the whole model does
-    # (``cost.torch_memory.fsdp_held_bytes``); the executor tells the stage so (``runtime.pipeline_executor``)
+    # (``cost.torch_memory.fsdp_held_bytes``); the executor tells the stage so (``runtime.pipeline.executor``)
     grads = grads * np.where(r.piped & ~r.deepspeed & (r.zero == 0) & (r.m > 1) & (r.dp > 1), 2, 1)
     optimizer = np.where(r.offload, 0.0, r.optimizer_bytes * params / np.where(r.zero >= 1, r.dp, 1))
     # FSDP2's and DDP's terms are the torch engine's flat plans'. A pipeline stage prices the loss's backward with

@@ -188,7 +188,7 @@ class ModelCost:
 
     def loose(self, tp: int, micro_batch: int, pp: int) -> tuple[LooseCost, LooseCost]:
         """(first stage, last stage) costs of the ops outside blocks, eager whatever ``compiled`` says: the runtime
-        compiles the block copies only (``runtime.compile``, as torchtitan does)."""
+        compiles the block copies only (``runtime.engines.compile``, as torchtitan does)."""
         split = pp > 1                   # which stages hold them matters, not how many stages there are
         key = (tp, micro_batch, split)
         if key not in self._loose:
@@ -281,7 +281,7 @@ def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], 
                       ) -> tuple[float, float, float, float, float]:
     """``chain_sums`` of a device's copies of one block (in the plan's order) as they run with
     ``virtual_stages`` interleaved stages: v consecutive chains of k / v copies, each held by another
-    stage and so each entered and left with a replicated stream (runtime.pipeline_tp.shard_stage); a
+    stage and so each entered and left with a replicated stream (runtime.pipeline.tp.shard_stage); a
     chain with sequence-parallel copies pays its own two layout changes. With SP copies last
     (space.plan.chain_order) that is ceil(n_sp / (k / v)) chains paying them, the fewest any order can."""
     total = sum(n for _, n in counts)

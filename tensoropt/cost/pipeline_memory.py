@@ -1,7 +1,7 @@
 """Memory a pipeline stage holds for its messages, beside the activations its micro-batches save.
 
 The torch engine runs the schedule ``space.pipeline_schedule`` gives with its own executor
-(``runtime.pipeline_executor``), which allocates a receive buffer when its message arrives and waits for every send
+(``runtime.pipeline.executor``), which allocates a receive buffer when its message arrives and waits for every send
 at its boundary, and frees the storage of each stage output it has sent (its autograd history stays for the
 backward, as Megatron-LM's ``deallocate_output_tensor``). So beside the activations of the micro-batches in
 flight (``in_flight``, ``in_flight_last``; a received activation is the stage's input, saved by its first op
@@ -11,7 +11,7 @@ these closed forms against).
 
 Each message is the block's carried state (``space.block.BlockSpace.carried_bytes`` per sample) of one
 micro-batch, or its gradient, which has its shape: priced whole, although between sequence-parallel stages the
-runtime sends each rank's ``1 / tp`` share (``runtime.pipeline_tp.sequence_parallel_boundaries``; the price is an
+runtime sends each rank's ``1 / tp`` share (``runtime.pipeline.tp.sequence_parallel_boundaries``; the price is an
 upper bound by the few messages a device holds). Values a stage only relays (an attention mask made once, integer
 and without gradient) are not counted.
 """
@@ -90,8 +90,8 @@ def message_bytes(pp, virtual_stages, micro_batches, micro_batch, carried_bytes:
 def gradients_divisor(pp, zero, dp):
     """What a device's gradients are divided by: ZeRO 2 and 3 keep a shard (``dp``), in a pipeline stage too; ZeRO
     0 and 1 keep them whole. The torch engine makes a ZeRO 2/3 stage's copies and stage module FSDP2 units inside
-    the relay, which is no ``FSDPModule`` itself (``runtime.data_parallel.data_parallel_stage``), so the pipeline
-    stage does not defer their reduction (``stage.py backward_maybe_with_nosync`` does for an ``FSDPModule``
+    the relay, which is no ``FSDPModule`` itself (``runtime.parallel.data_parallel.data_parallel_stage``), so the
+    pipeline stage does not defer their reduction (``stage.py backward_maybe_with_nosync`` does for an ``FSDPModule``
     only): FSDP2 reduce-scatters every micro-batch's gradients and accumulates the shards, as the simulated ZeRO 3
     stage shows (only sharded gradients at its peak). Under ZeRO 1 the relay is the FSDP2 root, and the stage
     defers the reduction to its last backward: the micro-batches' gradients accumulate whole."""

@@ -1,8 +1,8 @@
-"""What FSDP2 (the torch engine's ZeRO 1-3, ``runtime.data_parallel``) holds beyond the sharded model states.
+"""What FSDP2 (the torch engine's ZeRO 1-3, ``runtime.parallel.data_parallel``) holds beyond the sharded model states.
 
 ``cost.model`` divides weights, gradients and optimizer states over dp by ZeRO stage (Rajbhandari et al.,
 SC'20). Under ZeRO 3 FSDP2 also holds, at the peak of the backward (torch ``distributed/fsdp/_fully_shard``,
-as the fake-tensor simulation of the step shows, ``runtime.memory_check``):
+as the fake-tensor simulation of the step shows, ``runtime.memory.check``):
 
 - the root unit's parameters (the ops outside the block copies: embedding, final norm, head) gathered from its
   forward to the end of the backward: the root does not reshard after forward, as its parameters are needed
@@ -26,8 +26,8 @@ The loss's backward, at the start of every backward (any engine: torch's ``cross
 tensors the size of the logits, beside all the activations kept: ``log_softmax_backward_data`` and
 ``nll_loss_backward`` make float32 logit-sized gradients, two live at once with the vocabulary replicated;
 under the vocabulary-parallel loss, torch's ``loss_parallel`` (its ``_nll_loss_and_log_softmax_backward``) makes
-three of the rank's share; the runtime's own (``runtime.vocab_loss``, Megatron-LM's layout), which runs a loss that
-comes through ``F.cross_entropy``, turns the saved softmax into the gradient in place and makes only its cast to
+three of the rank's share; the runtime's own (``runtime.parallel.vocab_loss``, Megatron-LM's layout), which runs a loss
+that comes through ``F.cross_entropy``, turns the saved softmax into the gradient in place and makes only its cast to
 the logits' dtype (none for float32 logits), so the loss's peak is its forward's: the logits as the head makes them
 and the float32 copy the loss reads (the model's upcast), beside the saved softmax. ``loss_gradient_bytes`` prices
 the larger of the two moments.
@@ -35,8 +35,8 @@ the larger of the two moments.
 With one micro-batch (the optimizer's ``zero_grad`` leaves no gradient before the backward) FSDP2's gradient
 shards grow as the copies' activations are freed, so the backward's peak is at one of its ends, not their sum
 (``fsdp_held_bytes``). So do the gradients of a plan with no data-parallel wrapper (ZeRO 0 on one replica, tensor
-parallelism alone: ``runtime.torch_engine`` wraps nothing, so each ``.grad`` is the one autograd makes); only DDP
-allocates its gradient buckets with the wrapper and keeps them.
+parallelism alone: ``runtime.engines.torch_engine`` wraps nothing, so each ``.grad`` is the one autograd makes); only
+DDP allocates its gradient buckets with the wrapper and keeps them.
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
 def output_kind(output: object) -> str:
     """What a forward returned, as far as pipeline stages care (``search.engines.pipeline_refused``): ``tensor``
     (the loss itself), ``loss`` (an output carrying it, ``.loss`` or ``["loss"]``: a Hugging Face output, whose
-    other fields the stages leave out, ``runtime.pipeline_trace``) or ``structured`` (no loss there to split)."""
+    other fields the stages leave out, ``runtime.pipeline.trace``) or ``structured`` (no loss there to split)."""
     if isinstance(output, torch.Tensor):
         return "tensor"
     return "loss" if loss_tensor(output) is not None else "structured"

@@ -63,7 +63,7 @@ def wrapped_cross_entropy(wrap: Callable[[Callable], Callable]) -> Iterator[None
 
 def counting_cross_entropy(calls: list[int]) -> contextlib.AbstractContextManager:
     """Count, in ``calls[0]``, the calls of the cross-entropy entry point while inside: a loss that comes through it
-    runs on the runtime's lean vocabulary-parallel cross-entropy (``runtime.vocab_loss``), one made of
+    runs on the runtime's lean vocabulary-parallel cross-entropy (``runtime.parallel.vocab_loss``), one made of
     ``log_softmax`` and ``nll_loss`` called apart on torch's ``loss_parallel``, and the two are priced apart."""
     def counting(original: Callable) -> Callable:
         def counted(*args, **kwargs):

@@ -29,8 +29,6 @@ import torch
 from torch import nn
 from torch.amp.autocast_mode import autocast
 
-from .bf16_meta import BF16_WEIGHTS_META, bf16_weights_graph, with_bf16_weights  # noqa: F401
-
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 

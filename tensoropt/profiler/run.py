@@ -32,7 +32,7 @@ import torch
 
 from . import collectives
 from . import device as bench
-from .host import device_name, memory_bytes  # noqa: F401  (re-exported)
+from .host import device_name, memory_bytes
 from .store import threads_per_worker
 
 # "adam": an offloaded optimizer updates a partition of GBs, so the step is timed on 16M parameters (256 MB of

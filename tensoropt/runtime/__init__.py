@@ -40,7 +40,7 @@ RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_ME
 
 # public name -> the module that defines it, imported on first use (PEP 562)
 _EXPORTS = {"ENGINES": "..search.engines", "choose_engine": "..search.engines", "unsupported": "..search.engines",
-            "PRECISION_ENV": ".precision_names", "Run": ".run", "meta_init": ".entry", "parallelize": ".entry"}
+            "PRECISION_ENV": ".engines.precision_names", "Run": ".run", "meta_init": ".entry", "parallelize": ".entry"}
 
 
 def __getattr__(name: str):

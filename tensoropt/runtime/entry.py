@@ -16,10 +16,11 @@ from ..search.engines import CHECKPOINTS, choose_engine
 from ..space.run_plan import RunPlan
 from . import CAPTURE_ENV, CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV, CHECKPOINT_KEEP_ENV, PLAN_ENV, capture_args
 from .device import worker_device
-from .materialize import InitFn, Materializer, has_meta_tensors, meta_init
-from .memory_check import SIMULATE_ENV, measuring, simulate_mode
-from .param_groups import build_optimizer
-from .precision import autocast_forward, cast_model, of_plan
+from .engines.param_groups import build_optimizer
+from .engines.precision import autocast_forward, cast_model
+from .engines.precision_names import of_plan
+from .memory.check import SIMULATE_ENV, measuring, simulate_mode
+from .memory.materialize import InitFn, Materializer, has_meta_tensors, meta_init
 from .run import Run, exit_on_checkpoint_error, exit_on_out_of_memory, plain_stepper
 
 
@@ -54,10 +55,10 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     device = worker_device(run_plan)
     with exit_on_out_of_memory(0, int(os.environ.get("RANK", "0"))):     # as in a step: the launcher re-plans
         if engine == "deepspeed":
-            from .deepspeed_engine import apply
+            from .engines.deepspeed_engine import apply
             model, optimizer, run = apply(model, optimizer_fn, run_plan, device, materializer)
         else:
-            from .torch_engine import apply
+            from .engines.torch_engine import apply
             model, optimizer, run = apply(model, optimizer_fn, run_plan, device, materializer, example_inputs)
     run.model, run.optimizer, run.device = model, optimizer, device
     measuring(run, run.rank)                        # TENSOROPT_MEMORY_OUT: peak tensor memory of a step
@@ -90,7 +91,7 @@ def _resume(run: Run, engine: str) -> Run:
         raise TensorOptError(f"the {engine} engine does not checkpoint (checkpoints are written with "
                              f"{', '.join(CHECKPOINTS.values())} by the {', '.join(CHECKPOINTS)} engine): run "
                              f"--checkpoint-dir jobs with --engine {next(iter(CHECKPOINTS))}")
-    from .checkpoint import KEEP, load
+    from .checkpoint.sharded import KEEP, load
     run.checkpoint_dir, run.checkpoint_every = directory, int(os.environ.get(CHECKPOINT_EVERY_ENV, "0"))
     run.checkpoint_keep = int(os.environ.get(CHECKPOINT_KEEP_ENV, str(KEEP)))
     with exit_on_checkpoint_error(0, run.rank):
@@ -126,16 +127,17 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     ``precision`` meta then tells the launcher the autocast is the engine's, not the script's). In bf16-mixed, or
     under the script's own bf16 autocast, the graph also carries the model traced with bf16 weights, as FSDP2
     and DeepSpeed compute (``graph.precision.with_bf16_weights``)."""
+    from ..graph.bf16_meta import with_bf16_weights
     from ..graph.cache import write_json_atomic
-    from ..graph.precision import active_autocast, weights_in_bf16, with_bf16_weights
+    from ..graph.precision import active_autocast, weights_in_bf16
     from ..models import example_shape
     from ..space.tp_check import check_tensor_parallel, with_tp_checks
     from ..space.vocab import check_vocab_modules, with_vocab_check
-    from .layout_probe import probe_layouts
+    from .parallel.layout_probe import probe_layouts
     batch, seq = example_shape(inputs)
     meta = {"batch_size": str(batch or ""), "seq_len": str(seq or ""), "global_batch": str(global_batch),
             "sources": json.dumps(_user_sources())} | ({"precision": precision} if precision else {}) | (
-        {"meta_built": "1"} if has_meta_tensors(model) else {})      # informational (runtime.pipeline_trace)
+        {"meta_built": "1"} if has_meta_tensors(model) else {})      # informational (runtime.pipeline.trace)
     cast_model(model, precision)
     graph = _traced(model, inputs, meta, precision)
     tp = check_tensor_parallel(model, inputs, graph)     # and the runtime's own sharding of each layout it allows

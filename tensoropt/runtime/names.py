@@ -1,7 +1,7 @@
 """A tensor's name as the script's own model has it. Engines wrap modules (``checkpoint_wrapper``, FSDP's
 wrapper), which puts prefixes into parameter names; whatever moves values between the script's model and the
 run (initialisation, feature orders, full state dicts) compares names without them; ``torch.compile``'s
-wrapper of a compiled block (``runtime.compile``) adds ``_orig_mod.``."""
+wrapper of a compiled block (``runtime.engines.compile``) adds ``_orig_mod.``."""
 
 from __future__ import annotations
 

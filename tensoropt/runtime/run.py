@@ -30,9 +30,9 @@ from ..errors import TensorOptError
 from ..graph.loss import loss_problem, loss_tensor
 from ..space.run_plan import RunPlan
 from . import RUN_DIR_ENV, SIMULATED_MEMORY_ENV  # noqa: F401  (named with the launcher's variables)
-from .checkpoint_files import KEEP
-from .compile import compile_report
+from .checkpoint.files import KEEP
 from .device import check_placement, local_tensor, to_device
+from .engines.compile import compile_report
 
 Batch = torch.Tensor | tuple | Mapping
 # an engine's step: this rank's micro-batches in, the step's loss (mean over the whole batch, a 0-dim float32 tensor
@@ -280,7 +280,7 @@ class Run:
         if self.step == self.start_step + 1:
             reset_peak_memory(self.device)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            from .checkpoint import save
+            from .checkpoint.sharded import save
             with exit_on_checkpoint_error(self.step, self.rank):
                 save(Path(self.checkpoint_dir), self.step, self.model, self.optimizer, self.checkpoint_keep)
         return float(loss) if sync else loss
@@ -308,7 +308,7 @@ class Run:
         the pipeline's ranks hand them to each other, again one tensor at a time (``_across_stages``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from .feature_order import feature_orders, in_model_order
+        from .parallel.feature_order import feature_orders, in_model_order
         wanted = ranks is None or self.rank in ranks
         keep = wanted or self.pipeline_group is not None        # a stage's own values are sent on
         orders, out = feature_orders(self.model), {}

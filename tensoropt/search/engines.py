@@ -30,12 +30,12 @@ ENGINE_SPACES = {
 # (engine.save_checkpoint) hold ZeRO partitions in its own layout, which do not load into another plan's engine.
 CHECKPOINTS = {"torch": "torch.distributed.checkpoint"}
 
-# with compiled blocks (runtime.compile), tested on CPU workers (tests/test_compile.py): DDP, FSDP2 ZeRO 1-3, tensor
-# parallelism and pipeline stages (interleaved too) around or inside compiled copies, plain or fully recomputed. Not
-# offered compiled: selective recomputation (dynamo fails on runtime.selective's saved-tensor hooks), sequence
-# parallelism (its module hooks install saved-tensor hooks too, which dynamo will not trace, and under checkpoint
-# dynamo refuses their Python state: "HOP: Unsafe side effect"), both tried on CPU workers in torch 2.13; DeepSpeed
-# runs its own engine eagerly. A key left out allows every value.
+# with compiled blocks (runtime.engines.compile), tested on CPU workers (tests/test_compile.py): DDP, FSDP2 ZeRO 1-3,
+# tensor parallelism and pipeline stages (interleaved too) around or inside compiled copies, plain or fully recomputed.
+# Not offered compiled: selective recomputation (dynamo fails on runtime.memory.selective's saved-tensor hooks),
+# sequence parallelism (its module hooks install saved-tensor hooks too, which dynamo will not trace, and under
+# checkpoint dynamo refuses their Python state: "HOP: Unsafe side effect"), both tried on CPU workers in torch 2.13;
+# DeepSpeed runs its own engine eagerly. A key left out allows every value.
 COMPILE_SPACES = {
     "torch": dict(recompute=("none", "full"), sequence_parallel=False),
 }
@@ -46,8 +46,8 @@ COMPILED_PLANS = "no or full recomputation, no sequence parallelism"
 def grad_dtypes(engine: str, precision: str | None) -> tuple[str, ...]:
     """The gradient layouts (``Plan.grad_dtype``) ``engine`` runs in ``precision``: the precision's own, and under
     bf16-mixed the torch engine's bf16 gradients too (FSDP2 ``reduce_dtype=bfloat16``, ZeRO 1-3:
-    ``runtime.precision.fsdp_kwargs``; the search pairs them with ZeRO 1-3 only). DeepSpeed's bf16 mode accumulates
-    in bf16 as its own layout (``cost.states``), so it has nothing to add."""
+    ``runtime.engines.precision.fsdp_kwargs``; the search pairs them with ZeRO 1-3 only). DeepSpeed's bf16 mode
+    accumulates in bf16 as its own layout (``cost.states``), so it has nothing to add."""
     return ("", "bfloat16") if engine == "torch" and precision == "bf16-mixed" else ("",)
 
 
@@ -107,9 +107,9 @@ def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
 def computes_with_bf16_weights(engine: str, zero: int, pp: int, precision: str | None) -> bool:
     """Whether ``engine`` runs a bf16-mixed plan with bf16 weights in its forward and backward, so with a bf16
     residual stream and no per-op weight casts: FSDP2 (the torch engine's ZeRO 1-3, pipeline stages included:
-    ``runtime.pipeline_trace`` traces them with the bf16 weights FSDP2 gathers) gathers them in
-    ``param_dtype=bf16`` (``runtime.precision.fsdp_kwargs``), and DeepSpeed's bf16 mode casts the module to bf16.
-    DDP and one process (ZeRO 0, with or without stages: ``pp`` does not matter) compute with the float32 weights
+    ``runtime.pipeline.trace`` traces them with the bf16 weights FSDP2 gathers) gathers them in
+    ``param_dtype=bf16`` (``runtime.engines.precision.fsdp_kwargs``), and DeepSpeed's bf16 mode casts the module to
+    bf16. DDP and one process (ZeRO 0, with or without stages: ``pp`` does not matter) compute with the float32 weights
     that the autocast casts per op, so the stream stays float32 (``graph.precision``)."""
     return precision == "bf16-mixed" and (engine == "deepspeed" or zero >= 1)
 
@@ -125,7 +125,7 @@ def priced_graph(graph: OpGraph, engine: str, zero: int, pp: int, precision: str
 
 def pipeline_refused(graph: OpGraph) -> str | None:
     """Why no engine runs ``graph``'s model in pipeline stages, in one line; None where they run it. The stages'
-    last one hands back the loss alone (``runtime.pipeline_trace``): the forward must return it, as a tensor or in
+    last one hands back the loss alone (``runtime.pipeline.trace``): the forward must return it, as a tensor or in
     an output that carries it (``.loss`` or ``["loss"]``, a Hugging Face output: its other fields, the logits, are
     not handed back, and the script reads ``run.train_step``'s loss, never the output). Anything else (a tuple, an
     output without the loss) has no loss for the last stage to compute."""
@@ -137,7 +137,7 @@ def pipeline_refused(graph: OpGraph) -> str | None:
 
 def staged_tp_refused(graph: OpGraph) -> str | None:
     """Why ``graph``'s model runs pipeline stages only without tensor parallelism, in one line; None where both
-    combine. The stages are traced graphs, whose linears ``runtime.pipeline_tp`` gives back as ``nn.Linear`` to shard
+    combine. The stages are traced graphs, whose linears ``runtime.pipeline.tp`` gives back as ``nn.Linear`` to shard
     them; for a model returning a Hugging Face output only tp 1 stages are run (issue 37, torch 2.13 on CPU workers):
     GPT-2's ``Conv1D`` traces to an ``addmm`` on its (in, out) weight, no linear to give back, and Llama's RMSNorm
     cast (``.to(float32)``), traced with an ``aten._assert_tensor_metadata`` that has no DTensor rule, stops a

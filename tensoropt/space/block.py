@@ -76,7 +76,7 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
 
     ``checks`` are the capture-time runs of each branch on one rank's share (``space.tp_check``:
     {branch: {"max_tp": m} | {"refused": why}}, joined by the runtime's own runs where the launcher captured the
-    model, ``runtime.layout_probe``, with the block's sequence-parallel run under ``SP_CHECK_KEY``): a refused
+    model, ``runtime.parallel.layout_probe``, with the block's sequence-parallel run under ``SP_CHECK_KEY``): a refused
     branch stays replicated, a checked one is planned up to its checked degree. None (a graph captured without
     them) plans what the data flow allows.
 
@@ -154,7 +154,8 @@ def analyse_block(ops: tuple[Op, ...], seq_len: int | None, carried_bytes: int =
     stream = tuple(i for i in range(n) if i not in in_branch)
     core = tuple(sorted({i for b in branches for i in _attention_core(ops, b)}))
     sequence_refused = sequence_refusal(ops, in_branch, seq_len)
-    probed = (checks or {}).get(SP_CHECK_KEY, {})       # the runtime's run at capture (``runtime.layout_probe``)
+    # the runtime's run at capture (``runtime.parallel.layout_probe``)
+    probed = (checks or {}).get(SP_CHECK_KEY, {})
     if not sequence_refused and "refused" in probed:
         sequence_refused = probed["refused"]
     return BlockSpace(tuple(branches), stream, core, carried_bytes, tuple(sorted(refused)), sequence_refused, seq_len,

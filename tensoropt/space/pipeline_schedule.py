@@ -1,6 +1,6 @@
 """The pipeline schedule the torch engine runs: which forward and backward each device computes in which order, and
 where each stage-to-stage message is sent and received. Pure data (no torch): the runtime executes it
-(``runtime.pipeline_executor``) and the cost model prices what it holds (``cost.pipeline_memory``), so both read
+(``runtime.pipeline.executor``) and the cost model prices what it holds (``cost.pipeline_memory``), so both read
 one schedule.
 
 Order of compute (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", sec.

@@ -15,11 +15,11 @@ from typing import Any
 RECOMPUTE = ("none", "selective", "full")
 PLAN_SCHEMA_VERSION = 1
 # training precisions, named as PyTorch Lightning names them: float32 weights with bf16 compute, everything in
-# bf16, everything in float32 (what each engine holds under each: cost.model.state_bytes, runtime.precision)
+# bf16, everything in float32 (what each engine holds under each: cost.model.state_bytes, runtime.engines.precision)
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
 # gradient layouts a plan may name beside its precision's own (``Plan.grad_dtype``): bf16 gradient accumulation and
 # reduction under bf16-mixed, as DeepSpeed's ``data_types.grad_accum_dtype`` and Megatron-LM's ``--grad-reduce-in-bf16``
-# offer it (what each engine holds: cost.states; how the torch engine runs it: runtime.precision.fsdp_kwargs)
+# offer it (what each engine holds: cost.states; how the torch engine runs it: runtime.engines.precision.fsdp_kwargs)
 GRAD_DTYPES = ("bfloat16",)
 
 

@@ -1,7 +1,7 @@
 """Can a block's stream run on a share of the sequence? (Sequence parallelism, Korthikanti et al. 2022, sec. 4.2.2.)
 
 Under sequence parallelism every op outside the tensor-parallel branches that the carried stream reaches runs on
-the rank's ``1/tp`` of the sequence (dim 1 of a batch-first tensor, ``runtime.sequence_parallel``). That gives
+the rank's ``1/tp`` of the sequence (dim 1 of a batch-first tensor, ``runtime.parallel.sequence_parallel``). That gives
 the whole block's result only when each of those ops treats every position on its own: pointwise ops (residual
 adds, scales, activations), norms over the hidden features, dropout, reductions that keep (batch, sequence), dtype
 casts. Anything else there (a softmax, attention or convolution outside a branch, a cumulative sum, a
@@ -21,7 +21,8 @@ from ..graph.ir import Op
 from .pointwise_table import POINTWISE
 
 # a block's entry in the capture checks (``space.tp_meta.TP_CHECKS_META``): the runtime's run of its first copy
-# sequence-parallel on fake tensors (``runtime.layout_probe``), {"max_tp": m} | {"refused": why}; no branch is named so
+# sequence-parallel on fake tensors (``runtime.parallel.layout_probe``), {"max_tp": m} | {"refused": why}; no branch is
+# named so
 SP_CHECK_KEY = "<sequence parallelism>"
 
 # reductions that, when they keep (batch, sequence), reduce over features only

@@ -13,7 +13,7 @@ row linear the wrong width, at a degree, is never planned at that degree (nor at
 is kept in the graph's metadata (``TP_CHECKS_META``) and read by the block analysis, so the search, the cost
 model and the launcher's layout all see the same branches.
 
-Values are checked by the runtime before training (``runtime.tensor_parallel``): the sharded block's output
+Values are checked by the runtime before training (``runtime.parallel.tensor_parallel``): the sharded block's output
 against the unsharded block's on a small real input.
 """
 

@@ -15,7 +15,8 @@ Anything else reading the logits (a second loss term, label smoothing's sum, the
 the table, an embedding or head that is not an ``nn.Embedding`` / ``nn.Linear``, or a degree that does not
 divide the vocabulary, leaves the vocabulary replicated: every rank holds the whole table and head and
 computes the full logits. The cost model prices that (``cost.layer.LooseOps``) and the runtime runs it
-(``runtime.vocab_parallel``), from this one analysis, written into plan.json by the launcher as ``vocab_parallel``.
+(``runtime.parallel.vocab_parallel``), from this one analysis, written into plan.json by the launcher as
+``vocab_parallel``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class VocabLayout:
     params: tuple[str, ...] = ()     # the (captured) names of the table and head weights
     refused: str = ""
     # the loss is the model's one call of torch's cross-entropy entry point, without class weights: split, it runs on
-    # the runtime's lean cross-entropy (``runtime.vocab_loss``); else on torch's ``loss_parallel``
+    # the runtime's lean cross-entropy (``runtime.parallel.vocab_loss``); else on torch's ``loss_parallel``
     fused_loss: bool = False
     logit_bytes: int = 4             # bytes per element of the head's output (the logits' gradient is cast to it)
 

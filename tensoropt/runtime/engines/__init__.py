@@ -1,0 +1,1 @@
+"""The engines a plan runs on (torch, DeepSpeed), their precision, optimizer groups and compile."""

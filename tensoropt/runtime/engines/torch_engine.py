@@ -1,0 +1,84 @@
+"""The torch-native engine: applies a plan with torch's own parallelism, one module per concern, each
+imported from here and none importing this one back:
+
+- ``blocks``: which modules are the plan's block copies (every concern below acts per copy);
+- ``engines.precision``: the weights' dtype, autocast and FSDP2's mixed-precision policy (``--precision``);
+- ``parallel.tensor_parallel`` (with ``tp_styles``, ``tp_guard``, ``sequence_parallel``, ``vocab_parallel``):
+  Megatron-LM's layout with ``torch.distributed.tensor``, the sequence split between branches, the
+  vocabulary-parallel embedding, head and loss;
+- ``memory.recompute``: full (``checkpoint_wrapper``) or selective (``memory.selective``) recomputation per copy;
+- ``engines.compile``: ``torch.compile`` per copy (``--compile``), after the two above and before data parallelism;
+- ``parallel.data_parallel``: DDP (ZeRO 0) or FSDP2 ``fully_shard`` per copy (ZeRO 1-3), the same functions for
+  the whole model and for pipeline stages;
+- ``memory.materialize``: placement, a meta-built model given storage for this rank's part only;
+- ``pipeline.stages`` (with ``pipeline.split``, ``pipeline.tp``): stages with ``torch.distributed.pipelining``,
+  which applies the concerns above inside each stage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import TensorOptError
+from ...space.run_plan import RunPlan
+from ..blocks import largest_block_bytes
+from ..device import init_process_group
+from ..memory.materialize import Materializer, place
+from ..memory.recompute import apply_recompute
+from ..parallel.data_parallel import ddp_micro_batch, fsdp_micro_batch, replicate, shard
+from ..parallel.tensor_parallel import apply_tensor_parallel
+from ..parallel.vocab_parallel import loss_context
+from ..pipeline.stages import apply_pipeline
+from ..run import Run, plain_stepper
+from .compile import apply_compile
+from .param_groups import build_optimizer
+from .precision import autocast_forward, cast_model
+from .precision_names import of_plan
+
+
+def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.device,
+          materializer: Materializer | None = None, example_inputs=None) -> tuple[nn.Module, object, Run]:
+    """Apply ``run_plan`` to ``model`` on ``device``: shard it (on the meta device if it was built there), then
+    give this rank's part storage on the device, then wrap it for data parallelism."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    init_process_group(device)
+    plan = run_plan.plan
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != plan.devices:
+        raise TensorOptError(f"plan {plan.summary()} is for {plan.devices} devices but {world} workers were "
+                             "started")
+    if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
+        materializer.block_bytes = largest_block_bytes(model, plan)
+    precision = of_plan(plan)
+    cast_model(model, precision)      # before sharding: the weights' dtype (see runtime.engines.precision)
+    if plan.pp > 1:
+        return apply_pipeline(model, optimizer_fn, run_plan, device, materializer, example_inputs)
+    dp, tp = plan.dp, plan.tp
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan.zero >= 1 \
+        else None
+    vocab_split = False             # the logits sharded by vocabulary: the loss runs under loss_parallel
+    if tp > 1:
+        vocab_split = apply_tensor_parallel(model, run_plan, mesh["tp"], device, example_inputs)
+    apply_recompute(model, plan)
+    apply_compile(model, plan)      # around TP and recomputation, inside DDP / FSDP2 (see runtime.engines.compile)
+    autocast_forward(model, precision, device)
+    before_micro_batch = None
+    if plan.zero >= 1:
+        shard(model, plan, mesh["dp"])
+        before_micro_batch = fsdp_micro_batch(model, plan.zero)
+    place(model, device, materializer)
+    if plan.zero == 0 and dp > 1:
+        model = replicate(model, device)
+        before_micro_batch = ddp_micro_batch(model)
+    optimizer = build_optimizer(optimizer_fn, model.parameters())
+    dp_rank = rank // tp
+    stepper = plain_stepper(model, optimizer, before_micro_batch, loss_context=loss_context(vocab_split)) \
+        if optimizer else None
+    run = Run(rank, world, dp_rank, dp, plan.micro_batch, plan.grad_accumulation, plan.global_batch, run_plan,
+              "torch", stepper, device=device)
+    return model, optimizer, run
+
+
+__all__ = ["apply"]

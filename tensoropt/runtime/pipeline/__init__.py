@@ -1,0 +1,1 @@
+"""Pipeline stages: cutting, tracing, tensor parallelism inside them, and their schedule."""
