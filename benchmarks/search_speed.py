@@ -187,21 +187,25 @@ def committed_guards() -> dict[str, float]:
     return committed.get("guards", {})
 
 
-def guard_commit(label: str, guard: float) -> str | None:
-    """The oldest commit whose ``results/search_speed.json`` holds ``guard`` for ``label`` under this METHOD, in an
-    unbroken run of versions up to now: the commit whose code set the guard. None in a shallow clone (its oldest
-    commit need not be where the guard was set) or where no commit holds it."""
+def guard_commits(guards: dict[str, float]) -> dict[str, str | None]:
+    """Per label, the oldest commit whose ``results/search_speed.json`` holds its guard under this METHOD, in an
+    unbroken run of versions up to now: the commit whose code set the guard (one walk of the file's history for
+    every label). None in a shallow clone (its oldest commit need not be where the guard was set) or where no
+    commit holds it."""
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    found: dict[str, str | None] = dict.fromkeys(guards)
     if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
-        return None
-    found = None
+        return found
+    holding = set(guards)
     for commit in git("log", "--format=%H", "--", "benchmarks/results/search_speed.json").stdout.split():
         shown = git("show", f"{commit}:benchmarks/results/search_speed.json")
         committed = json.loads(shown.stdout) if shown.returncode == 0 else {}
-        if committed.get("method") != METHOD or committed.get("guards", {}).get(label) != guard:
+        held = committed.get("guards", {}) if committed.get("method") == METHOD else {}
+        holding = {label for label in holding if held.get(label) == guards[label]}
+        if not holding:
             break
-        found = commit
+        found.update(dict.fromkeys(holding, commit))
     return found
 
 
@@ -227,9 +231,10 @@ def confirm_against_guard_code(slow: list[str], guards: dict[str, float], slowdo
     """Of the rows slow by their ratio, those this checkout also plans ``slowdown`` times slower than the commit
     that set their guard (or whose commit cannot be found). ``tmp``: where ``capture_rows`` wrote its specs."""
     rows = [r for r in ROWS if r[0] in slow]
+    commits = guard_commits({label: guards[label] for label in slow})
     sources, unfound = {}, []
     for row in rows:
-        commit = guard_commit(row[0], guards[row[0]])
+        commit = commits[row[0]]
         if commit is None:
             print(f"SLOW  {row[0]}: no commit holds its guard here (shallow clone or uncommitted guard)")
             unfound.append(row[0])

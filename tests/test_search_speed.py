@@ -1,6 +1,7 @@
 """benchmarks/search_speed.py's guard: a search made 1.4x slower fails ``--check``'s comparisons, both the ratio to
 the machine-speed reference (tolerance 1.3x) and the timing by turns against the code that set a guard."""
 
+import inspect
 import json
 import shutil
 import subprocess
@@ -55,30 +56,13 @@ def test_check_fails_for_a_search_made_1_4x_slower(search_speed, monkeypatch, tm
     assert search_speed.compare([slower], guards, search_speed.SLOWDOWN) == [row[0]]
 
 
-SLOWED_PLAN = """
-
-import time as _time
-
-_plan_as_committed = plan
-
-
-def plan(*args, **kwargs):      # this copy's planner, 1.4x slower in CPU time (tests/test_search_speed.py)
-    start = _time.process_time()
-    frontier = _plan_as_committed(*args, **kwargs)
-    until = _time.process_time() + 0.4 * (_time.process_time() - start)
-    while _time.process_time() < until:
-        pass
-    return frontier
-"""
-
-
 def _copy_of_this_checkout(dest, slowed: bool):
     """This checkout's ``tensoropt/`` and ``profiles/`` copied to ``dest``, its ``plan`` made 1.4x slower if asked."""
     for folder in ("tensoropt", "profiles"):
         shutil.copytree(BENCHMARKS.parent / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    if slowed:
+    if slowed:                  # the copy's plan wrapped by _slower itself, its source appended to planning.py
         with open(dest / "tensoropt" / "planning.py", "a") as planning:
-            planning.write(SLOWED_PLAN)
+            planning.write(f"\n\nimport time\n\n\n{inspect.getsource(_slower)}\n\nplan = _slower(plan, 1.4)\n")
     return dest
 
 
@@ -101,10 +85,12 @@ def test_the_commit_that_set_a_guard_is_the_oldest_holding_it(search_speed):
         return subprocess.run(["git", *args], cwd=BENCHMARKS.parent, capture_output=True, text=True)
     if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
         pytest.skip("a shallow clone holds no history of the guards")
-    label, guard = next(iter(search_speed.committed_guards().items()))
-    commit = search_speed.guard_commit(label, guard)
+    guards = search_speed.committed_guards()
+    commits = search_speed.guard_commits(guards)
     path = "benchmarks/results/search_speed.json"
-    assert json.loads(git("show", f"{commit}:{path}").stdout)["guards"][label] == guard
-    before = git("log", "-1", "--format=%H", f"{commit}^", "--", path).stdout.strip()
-    assert before, "the guard's commit has an earlier version of the results file"
-    assert json.loads(git("show", f"{before}:{path}").stdout).get("guards", {}).get(label) != guard
+    for label, guard in guards.items():
+        commit = commits[label]
+        assert json.loads(git("show", f"{commit}:{path}").stdout)["guards"][label] == guard
+        before = git("log", "-1", "--format=%H", f"{commit}^", "--", path).stdout.strip()
+        assert before, "the guard's commit has an earlier version of the results file"
+        assert json.loads(git("show", f"{before}:{path}").stdout).get("guards", {}).get(label) != guard
