@@ -24,10 +24,12 @@ _KEY = re.compile(r"^launch-[0-9a-f]{32}$")              # launcher.capture.cach
 
 
 def reduce_argv(args: list[str], unread: list[list]) -> list[str]:
-    """``args`` without the ``unread`` options (``[option string, tokens it takes]``): ``--opt value``,
-    ``--opt=value`` and flags, dropped only where ``argparse`` reads them so; every other token is kept, so that
-    two lines reduce alike only when they agree on everything else. Nothing after ``--`` is an option."""
-    tokens = {option: count for option, count in unread}
+    """``args`` without the ``unread`` options (``[option string, tokens it takes]``, and for a required option
+    the placeholder kept in its place): ``--opt value``, ``--opt=value`` and flags, dropped only where ``argparse``
+    reads them so; every other token is kept, so that two lines reduce alike only when they agree on everything
+    else (a required option's presence included). Nothing after ``--`` is an option."""
+    tokens = {entry[0]: entry[1] for entry in unread}
+    placeholders = {entry[0]: entry[2:] for entry in unread}
     kept, i = [], 0
     while i < len(args):
         arg = args[i]
@@ -35,9 +37,11 @@ def reduce_argv(args: list[str], unread: list[list]) -> list[str]:
             return kept + args[i:]
         count = tokens.get(arg)
         if count == 0 or (count == 1 and i + 1 < len(args) and _is_value(args[i + 1])):
+            kept += placeholders[arg]
             i += 1 + count
             continue
-        if "=" in arg and tokens.get(arg.split("=", 1)[0]) == 1:
+        if "=" in arg and tokens.get(option := arg.split("=", 1)[0]) == 1:
+            kept += placeholders[option]
             i += 1
             continue
         kept.append(arg)

@@ -122,7 +122,7 @@ def test_the_capture_records_the_options_it_did_not_read(monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", argparse.ArgumentParser.parse_known_args)
     capture_args.install()                                    # undone by monkeypatch at the end
 
-    def run(reads_early, reads_late, step, argv=("--width", "4")):
+    def run(reads_early, reads_late, step, argv=("--width", "4", "--report", "r.json")):
         monkeypatch.setattr(capture_args, "_STATE", capture_args._Tracker())
         monkeypatch.setattr("sys.argv", ["script.py", *argv])
         parser = argparse.ArgumentParser()
@@ -131,6 +131,7 @@ def test_the_capture_records_the_options_it_did_not_read(monkeypatch):
         parser.add_argument("--amp", action="store_true")
         parser.add_argument("--out", default=None)
         parser.add_argument("--files", nargs="*", default=[])
+        parser.add_argument("-r", "--report", required=True)
         args = parser.parse_args()
         for read in reads_early:
             read(args)
@@ -140,8 +141,14 @@ def test_the_capture_records_the_options_it_did_not_read(monkeypatch):
         if step is not None:
             capture_args.mark_first_step(step)
         unread = capture_args.unread_options()
-        return None if unread is None else sorted(option for option, _ in unread)
+        if unread is None:
+            return None
+        # a required option is recorded with its placeholder (its first option string), the others without one
+        assert {tuple(entry) for entry in unread if entry[0] in ("-r", "--report")} == \
+            ({("-r", 1, "-r"), ("--report", 1, "-r")} if "report" not in reads else set())
+        return sorted(entry[0] for entry in unread if entry[0] not in ("-r", "--report"))
 
+    reads = set()
     width, steps, amp = (lambda a: a.width), (lambda a: range(a.steps)), (lambda a: a.amp)
     everything = ["--amp", "--out", "--steps", "--width"]                 # --files takes any number: never dropped
     assert run([width], [steps, amp], step=False) == ["--out", "--steps"]
@@ -152,6 +159,8 @@ def test_the_capture_records_the_options_it_did_not_read(monkeypatch):
     assert run([vars], [], step=False) is None
     assert run([print], [], step=False) is None
     assert run([lambda a: argparse.ArgumentParser().parse_args([])], [], step=False) is None    # a second parse
+    reads.add("report")
+    assert run([width, lambda a: a.report], [], step=False) == ["--amp", "--out", "--steps"]
 
 
 def test_unread_options_are_dropped_as_argparse_reads_them():
@@ -166,6 +175,18 @@ def test_unread_options_are_dropped_as_argparse_reads_them():
     assert reduce_argv(["--layers", "2", "--", "--out", "x"], unread) == ["--layers", "2", "--", "--out", "x"]
     assert reduce_argv(["--ste", "3", "-ox", "--meta=1", "--steps"], unread) == ["--ste", "3", "-ox", "--meta=1",
                                                                                    "--steps"]
+
+
+def test_a_required_unread_option_keeps_its_placeholder():
+    """A required option the capture did not read (``--out``, ``required=True``): its value is dropped, its
+    presence is not, so a line without it does not reuse a capture (its capture shows argparse's error)."""
+    from launcher.capture_index import reduce_argv
+    unread = [["-o", 1, "-o"], ["--out", 1, "-o"], ["--steps", 1]]
+    assert reduce_argv(["--steps", "3", "--out", "a.json", "--layers", "2"], unread) == ["-o", "--layers", "2"]
+    assert reduce_argv(["-o", "b.json", "--layers", "2"], unread) == ["-o", "--layers", "2"]
+    assert reduce_argv(["--out=c.json", "--layers", "2"], unread) == ["-o", "--layers", "2"]
+    assert reduce_argv(["--layers", "2"], unread) == ["--layers", "2"]
+    assert reduce_argv(["--out", "--layers", "2"], unread) == ["--out", "--layers", "2"]    # no value: kept whole
 
 
 def test_a_bad_index_is_passed_over(tmp_path):

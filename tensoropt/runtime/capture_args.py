@@ -22,9 +22,11 @@ Only the simple case is recorded: one parse of ``sys.argv`` into the namespace `
 with ``-`` options, no ``@file`` arguments, no sub-commands and no argument that takes the rest of the line or a
 varying number of positional tokens (dropping an option before those would change what they take). Options are
 dropped only if ``argparse``'s own store, flag, count or append actions parse them from none or one token and
-they are neither required, nor limited to choices, nor in a mutually exclusive group (so that a line the script
-would refuse is refused by its capture, not by its workers). Anything else records nothing, and the launcher
-keys the capture by every argument, as without this module.
+they are neither limited to choices nor in a mutually exclusive group (so that a line the script would refuse is
+refused by its capture, not by its workers). A required option (``--out``, ``required=True``) is recorded with a
+placeholder, its first option string: the launcher drops its value but keeps the placeholder, so a line reuses
+the capture only where it names the option too (one without it is captured, and argparse's error shown). Anything
+else records nothing, and the launcher keys the capture by every argument, as without this module.
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def mark_first_step(under_autocast: bool) -> None:
 
 
 def unread_options() -> list[list] | None:
-    """[option string, tokens it takes] of each option the capture did not depend on, or None when this run's
-    parse is not one it can tell that of (see module doc)."""
+    """[option string, tokens it takes] of each option the capture did not depend on, with a third item, the
+    placeholder a reduced line keeps, for a required one; or None when this run's parse is not one it can tell
+    that of (see module doc)."""
     state, parser = _STATE, _STATE.parser
     if (parser is None or state.parses != 1 or state.everything or parser.fromfile_prefix_chars
             or parser.prefix_chars != "-"):
@@ -121,9 +124,10 @@ def unread_options() -> list[list] | None:
     if state.step == "plain":                              # numbers read after parallelize, before a plain step
         read = state.read_early | {dest for dest in state.read_late if not _numeric(parser, dest)}
     grouped = {action for group in parser._mutually_exclusive_groups for action in group._group_actions}
-    return [[option, tokens] for action in parser._actions
+    return [[option, tokens, *([action.option_strings[0]] if action.required else [])]
+            for action in parser._actions
             if action.option_strings and action.dest not in read and action not in grouped
-            and not action.required and action.choices is None and (tokens := _tokens(action)) is not None
+            and action.choices is None and (tokens := _tokens(action)) is not None
             for option in action.option_strings]
 
 
@@ -168,7 +172,12 @@ def read_report(graph_path: Path) -> list[list] | None:
 
 
 def valid_unread(unread: object) -> bool:
-    """Whether ``unread`` is a list of [option string, 0 or 1] (as ``unread_options`` gives)."""
+    """Whether ``unread`` is a list of [option string, 0 or 1] or [option string, 0 or 1, placeholder] (as
+    ``unread_options`` gives)."""
     return isinstance(unread, list) and all(
-        isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0].startswith("-")
+        isinstance(entry, list) and len(entry) in (2, 3) and all(_option(item) for item in entry[::2])
         and type(entry[1]) is int and entry[1] in (0, 1) for entry in unread)
+
+
+def _option(item: object) -> bool:
+    return isinstance(item, str) and item.startswith("-")
