@@ -13,6 +13,9 @@ processes. Every training process pays both: ``torch.optim``'s ``step`` and ``ze
 ``torch._disable_dynamo``, which imports ``torch._dynamo`` on the first call, and that import brings
 ``torch.distributed.tensor`` and FSDP with it.
 
+The suite runs with warm starts off (``TENSOROPT_TEST_WARM=0``, tests/conftest.py): each process as a user's
+starts, importing what it needs (a warm-started process is forked by a server and would not be logged alike).
+
     python benchmarks/suite_processes.py                 # the whole suite (~45 min on 2 cores), then the tables
     python benchmarks/suite_processes.py --log LOG        # the tables of a log written before
 """
@@ -110,7 +113,7 @@ def run_suite(log: Path, pytest_args: list[str]) -> tuple[float, float]:
     """The suite under the hook: (wall seconds, CPU seconds of pytest and everything under it)."""
     with tempfile.TemporaryDirectory() as hook_dir:
         (Path(hook_dir) / "sitecustomize.py").write_text(HOOK)
-        env = {**os.environ, LOG_ENV: str(log),
+        env = {**os.environ, LOG_ENV: str(log), "TENSOROPT_TEST_WARM": "0",     # every process started cold
                "PYTHONPATH": os.pathsep.join(p for p in (hook_dir, os.environ.get("PYTHONPATH", "")) if p)}
         start, before = time.time(), os.times()
         status = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
@@ -126,10 +129,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--log", help="tabulate this log (written by an earlier run) instead of running the suite")
     parser.add_argument("--suite-cpu-s", type=float, help="with --log: the suite's CPU time, if known")
+    parser.add_argument("--suite-wall-s", type=float, help="with --log: the suite's wall time, if known")
+    parser.add_argument("--recorded-at", default="", help="with --log: the commit the log was recorded at")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
     if args.log:
-        log, wall, cpu = Path(args.log), None, args.suite_cpu_s
+        log, wall, cpu = Path(args.log), args.suite_wall_s, args.suite_cpu_s
     else:
         log = Path(tempfile.mkdtemp(prefix="suite-processes-")) / "processes.jsonl"
         wall, cpu = run_suite(log, args.pytest_args)
@@ -142,6 +147,8 @@ def main() -> None:
              "torch._dynamo at its first step).\n")
     if wall is not None:
         notes = f"Suite wall time {wall:.0f} s (`pytest -n 2`).\n\n" + notes
+    if args.recorded_at:
+        notes = f"The log was recorded at commit {args.recorded_at} (the tables above are of that run).\n\n" + notes
     print(table + "\n" + notes)
     write_results("suite_processes", rows, table, notes, extra={"import_floor": floor, "suite_wall_s": wall,
                                                                 "suite_cpu_s": cpu})
