@@ -53,7 +53,7 @@ if WARM:
     os.environ["TENSOROPT_TEST_WARM_SOCKET"] = _WARM_SOCKET
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_DIR), os.environ.get("PYTHONPATH", "")) if p)
 # modules whose tests look at the process tree or signal it: their processes start cold
-COLD_MODULES = frozenset({"test_launch_proc.py"})
+COLD_MODULES = frozenset({"test_launch_proc.py", "test_elastic.py"})
 
 
 def _start_warm_server():

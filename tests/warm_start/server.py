@@ -33,6 +33,7 @@ import struct
 import sys
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.run", "tensoropt.cli", "launcher.cli",
            "numpy", "tensoropt.runtime.entry", "tensoropt.runtime.engines.torch_engine", "tensoropt.runtime.run")
 HEADER = struct.Struct("!I")
 
@@ -66,6 +67,9 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(64)
     children: dict[int, tuple[int, socket.socket]] = {}          # pidfd -> (pid, connection)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sitecustomize import namespaces
+    own_namespaces = namespaces()
     cold = False
     print("ready", flush=True)
     while True:
@@ -84,7 +88,7 @@ def serve(path: str) -> None:
                 except (OSError, ConnectionError, ValueError):
                     conn.close()
                     continue
-                if cold:
+                if cold or request.get("namespaces") != own_namespaces:
                     conn.sendall(b"C")
                     conn.close()
                     for fd in fds:

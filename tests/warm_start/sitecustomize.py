@@ -1,13 +1,14 @@
 """Hand this process to the warm-start server (``server.py``, this folder) when the suite runs one and this is a
-process it can start: ``python [-u] SCRIPT.py ...`` or ``python -m tensoropt.runtime.capture_run ...``. Anything
-else, or a server that says "cold", starts as usual."""
+process it can start: ``python [-u] SCRIPT.py ...`` or ``python -m MODULE ...`` for the modules below (the launcher
+and the other CLI commands, torchrun, the launcher's capture). Anything else, or a server that says "cold" (turned
+off for the test, or this process in namespaces of its own), starts as usual."""
 
 import contextlib
 import os
 import sys
 
 SOCKET_ENV = "TENSOROPT_TEST_WARM_SOCKET"
-MODULES = ("tensoropt.runtime.capture_run",)
+MODULES = ("tensoropt.runtime.capture_run", "torch.distributed.run", "tensoropt")
 
 
 def _request():
@@ -23,12 +24,22 @@ def _request():
     return None
 
 
+def namespaces():
+    """This process's Linux namespaces: one started in others (``unshare``: a file system mounted for it alone) is
+    not the server's to fork."""
+    found = {}
+    for kind in ("mnt", "user", "pid", "net", "ipc", "uts"):
+        with contextlib.suppress(OSError):
+            found[kind] = os.readlink(f"/proc/self/ns/{kind}")
+    return found
+
+
 def _delegate(path, request):
     import json
     import signal
     import socket
     import struct
-    request.update(env=dict(os.environ), cwd=os.getcwd())
+    request.update(env=dict(os.environ), cwd=os.getcwd(), namespaces=namespaces())
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
