@@ -151,7 +151,8 @@ def _run(request: dict) -> int:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         return _exit_code(exc.code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:                               # as the interpreter: shown, then killed by SIGINT
+        sys.excepthook(*sys.exc_info())
         _finish(None, interrupted=True)
     except BaseException:                                   # noqa: BLE001 - as the interpreter: shown, status 1
         sys.excepthook(*sys.exc_info())
