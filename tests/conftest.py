@@ -41,10 +41,62 @@ if not _INHERITED:
 os.environ.update(ISOLATED)
 LAUNCH_CWD = Path(os.environ["TENSOROPT_TEST_LAUNCH_CWD"])
 
+# Warm starts (tests/warm_start/server.py): the Python processes the tests start (workers, scripts run alone, the
+# launcher's captures) are forked by a server of this pytest process that imported torch once, instead of each
+# importing it (~5 CPU-s each). Set before any test module copies the environment; the server starts before the first
+# test's fixtures (a process started before it, or after it stopped, starts cold). TENSOROPT_TEST_WARM=0 turns it off.
+WARM_DIR = Path(__file__).resolve().parent / "warm_start"
+WARM = os.environ.get("TENSOROPT_TEST_WARM", "1") != "0"
+_WARM_SOCKET = os.path.join(tempfile.mkdtemp(prefix="tensoropt-warm-"), "server.sock")
+_warm_server = None
+if WARM:
+    os.environ["TENSOROPT_TEST_WARM_SOCKET"] = _WARM_SOCKET
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_DIR), os.environ.get("PYTHONPATH", "")) if p)
+# modules whose tests look at the process tree or signal it: their processes start cold
+COLD_MODULES = frozenset({"test_launch_proc.py", "test_elastic.py"})
+
+
+def _start_warm_server():
+    global _warm_server
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TENSOROPT_TEST_WARM_SOCKET"}
+    _warm_server = subprocess.Popen([sys.executable, str(WARM_DIR / "server.py"), _WARM_SOCKET], env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    if _warm_server.stdout.readline().strip() != "ready":
+        _warm_server = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_server_started():
+    """The warm-start server of this pytest process, started before any other fixture."""
+    if WARM and _warm_server is None:
+        _start_warm_server()
+
+
+@pytest.fixture(autouse=True)
+def _warm_start(request, _warm_server_started):
+    """Cold starts for the tests of COLD_MODULES."""
+    cold = _warm_server is not None and request.path.name in COLD_MODULES
+    if cold:
+        _tell_warm_server("cold")
+    yield
+    if cold:
+        _tell_warm_server("warm")
+
+
+def _tell_warm_server(mode: str) -> None:
+    _warm_server.stdin.write(mode + "\n")
+    _warm_server.stdin.flush()
+    assert _warm_server.stdout.readline().strip() == "ok", "the warm-start server stopped"
+
 
 def pytest_unconfigure(config):
     """Remove the folders this process made (see ISOLATED), at the end: the shared ones in the process that made
-    them, after its xdist processes are done."""
+    them, after its xdist processes are done; stop the warm-start server."""
+    if _warm_server is not None:
+        _warm_server.stdin.close()
+        _warm_server.wait(30)
     for path in ISOLATED.values():
         shutil.rmtree(path, ignore_errors=True)
 
