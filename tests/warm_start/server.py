@@ -144,6 +144,7 @@ def _run(request: dict) -> int:
     try:
         if request["module"]:
             sys.argv = [request["module"], *argv]
+            sys.path[0] = os.getcwd()                       # as ``python -m``: the working folder first
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
