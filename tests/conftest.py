@@ -52,8 +52,10 @@ _warm_server = None
 if WARM:
     os.environ["TENSOROPT_TEST_WARM_SOCKET"] = _WARM_SOCKET
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_DIR), os.environ.get("PYTHONPATH", "")) if p)
-# modules whose tests look at the process tree or signal it: their processes start cold
-COLD_MODULES = frozenset({"test_launch_proc.py", "test_elastic.py"})
+# modules whose tests look at the process tree or signal it: their processes start cold ("cold"), or all but the
+# scripts ("scripts": the launcher and torchrun cold, so a test finds the workers it kills under the launcher; the
+# process it kills is the one torchrun started, and the script under the server dies with it)
+COLD_MODULES = {"test_launch_proc.py": "cold", "test_elastic.py": "scripts"}
 
 
 def _start_warm_server():
@@ -76,12 +78,12 @@ def _warm_server_started():
 
 @pytest.fixture(autouse=True)
 def _warm_start(request, _warm_server_started):
-    """Cold starts for the tests of COLD_MODULES."""
-    cold = _warm_server is not None and request.path.name in COLD_MODULES
-    if cold:
-        _tell_warm_server("cold")
+    """Cold starts (all, or all but the scripts) for the tests of COLD_MODULES."""
+    mode = COLD_MODULES.get(request.path.name) if _warm_server is not None else None
+    if mode:
+        _tell_warm_server(mode)
     yield
-    if cold:
+    if mode:
         _tell_warm_server("warm")
 
 

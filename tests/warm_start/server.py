@@ -16,8 +16,8 @@ the test (or torchrun) started stays the one it waits for and signals:
 
 What the child does not get from a fresh interpreter: a hash seed of its own (all children share the server's), and
 imports made before its environment was set (torch reads none that the suite sets; ``OMP_NUM_THREADS`` is applied
-with ``torch.set_num_threads``). A test that needs processes started cold (one that looks at the process tree)
-switches the server off for itself (``cold`` in ``tests/conftest.py``).
+with ``torch.set_num_threads``). A test that looks at the process tree switches the server off for itself, or on for
+scripts only (``COLD_MODULES`` in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def serve(path: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sitecustomize import namespaces
     own_namespaces = namespaces()
-    cold = False
+    mode = "warm"
     print("ready", flush=True)
     while True:
         readable, _, _ = select.select([sys.stdin, listener, *children], [], [])
@@ -79,7 +79,7 @@ def serve(path: str) -> None:
                 line = sys.stdin.readline().strip()
                 if line in ("", "exit"):
                     os._exit(0)
-                cold = line == "cold"
+                mode = line                                     # warm, cold, or scripts (modules cold)
                 print("ok", flush=True)
             elif ready is listener:
                 conn, _ = listener.accept()
@@ -88,7 +88,8 @@ def serve(path: str) -> None:
                 except (OSError, ConnectionError, ValueError):
                     conn.close()
                     continue
-                if cold or request.get("namespaces") != own_namespaces:
+                if mode == "cold" or (mode == "scripts" and request.get("module")) \
+                        or request.get("namespaces") != own_namespaces:
                     conn.sendall(b"C")
                     conn.close()
                     for fd in fds:
