@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ def _note():
 if os.environ.get("{LOG_ENV}"):
     atexit.register(_note)
 '''
+TORCHRUN, LAUNCHER = "torch/distributed/run.py", "tensoropt/__main__.py launch"
 PYTEST = "pytest/__main__.py"                 # the controlling process (xdist's own exit without the hook)
 KINDS = ("worker", "torchrun", "launcher", "launcher's capture or simulation", "script alone / helper", "CLI")
 
@@ -59,24 +59,27 @@ KINDS = ("worker", "torchrun", "launcher", "launcher's capture or simulation", "
 def kind(record: dict, by_pid: dict[int, dict]) -> str:
     """Which of ``KINDS`` a logged process is, from its command line and its parent's."""
     argv, parent = record["argv"], by_pid.get(record["ppid"], {}).get("argv", "")
-    if "torch/distributed/run.py" in argv:
+    if TORCHRUN in argv:
         return "torchrun"
-    if re.search(r"tensoropt/__main__\.py launch", argv):
+    if LAUNCHER in argv:
         return "launcher"
     if "tensoropt/__main__.py" in argv:
         return "CLI"
-    if "torch/distributed/run.py" in parent:
+    if TORCHRUN in parent:
         return "worker"
-    if re.search(r"tensoropt/__main__\.py launch", parent):
+    if LAUNCHER in parent:
         return "launcher's capture or simulation"
     return "script alone / helper"
 
 
 def tables(records: list[dict], suite_cpu_s: float | None) -> tuple[list[dict], str]:
     by_pid = {r["pid"]: r for r in records}
+    by_kind: dict[str, list[dict]] = {name: [] for name in KINDS}
+    for r in records:
+        if not r["argv"].split(" ")[0].endswith(PYTEST):
+            by_kind[kind(r, by_pid)].append(r)
     rows = []
-    for name in KINDS:
-        mine = [r for r in records if kind(r, by_pid) == name and not r["argv"].split(" ")[0].endswith(PYTEST)]
+    for name, mine in by_kind.items():
         cpu = sum(r["cpu_s"] for r in mine)
         rows.append({"kind": name, "processes": len(mine), "cpu_s": round(cpu, 1),
                      "cpu_s_each": round(cpu / len(mine), 2) if mine else 0.0,

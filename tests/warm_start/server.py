@@ -67,8 +67,7 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(64)
     children: dict[int, tuple[int, socket.socket]] = {}          # pidfd -> (pid, connection)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sitecustomize import namespaces
+    from sitecustomize import namespaces  # this folder's (first on the path of ``python server.py``)
     own_namespaces = namespaces()
     mode = "warm"
     print("ready", flush=True)
@@ -98,7 +97,7 @@ def serve(path: str) -> None:
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
-                    for _other_pid, other in children.values():
+                    for _, other in children.values():
                         other.close()
                     _child(conn, request, fds)          # never returns
                 for fd in fds:
@@ -191,14 +190,14 @@ def _finish(code: int | None, interrupted: bool = False) -> None:
 def _reopen_streams(unbuffered: bool) -> None:
     import io
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
-        mode = "r" if fd == 0 else "w"
-        raw = io.FileIO(fd, mode + ("" if fd == 0 else ""), closefd=False)
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        errors = "backslashreplace" if fd == 2 else None
         if unbuffered and fd:
-            stream = io.TextIOWrapper(raw, write_through=True, errors="backslashreplace" if fd == 2 else None)
-        else:
-            buffered = io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)
-            stream = io.TextIOWrapper(buffered, line_buffering=fd != 0 and os.isatty(fd) or fd == 2,
-                                      errors="backslashreplace" if fd == 2 else None)
+            stream = io.TextIOWrapper(raw, write_through=True, errors=errors)
+        elif fd == 0:
+            stream = io.TextIOWrapper(io.BufferedReader(raw))
+        else:                       # as Python: stderr line-buffered, stdout where it is a terminal
+            stream = io.TextIOWrapper(io.BufferedWriter(raw), line_buffering=fd == 2 or os.isatty(fd), errors=errors)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 
