@@ -35,6 +35,7 @@ class Context:
     compile: bool = False            # compiled blocks (fused kernels) rather than eager PyTorch: ModelCost.compiled
     engine: str = ""                 # the engine priced: "deepspeed" adds its own buffers (cost.deepspeed_memory)
     grad_dtype: str = ""             # gradients accumulated and reduced in bf16 ("bfloat16"; ``Plan.grad_dtype``)
+    cp: int = 1                      # context parallelism: each sample's sequence split over cp ranks (``Plan.cp``)
 
     @property
     def micro_batches(self) -> int:
@@ -44,13 +45,13 @@ class Context:
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
                        plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
-                       plan.compile, plan.engine, plan.grad_dtype)
+                       plan.compile, plan.engine, plan.grad_dtype, plan.cp)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision, self.compile, self.engine, self.grad_dtype)
+                    self.precision, self.compile, self.engine, self.grad_dtype, self.cp)
 
 
 @dataclass(frozen=True)

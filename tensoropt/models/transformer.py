@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelSpecError
+from .sequence import current_shard
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,9 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if (shard := current_shard()) is not None:           # context parallelism: this rank's queries, every key
+            k, v = shard.gather(k, 2), shard.gather(v, 2)
+            return self.proj(self._attend_gathered(q, k, v, mask).transpose(1, 2).reshape(b, s, -1))
         if cfg.attention == "flash":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=kv != heads,
                                                dropout_p=cfg.dropout if self.training else 0.0)
@@ -147,6 +151,21 @@ class Attention(nn.Module):
                 scores = scores.masked_fill(mask, float("-inf"))
             y = self.attn_dropout(scores.softmax(dim=-1)) @ v
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def _attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of this rank's queries (its chunks of the sequence) to the whole sequence's keys and values,
+        under ``mask`` (True: masked), the causal mask's rows of the queries' positions. Eager: the explicit softmax
+        of ``forward`` on these rows. Flash: SDPA with that boolean mask (its rows are no square's lower triangle,
+        so ``is_causal`` cannot say it); both compute every query x key product, as the whole sequence's eager
+        scores do."""
+        heads, kv, d = q.shape[1], k.shape[1], q.shape[-1]
+        if self.cfg.attention == "flash":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, enable_gqa=kv != heads,
+                                                  dropout_p=self.cfg.dropout if self.training else 0.0)
+        if kv != heads:
+            k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+        return self.attn_dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1)) @ v
 
 
 class MLP(nn.Module):
@@ -276,16 +295,33 @@ class DecoderLM(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def context_parallel_refusal(self) -> str:
+        """Why this model cannot run context-parallel ("": it can; ``models.sequence``): token-routed layers
+        (``MoE``) fill each expert's capacity from the tokens a rank holds, which a sequence split changes."""
+        return "its token-routed (MoE) layers size their capacity by the tokens a rank holds" \
+            if self.cfg.num_experts else ""
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
         x = self.embed(input_ids)
+        if (shard := current_shard()) is not None:            # context parallelism: this rank's positions
+            shard.check(s)
+            positions = shard.positions(input_ids.device)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed.weight[positions]
+            mask = self.causal_mask[positions, :shard.length]
+            rope = None if self.cfg.position != "rope" else (
+                self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype))
+            return self._layers_and_loss(self.dropout(x), mask, rope, labels)
         if self.pos_embed is not None:
             x = x + self.pos_embed.weight[:s]
-        x = self.dropout(x)
         mask = self.causal_mask[:s, :s] if self.cfg.attention == "eager" else None
         rope = None
         if self.cfg.position == "rope":
             rope = (self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype))
+        return self._layers_and_loss(self.dropout(x), mask, rope, labels)
+
+    def _layers_and_loss(self, x: torch.Tensor, mask, rope, labels: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, mask, rope)
         logits = self.head(self.norm(x))
