@@ -1,0 +1,102 @@
+"""Context parallelism for the torch engine: each sample's sequence split over the ``cp`` ranks of a data-parallel
+replica (``Plan.cp``), the keys and values of the whole sequence gathered in every attention.
+
+Layout (as Megatron-LM's and torchtitan's load-balanced causal CP lay it out): the sequence of S tokens is cut
+into 2 x cp chunks and cp rank r holds chunks r and 2cp-1-r, so that under a causal mask every rank's queries see
+the same number of keys (an early chunk and a late one). ``shard_batch`` cuts every sequence tensor of a
+micro-batch so (token ids and labels alike: a label stays with its token, so a model whose labels are already
+shifted, as ``DecoderLM``'s are, computes the same per-token losses).
+
+Attention: the model reads the shard (``models.sequence``) and calls ``gather`` on its keys and values after the
+rotary embedding: one all-gather of each over the cp ranks (``all_gather_into_tensor``), synchronous, then the
+rank's queries attend to all S keys under the causal mask's rows of their positions. Its backward reduce-scatters
+the gradients of the gathered keys and values (``reduce_scatter_tensor``, summed: every rank's queries read every
+rank's keys) back to their owners. This is the all-gather form of CP (Megatron-LM's ``--cp-comm-type allgather``,
+torchtitan's ``context_parallel_rotate_method="allgather"``) without their overlap of the gather with the first
+chunk's attention: what ``cost`` prices (a ring that overlaps would be a later change of both).
+
+Gradients: each rank's loss is the mean over its S/cp tokens of each sample; every rank holds the same number of
+tokens, so the mean of the ranks' losses is the whole sequence's mean loss, and data parallelism over the dp x cp
+ranks (DDP's averaging, FSDP2's reduce-scatter over the flattened mesh) averages the ranks' gradients into its
+gradient (the keys' and values' share of it arrives through the reduce-scatter above).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ...errors import TensorOptError
+from ...models.sequence import SequenceShard, use_shard
+
+
+def chunks(length: int, cp: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (start, stop) ranges of the sequence that cp rank ``rank`` holds, in the order its input holds them."""
+    if length % (2 * cp):
+        raise TensorOptError(f"context parallelism over {cp} ranks cuts each sequence into {2 * cp} equal chunks: a "
+                             f"sequence of {length} tokens does not split so; use a sequence length divisible by "
+                             f"{2 * cp} or another --cp")
+    size = length // (2 * cp)
+    return (rank * size, (rank + 1) * size), ((2 * cp - 1 - rank) * size, (2 * cp - rank) * size)
+
+
+def shard_batch(batch, length: int, cp: int, rank: int):
+    """This cp rank's tokens of a micro-batch: every tensor whose dim 1 is the sequence (``length`` long) cut to the
+    rank's chunks along it; other values (a per-sample tensor, a flag) whole."""
+    spans = chunks(length, cp, rank)
+
+    def take(x):
+        if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == length):
+            return x
+        return torch.cat([x[:, start:stop] for start, stop in spans], dim=1)
+    if isinstance(batch, Mapping):
+        return {k: take(v) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(take(v) for v in batch)
+    return take(batch)
+
+
+def _gathered_order(cp: int) -> torch.Tensor:
+    """For each chunk of the sequence in order, where the all-gather put it: rank-major, each rank's two chunks."""
+    return torch.tensor([2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All ranks' tokens along ``dim`` in sequence order (forward: all-gather; backward: reduce-scatter, summed)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group, cp: int) -> torch.Tensor:
+        import torch.distributed as dist
+        ctx.dim, ctx.group, ctx.cp = dim, group, cp
+        local = x.movedim(dim, 0).contiguous()
+        gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        order = _gathered_order(cp).to(x.device)
+        pieces = gathered.view(2 * cp, local.shape[0] // 2, *local.shape[1:]).index_select(0, order)
+        return pieces.reshape(gathered.shape).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+        cp = ctx.cp
+        whole = grad.movedim(ctx.dim, 0)
+        by_chunk = whole.reshape(2 * cp, whole.shape[0] // (2 * cp), *whole.shape[1:])
+        inverse = torch.argsort(_gathered_order(cp)).to(grad.device)
+        rank_major = by_chunk.index_select(0, inverse).reshape(whole.shape).contiguous()
+        mine = rank_major.new_empty((whole.shape[0] // cp, *whole.shape[1:]))
+        dist.reduce_scatter_tensor(mine, rank_major, group=ctx.group)
+        return mine.movedim(0, ctx.dim), None, None, None
+
+
+def install(group, cp: int, rank: int, length: int) -> SequenceShard:
+    """Make this worker compute cp rank ``rank``'s share of every ``length``-token sequence (``models.sequence``),
+    gathering keys and values over ``group``, for the rest of its life."""
+    spans = chunks(length, cp, rank)
+    shard = SequenceShard(chunks=spans, length=length,
+                          gather=lambda x, dim: _GatherSequence.apply(x, dim, group, cp))
+    use_shard(shard)
+    return shard
+
+
+__all__ = ["chunks", "install", "shard_batch"]
