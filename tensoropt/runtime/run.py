@@ -262,11 +262,17 @@ class Run:
     def local_batches(self, batch: Batch, local: bool = False) -> list[Batch]:
         """This rank's micro-batches of a global batch (its data-parallel slice, split in order; ``local``: the
         batch is that slice already), on its device: only this rank's share of the batch is ever copied there."""
-        mine = batch if local else split_batch(batch, self.dp_rank, self.dp_size)
-        if self.context is not None:                     # this cp rank's chunks of every sequence
-            mine = shard_batch(mine, self.context[2], self.context[0], self.context[1])
+        mine = self.sequence_share(batch if local else split_batch(batch, self.dp_rank, self.dp_size))
         return [to_device(split_batch(mine, i, self.grad_accumulation), self.device)
                 for i in range(self.grad_accumulation)]
+
+    def sequence_share(self, batch: Batch) -> Batch:
+        """This rank's tokens of every sequence in ``batch`` under context parallelism (its chunks,
+        ``parallel.context_parallel.shard_batch``); the batch itself otherwise."""
+        if self.context is None:
+            return batch
+        cp, cp_rank, length = self.context
+        return shard_batch(batch, length, cp, cp_rank)
 
     def train_step(self, batch: Batch, local: bool = False, sync: bool = True) -> float | torch.Tensor:
         """One optimizer step on the global ``batch`` (``local``: only this rank's rows of it, ``local_rows``);
