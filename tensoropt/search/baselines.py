@@ -47,7 +47,7 @@ def expert_grid(model: ModelCost, devices: int, global_batch: int) -> SearchResu
     start = time.perf_counter()
     per_node = model.cluster.devices_per_node
     plans = []
-    grid = SearchSpace(global_batch, micro_batches=(1, 2, 4), context_parallel=())    # Megatron's grid: no CP
+    grid = SearchSpace(global_batch, micro_batches=(1, 2, 4), context_parallel=(1,))    # Megatron's grid: no CP
     for dp, tp, pp, branches, mb, globals_, _ in contexts(model, devices, grid):
         megatron_tp = max(t for t in range(1, per_node + 1) if per_node % t == 0 and model.tp_allowed(t)
                           and devices % t == 0)

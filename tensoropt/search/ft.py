@@ -85,8 +85,8 @@ class SearchSpace:
     # gradient layouts searched (``Plan.grad_dtype``): "" the precision's own; "bfloat16" bf16 accumulation and
     # reduction, a sharded optimizer's layout (ZeRO 1-3: under ZeRO 0 the gradients are the weights' dtype)
     grad_dtypes: tuple[str, ...] = ("",)
-    # context-parallel degrees > 1 searched (``Plan.cp``; 1 is always searched): None, those leaving each rank at
-    # least ``space.context_parallel.MIN_TOKENS_PER_RANK`` tokens (``default_degrees``); () none
+    # context-parallel degrees searched (``Plan.cp``; 1: none, every other mesh): None, 1 and the degrees leaving
+    # each rank at least ``space.context_parallel.MIN_TOKENS_PER_RANK`` tokens (``default_degrees``)
     context_parallel: tuple[int, ...] | None = None
 
 
@@ -159,7 +159,8 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     names, repeats = model.branch_names, model.blocks[0][0].repeats if model.blocks else 1
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
         if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
-                or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
+                or (space.tensor_parallel is not None and tp not in space.tensor_parallel) \
+                or (space.context_parallel is not None and 1 not in space.context_parallel):
             continue
         branch_sets = [()] if tp == 1 else [c for r in range(len(names), 0, -1)
                                             for c in itertools.combinations(names, r)]
