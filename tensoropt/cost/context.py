@@ -69,11 +69,12 @@ class ContextTable:
     offload: np.ndarray                    # bool
     branches: np.ndarray                   # index into ``branch_sets``
     kind: np.ndarray                       # index into ``kinds``
+    cp: np.ndarray                         # context-parallel degree (``Context.cp``)
     branch_sets: tuple[tuple[str, ...], ...]
     kinds: tuple[tuple, ...]               # (global_batch, dtype, master_weights, precision, compile, engine, grad)
 
     # the columns of a row tuple, in order (``of_rows``)
-    COLUMNS = ("dp", "tp", "pp", "virtual_stages", "micro_batch", "zero", "offload", "branches", "kind")
+    COLUMNS = ("dp", "tp", "pp", "virtual_stages", "micro_batch", "zero", "offload", "branches", "kind", "cp")
 
     def __len__(self) -> int:
         return len(self.dp)
@@ -81,7 +82,7 @@ class ContextTable:
     @staticmethod
     def of_rows(rows: list[tuple] | np.ndarray, branch_sets: tuple[tuple[str, ...], ...], kinds: tuple[tuple, ...]
                 ) -> ContextTable:
-        """A table of ``rows``, each (dp, tp, pp, virtual stages, micro-batch, zero, offload, branches, kind)."""
+        """A table of ``rows``, each (dp, tp, pp, virtual stages, micro-batch, zero, offload, branches, kind, cp)."""
         columns = np.array(rows, dtype=np.int64).reshape(-1, len(ContextTable.COLUMNS)).T
         values = dict(zip(ContextTable.COLUMNS, columns))
         values["offload"] = values["offload"].astype(bool)
@@ -94,7 +95,7 @@ class ContextTable:
         kinds = tuple(dict.fromkeys(_kind(c) for c in contexts))
         where_branches, where_kind = {b: i for i, b in enumerate(branch_sets)}, {k: i for i, k in enumerate(kinds)}
         return ContextTable.of_rows([(c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch, c.zero, c.offload,
-                                      where_branches[c.tp_branches], where_kind[_kind(c)]) for c in contexts],
+                                      where_branches[c.tp_branches], where_kind[_kind(c)], c.cp) for c in contexts],
                                     branch_sets, kinds)
 
     def context(self, i: int) -> Context:
@@ -102,7 +103,8 @@ class ContextTable:
         global_batch, dtype, master, precision, compile, engine, grad = self.kinds[int(self.kind[i])]
         return Context(int(self.dp[i]), int(self.tp[i]), int(self.pp[i]), int(self.virtual_stages[i]),
                        int(self.micro_batch[i]), global_batch, int(self.zero[i]), bool(self.offload[i]),
-                       self.branch_sets[int(self.branches[i])], dtype, master, precision, compile, engine, grad)
+                       self.branch_sets[int(self.branches[i])], dtype, master, precision, compile, engine, grad,
+                       int(self.cp[i]))
 
 
 def _kind(c: Context) -> tuple:

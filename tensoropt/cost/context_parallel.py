@@ -1,0 +1,102 @@
+"""What context parallelism adds to a block copy: the attention's gathered keys and values (time and memory).
+
+Context parallelism (``Plan.cp``) cuts each sample's sequence S into 2 cp chunks and gives cp rank r the chunks r
+and 2cp-1-r (the load-balanced causal split of Megatron-LM's context parallelism and torchtitan's, as background).
+Every op then runs on S / cp tokens of each sample, so its time and saved activations are the captured ones at
+micro_batch / cp samples (``cost.layer``); the attention is the exception. The runtime this prices
+(``models.transformer.Attention`` reading ``models.sequence``, ``runtime.parallel.context_parallel``) does not pass
+keys and values around a ring: each copy's attention all-gathers the rank's keys and values (after rotary, before
+any GQA repeat) over the cp ranks to the whole sequence, one all-gather for K and one for V, synchronous, not
+overlapped with compute, and computes its S / cp queries against all S keys under an explicit mask (no causal
+skipping: S / cp x S products, which is 1/cp of the captured whole-sequence attention, so the 1/cp scaling of every
+op holds for the attention core too). Its backward reduce-scatters the gathered tensors' gradients back (the same
+volume); a fully recomputed copy runs its forward, all-gathers included, again in the backward.
+
+Memory: the attention saves the gathered K and V for its backward, S long rather than S / cp (for eager attention
+with GQA, the repeated copies its products read, as the captured graph's attention saves them). So a copy keeps the
+captured activations x mb / cp plus (1 - 1/cp) x the saved K and V bytes x mb (``extra_saved_bytes``).
+
+Which tensors are K and V is read from the graph (``attention_kv``): the second and third activation inputs of a
+fused attention op (SDPA), or for eager attention the second operand of the core's first product (Q K^T, the core
+``space.block`` finds) and the other operand of the product that reads the core's probabilities (P V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..graph.ir import Op
+from .comm import all_gather_s, reduce_scatter_s
+from .profile import Cluster
+
+
+@dataclass(frozen=True)
+class AttentionKV:
+    """Bytes per sample (the capture's batch of one) of one block copy's keys and values, all its attentions."""
+
+    saved_bytes: float        # K and V as the attention saves them for its backward (GQA: the repeated copies)
+    gathered_bytes: float     # K and V as the runtime all-gathers them (kv heads, before any repeat)
+
+    def extra_saved_bytes(self, micro_batch: int, cp: int) -> float:
+        """Bytes a copy keeps beyond its captured activations at ``micro_batch / cp`` samples: the gathered K and V
+        are S long, not S / cp."""
+        return (1 - 1 / cp) * self.saved_bytes * micro_batch if cp > 1 else 0.0
+
+    def gather_s(self, micro_batch: int, cp: int, stride: int, cluster: Cluster) -> float:
+        """The forward's all-gathers of K and V over the cp ranks (``stride``: the rank distance between them,
+        tp in the dp x cp x tp mesh). ``nbytes`` of ``all_gather_s`` is the gathered (whole-sequence) tensor."""
+        return all_gather_s(self.gathered_bytes * micro_batch, cp, stride, cluster) if cp > 1 else 0.0
+
+    def scatter_s(self, micro_batch: int, cp: int, stride: int, cluster: Cluster) -> float:
+        """The backward's reduce-scatters of the gathered K and V gradients back to their owners."""
+        return reduce_scatter_s(self.gathered_bytes * micro_batch, cp, stride, cluster) if cp > 1 else 0.0
+
+
+def attention_kv(ops: tuple[Op, ...], core: tuple[int, ...]) -> AttentionKV:
+    """The K and V of a block's attentions (module doc); zero for a block without attention."""
+    in_core = set(core)
+    keys, values = [], []                                      # (meta, ref) read by the attention
+    for i, op in enumerate(ops):
+        acts = [(m, r) for m, r in zip(op.inputs, op.sources) if r.kind in ("local", "prev")]
+        if op.kind == "attention" and len(acts) >= 3:
+            keys.append(acts[1])
+            values.append(acts[2])
+        elif op.kind == "matmul" and len(acts) == 2 and i in in_core and _starts_core(ops, i, in_core):
+            keys.append(acts[1])                               # Q K^T
+        elif op.kind == "matmul" and len(acts) == 2 and i not in in_core and acts[0][1].kind == "local" \
+                and acts[0][1].index in in_core:
+            values.append(acts[1])                             # P V
+    key_factors = [_repeat_factor(ops, ref, meta.numel) for meta, ref in keys]
+    # V's repeat reads a slice of a fused projection where K's reads the rotary output: V is repeated as K is
+    # (the same kv heads), which K's chain shows
+    repeat = max(key_factors, default=1.0)
+    value_factors = [_repeat_factor(ops, ref, meta.numel) if ref.kind != "local" or ops[ref.index].kind != "copy"
+                     else max(_repeat_factor(ops, ref, meta.numel), repeat) for meta, ref in values]
+    pairs = list(zip(keys + values, key_factors + value_factors))
+    return AttentionKV(float(sum(meta.nbytes for (meta, _), _f in pairs)),
+                       float(sum(meta.nbytes / f for (meta, _), f in pairs)))
+
+
+def _starts_core(ops: tuple[Op, ...], i: int, core: set[int]) -> bool:
+    """Whether product ``i`` of the core is its first (Q K^T: neither operand comes from the core)."""
+    return not any(r.kind == "local" and r.index in core for r in ops[i].sources)
+
+
+def _repeat_factor(ops: tuple[Op, ...], ref, numel: int) -> float:
+    """How many times a GQA repeat (``repeat_interleave``: a copy of an expanded view) multiplied the keys or values
+    the attention reads, 1 where they are not repeated: the runtime gathers them before the repeat."""
+    if ref.kind != "local":
+        return 1.0
+    producer = ops[ref.index]
+    sources = [r for r in producer.sources if r.kind == "local"]
+    if producer.kind != "copy" or len(sources) != 1:
+        return 1.0
+    src = sources[0]
+    origin = ops[src.index].outputs[src.slot].numel if src.slot < len(ops[src.index].outputs) else numel
+    expanded = producer.inputs[0].numel if producer.inputs else numel
+    # a repeat reads an expanded view of the whole unrepeated tensor; a copy of a slice (the V of a fused
+    # projection) reads fewer elements than its source holds
+    return expanded / origin if origin < expanded and expanded % origin == 0 else 1.0
+
+
+__all__ = ["AttentionKV", "attention_kv"]
