@@ -130,8 +130,8 @@ LLAMA_ARGS = ("--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "
 @pytest.mark.parametrize("script, args, plan", [
     # cp2 alone: DDP over the two cp ranks, the first copy recomputed (its gathers run again in the backward)
     (GPT_SCRIPT, GPT_ARGS, _plan(2, 1, 2, 0, ("full", "none"), 4)),
-    # cp2 x dp2: FSDP2 ZeRO 3 over the flattened dp x cp mesh
-    (GPT_SCRIPT, GPT_ARGS, _plan(4, 2, 2, 3, ("none", "none"), 2)),
+    # cp2 x dp2: FSDP2 ZeRO 3 over the flattened dp x cp mesh, selective recomputation (the attention core again)
+    (GPT_SCRIPT, GPT_ARGS, _plan(4, 2, 2, 3, ("selective", "none"), 2)),
     # Llama-shaped: rotary positions, grouped-query SDPA with the mask rows, built on the meta device; cp4, ZeRO 2
     (LLAMA_SCRIPT, LLAMA_ARGS, _plan(4, 1, 4, 2, ("none", "full"), 2)),
 ], ids=["gpt-cp2", "gpt-cp2-dp2-zero3", "llama-cp4-zero2"])
