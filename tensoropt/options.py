@@ -45,7 +45,7 @@ def limit_options(func):
         ("--tp", "allowed tensor-parallel degrees, e.g. 1 (none) or 2,4"),
         ("--max-tp", "largest tensor-parallel degree allowed"),
         ("--pp", "allowed pipeline stage counts, e.g. 1 (none) or 2,4"),
-        ("--cp", "context-parallel degrees to search (each sequence split over cp ranks, tp 1, pp 1, the torch "
+        ("--cp", "context-parallel degrees to search (each sequence split over cp ranks, pp 1, the torch "
                  "engine), e.g. 1 (none) or 1,2,4; default: 1 and those leaving each rank >= 4096 tokens"),
         ("--zero", "allowed ZeRO stages (0-3), e.g. 2,3"),
         ("--recompute", f"allowed recomputation strategies ({', '.join(RECOMPUTE)}), e.g. none"),

@@ -113,11 +113,12 @@ def test_a_shard_refuses_an_input_of_another_length():
         sequence.use_shard(None)
 
 
-def _plan(devices: int, dp: int, cp: int, zero: int, recompute: tuple[str, str], micro_batch: int) -> Plan:
-    strategies = tuple((LayerStrategy(r), 1) for r in recompute)
-    return Plan(devices=devices, dp=dp, tp=1, pp=1, micro_batch=micro_batch, global_batch=8, zero=zero, cp=cp,
+def _plan(devices: int, dp: int, cp: int, zero: int, recompute: tuple[str, str], micro_batch: int, tp: int = 1,
+          sp: bool = False) -> Plan:
+    strategies = tuple((LayerStrategy(r, sp), 1) for r in recompute)
+    return Plan(devices=devices, dp=dp, tp=tp, pp=1, micro_batch=micro_batch, global_batch=8, zero=zero, cp=cp,
                 dtype="float32", master_weights=False, precision="32-true",
-                blocks=(BlockPlan("layers.*", strategies),))
+                tp_branches=("attn", "mlp") if tp > 1 else (), blocks=(BlockPlan("layers.*", strategies),))
 
 
 GPT_ARGS = ("--layers", "2", "--seq-len", str(SEQ))
@@ -134,7 +135,10 @@ LLAMA_ARGS = ("--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "
     (GPT_SCRIPT, GPT_ARGS, _plan(4, 2, 2, 3, ("selective", "none"), 2)),
     # Llama-shaped: rotary positions, grouped-query SDPA with the mask rows, built on the meta device; cp4, ZeRO 2
     (LLAMA_SCRIPT, LLAMA_ARGS, _plan(4, 1, 4, 2, ("none", "full"), 2)),
-], ids=["gpt-cp2", "gpt-cp2-dp2-zero3", "llama-cp4-zero2"])
+    # cp2 x tp2 with sequence parallelism: each rank gathers its tp share of the kv heads over its cp ranks (stride
+    # tp), the vocabulary split over tp, FSDP2 ZeRO 3 over the cp ranks
+    (LLAMA_SCRIPT, LLAMA_ARGS, _plan(4, 1, 2, 3, ("none", "full"), 2, tp=2, sp=True)),
+], ids=["gpt-cp2", "gpt-cp2-dp2-zero3", "llama-cp4-zero2", "llama-cp2-tp2-sp-zero3"])
 def test_context_parallel_plans_train_to_the_losses_alone(script, args, plan, tmp_path_factory, tmp_path):
     alone = losses_alone(script, tmp_path_factory.mktemp("alone") / "losses.json", *args)
     ran = launched_with_plan(plan, tmp_path, plan.devices, script, *args)

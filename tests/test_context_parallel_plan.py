@@ -75,6 +75,25 @@ def test_a_copy_at_cp2_is_the_copy_at_half_the_samples_plus_the_gathered_keys_an
         assert two.time_s == pytest.approx(one.time_s + comm, rel=1e-12)
 
 
+@pytest.mark.parametrize("branches", [("attn", "mlp"), ("mlp",)])
+def test_under_tp_a_cp_copy_gathers_its_share_of_the_heads_and_its_tokens_tp_traffic(write_json, branches):
+    model = _model(_graph(write_json))
+    cost, strategy, head_dim = model.blocks[0][1], LayerStrategy("none", True), HIDDEN // HEADS
+    # a rank of a tp-sharded attention holds kv heads / tp of the keys and values it gathers over the cp ranks
+    # (stride tp in the dp x cp x tp mesh); a replicated one all of them
+    heads = KV_HEADS // 2 if "attn" in branches else KV_HEADS
+    saved_heads = HEADS // 2 if "attn" in branches else HEADS
+    mb = 2
+    one, two = cost.layer(strategy, 2, branches, mb // 2), cost.layer(strategy, 2, branches, mb, 2)
+    gathered = 2 * SEQ * heads * head_dim * BF16 * mb
+    comm = all_gather_s(gathered, 2, 2, model.cluster) + reduce_scatter_s(gathered, 2, 2, model.cluster)
+    assert two.cp_comm_s == pytest.approx(comm, rel=1e-12)
+    # tensor-parallel (and sequence-parallel) traffic is of the rank's S / cp tokens: as at half the samples
+    assert two.tp_comm_s == pytest.approx(one.tp_comm_s, rel=1e-12) and two.tp_comm_s > 0
+    extra = (1 - 1 / 2) * 2 * SEQ * saved_heads * head_dim * BF16 * mb
+    assert two.activation_bytes == pytest.approx(one.activation_bytes + extra, rel=1e-12)
+
+
 def test_a_cp2_plan_shares_its_states_over_dp_x_cp(write_json):
     model = _model(_graph(write_json))
     blocks = (BlockPlan(model.blocks[0][0].name, ((LayerStrategy("none"), 4),)),)
@@ -105,7 +124,7 @@ def test_ft_equals_exhaustive_enumeration_with_context_parallelism(write_json, d
         assert e.iteration_time_s == pytest.approx(point.iteration_time_s, rel=1e-12)
         assert e.peak_memory_bytes == pytest.approx(point.peak_memory_bytes, rel=1e-12)
         if point.plan.cp > 1:
-            assert (point.plan.tp, point.plan.pp, point.plan.offload) == (1, 1, False)
+            assert (point.plan.pp, point.plan.offload) == (1, False)
             assert not unsupported(point.plan, "torch") and unsupported(point.plan, "deepspeed")
 
 
@@ -142,7 +161,10 @@ def test_engines_name_what_cp_does_not_run_with():
     base = Plan(8, 2, 1, 1, 1, 8, cp=4)
     assert unsupported(base, "torch") == []
     assert unsupported(base, "deepspeed") == ["context parallelism (the torch engine runs it)"]
-    assert "context parallelism with tensor parallelism" in unsupported(dataclasses.replace(base, dp=1, tp=2), "torch")
+    # with tensor parallelism: FSDP2 over the flattened dp x cp ranks (DDP takes no tensor-parallel DTensors)
+    assert unsupported(dataclasses.replace(base, dp=1, tp=2, zero=1), "torch") == []
+    assert unsupported(dataclasses.replace(base, dp=1, tp=2), "torch") == [
+        "tensor and data parallelism without ZeRO 1, 2 or 3"]
     assert "context parallelism with pipeline stages" in unsupported(dataclasses.replace(base, dp=1, pp=2), "torch")
     assert unsupported(dataclasses.replace(base, compile=True), "torch") == ["compiled blocks with context parallelism"]
     assert "optimizer offload" in unsupported(dataclasses.replace(base, zero=1, offload=True), "torch")
@@ -186,4 +208,4 @@ def test_frontier_of_llama3_8b_at_128k_tokens_holds_cp_plans():
     assert any(p["plan"].get("cp", 1) > 1 for p in points)
     for p in points:
         if p["plan"].get("cp", 1) > 1:
-            assert p["plan"]["tp"] == 1 and p["plan"]["pp"] == 1
+            assert p["plan"]["pp"] == 1 and p["plan"]["dp"] * p["plan"]["cp"] * p["plan"]["tp"] == 8

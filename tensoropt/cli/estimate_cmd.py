@@ -65,13 +65,13 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
 
 
 def _context_parallel_problems(model_cost, cp: int, tp: int, pp: int, compile: bool, offload: bool) -> list[str]:
-    """What keeps ``--cp`` from running (``space.context_parallel``; the runtime runs it with tp 1, pp 1, eager, no
+    """What keeps ``--cp`` from running (``space.context_parallel``; the runtime runs it with pp 1, eager, no
     offload), each naming the flag to change."""
     if cp <= 1:
         return []
     problems = [f"--cp {cp}: {why}" for why in [graph_refusal(model_cost.graph, cp)] if why]
     problems += [f"--cp {cp} runs with {need}: {change}" for need, change, bad in [
-        ("tp 1 and pp 1", "give --tp 1 --pp 1 or drop --cp", tp > 1 or pp > 1),
+        ("pp 1", "give --pp 1 or drop --cp", pp > 1),
         ("eager kernels", "drop --compile or --cp", compile),
         ("no optimizer offload", "drop --offload or --cp", offload)] if bad]
     return problems
@@ -124,7 +124,7 @@ def priced(loaded: Loaded, plan: Plan, gpus: int, per_node: int) -> ModelCost:
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="tensor-parallel degree")
 @click.option("--pp", type=click.IntRange(min=1), required=True, help="pipeline stages")
 @click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="context-parallel degree: each sample's sequence split over cp ranks (with --tp 1 --pp 1, the torch "
+              help="context-parallel degree: each sample's sequence split over cp ranks (with --pp 1, the torch "
                    "engine; 2 cp must divide the sequence length)")
 @click.option("--virtual-stages", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)

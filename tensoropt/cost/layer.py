@@ -122,6 +122,9 @@ class BlockCost:
         self._branch_nbytes = {b: float(sum(ops[r].outputs[0].nbytes for r in b.row)) for b in space.branches}
         self._gathered_nbytes = {b: _column_input_bytes(ops, b.column) for b in space.branches}
         self.kv = attention_kv(ops, space.attention_core)      # what context parallelism gathers
+        # the branch that computes the attention (its K and V are sharded by heads when tp shards it)
+        attention = set(space.attention_core) | {i for i, op in enumerate(ops) if op.kind == "attention"}
+        self._attention_branch = next((b.name for b in space.branches if attention & set(b.ops)), None)
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -185,23 +188,25 @@ class BlockCost:
 
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
         tp, tp_branches, sp, micro_batch, cp = key
-        comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
+        tokens = micro_batch / cp           # samples' worth of tokens on this rank (S / cp of each sample)
+        comm = self.tp_comm_s(tp, tp_branches, sp, tokens)
         # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
         # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
         # without recomputation, under selective recomputation, and in a full recomputation's recomputed
         # forward (runtime.parallel.sequence_parallel composes its saved-tensor hooks with the recomputation's)
-        gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
+        gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
                               for b in self.space.branches) if sp else comm
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
         whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
         # context parallelism: the gathered K and V are kept S long (the producers of K and V are not the
         # attention core, so selective recomputation keeps them too), and gathered / scattered over the cp ranks
-        # (adjacent in the dp x cp x tp mesh: stride tp)
-        extra = self.kv.extra_saved_bytes(micro_batch, cp)
+        # (stride tp in the dp x cp x tp mesh); a rank holds its tp share of their heads where tp shards the
+        # attention's branch. Their bytes are per sample: mb / heads-shard of them per rank
+        kv = micro_batch / (tp if self._attention_branch in tp_branches else 1)
+        extra = self.kv.extra_saved_bytes(kv, cp)
         return _Shared(float(fwd.sum()), float(bwd.sum()), float(saved.sum()) + extra, float(fwd[self.core].sum()),
                        float(saved[self.core].sum()), comm, gathered, float(((self.params - whole) / tp + whole).sum()),
-                       self.kv.gather_s(micro_batch, cp, tp, self.cluster),
-                       self.kv.scatter_s(micro_batch, cp, tp, self.cluster))
+                       self.kv.gather_s(kv, cp, tp, self.cluster), self.kv.scatter_s(kv, cp, tp, self.cluster))
 
     def _layer(self, strategy, tp, tp_branches, micro_batch, cp=1) -> LayerCost:
         sp = strategy.sequence_parallel and tp > 1

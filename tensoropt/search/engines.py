@@ -97,10 +97,10 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
         ("optimizer offload", plan.offload),
         # DDP keeps gradients in the weights' dtype (float32 under bf16-mixed): bf16 ones are FSDP2's reduce dtype
         ("bf16 gradients without ZeRO 1, 2 or 3", bool(plan.grad_dtype) and plan.zero == 0),
-        # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh
-        ("tensor and data parallelism without ZeRO 1, 2 or 3", plan.tp > 1 and plan.dp > 1 and plan.zero == 0),
-        # context parallelism runs on a (dp, cp) mesh alone (runtime.parallel.context_parallel, first version)
-        ("context parallelism with tensor parallelism", plan.cp > 1 and plan.tp > 1),
+        # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh (over the flattened
+        # dp x cp ranks under context parallelism)
+        ("tensor and data parallelism without ZeRO 1, 2 or 3", plan.tp > 1 and plan.dp * plan.cp > 1
+         and plan.zero == 0),
         ("context parallelism with pipeline stages", plan.cp > 1 and plan.pp > 1),
     ] if needed]
 

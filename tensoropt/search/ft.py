@@ -138,15 +138,19 @@ def device_split(size: int, copies: int, virtual_stages: int, sequence_parallel:
 def cp_degrees(model: ModelCost, devices: int, space: SearchSpace) -> tuple[int, ...]:
     """The context-parallel degrees > 1 searched for ``model`` on ``devices``: the space's (or the default ones),
     where the model runs them (``space.context_parallel``) on eager kernels of the torch engine (a space for
-    DeepSpeed has none), with tp 1 and pp 1 in the space's limits."""
+    DeepSpeed has none), with pp 1 in the space's limits."""
     seq = int(model.graph.meta("seq_len") or 0) or None
     wanted = default_degrees(devices, seq) if space.context_parallel is None else space.context_parallel
-    if model.compiled or space.engine == "deepspeed" or (space.tensor_parallel is not None and
-                                                           1 not in space.tensor_parallel) \
+    if model.compiled or space.engine == "deepspeed" \
             or (space.pipeline_stages is not None and 1 not in space.pipeline_stages):
         return ()
     return tuple(cp for cp in sorted(set(wanted)) if cp > 1 and devices % cp == 0
                  and not graph_refusal(model.graph, cp))
+
+
+def _branch_sets(names: tuple[str, ...], tp: int) -> list[tuple[str, ...]]:
+    """The sets of branches tp may shard: none at tp 1, else every non-empty one, largest first."""
+    return [()] if tp == 1 else [c for r in range(len(names), 0, -1) for c in itertools.combinations(names, r)]
 
 
 def contexts(model: ModelCost, devices: int, space: SearchSpace):
@@ -162,10 +166,8 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                 or (space.tensor_parallel is not None and tp not in space.tensor_parallel) \
                 or (space.context_parallel is not None and 1 not in space.context_parallel):
             continue
-        branch_sets = [()] if tp == 1 else [c for r in range(len(names), 0, -1)
-                                            for c in itertools.combinations(names, r)]
         copies = repeats // pp
-        for branches in branch_sets:
+        for branches in _branch_sets(names, tp):
             for mb in space.micro_batches:
                 if space.global_batch % (dp * mb):
                     continue
@@ -179,13 +181,16 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                                                 for off in ((False, True) if space.offload and z >= 1 else (False,))
                                                 for g in space.grad_dtypes if z >= 1 or not g)
                 yield dp, tp, pp, branches, mb, by_virtual[virtual], 1
-    # context parallelism: a (dp, cp) mesh, tp and pp 1, no offload (runtime.parallel.context_parallel)
+    # context parallelism: a (dp, cp, tp) mesh, tp inside a node, pp 1, no offload (runtime.parallel.context_parallel)
     plain = tuple((1, z, False, g) for z in space.zero_stages for g in space.grad_dtypes if z >= 1 or not g)
     for cp in cp_degrees(model, devices, space):
-        dp = devices // cp
-        for mb in space.micro_batches:
-            if not space.global_batch % (dp * mb):
-                yield dp, 1, 1, (), mb, plain, cp
+        for dp, tp, _ in meshes(devices // cp, cluster.devices_per_node, max_tp, 1):
+            if not model.tp_allowed(tp) or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
+                continue
+            for branches in _branch_sets(names, tp):
+                for mb in space.micro_batches:
+                    if not space.global_batch % (dp * mb):
+                        yield dp, tp, 1, branches, mb, plain, cp
 
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True,

@@ -3,8 +3,9 @@
 Context parallelism (``Plan.cp``) splits every sample's sequence over cp ranks, each holding two of 2 cp equal chunks
 (the load-balanced causal split, ``models.sequence``). The runtime runs it (``runtime.parallel.context_parallel``)
 for models whose forward reads its sequence shard (the capture's ``context_parallel`` metadata is "": the built-in
-``DecoderLM`` without token-routed layers), for sequences 2 cp divides, in the torch engine only, with tp 1, pp 1,
-eager kernels and no offload (the plan-level conditions: ``search.engines.unsupported``).
+``DecoderLM`` without token-routed layers), for sequences 2 cp divides, in the torch engine only, with pp 1 (tp
+inside a node, ZeRO 1-3 beside it), eager kernels and no offload (the plan-level conditions:
+``search.engines.unsupported``).
 
 By default the search tries only degrees that leave each rank at least ``MIN_TOKENS_PER_RANK`` tokens of a sample:
 below that a rank's products are too small for the all-gathers of keys and values to pay off, and the searches of

@@ -60,8 +60,6 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     dp, tp = plan.dp, plan.tp
     if plan.cp > 1:                 # (dp, cp, tp): data parallelism over the dp x cp ranks (context_parallel)
         mesh = init_device_mesh(device.type, (dp, plan.cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-        install_context_parallel(mesh["cp"].get_group(), plan.cp, mesh.get_local_rank("cp"),
-                                 sequence_length(example_inputs))
     else:
         mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan.zero >= 1 \
             else None
@@ -85,8 +83,9 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
         if optimizer else None
     run = Run(rank, world, dp_rank, dp, plan.micro_batch, plan.grad_accumulation, plan.global_batch, run_plan,
               "torch", stepper, device=device)
-    if plan.cp > 1:
+    if plan.cp > 1:                 # after tensor parallelism's guard, which runs the model on whole sequences
         run.context = (plan.cp, mesh.get_local_rank("cp"), sequence_length(example_inputs))
+        install_context_parallel(mesh["cp"].get_group(), *run.context)
     return model, optimizer, run
 
 
