@@ -4,10 +4,14 @@ causal chunks (``runtime.parallel.context_parallel``), the built-in model comput
 workers over gloo train to the losses of the script run alone (float32, rtol ``LOSS_RTOL``: each rank's attention
 sums its rows over the same keys as the whole sequence's, only the loss's mean and the gradients' sums are split)."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import EXAMPLES
-from workers import GPT_SCRIPT, LOSS_RTOL, launched_with_plan, losses_alone
+from conftest import EXAMPLES, REPO
+from workers import ENV, GPT_SCRIPT, LOSS_RTOL, launched_with_plan, losses_alone
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models import sequence
@@ -144,3 +148,27 @@ def test_context_parallel_plans_train_to_the_losses_alone(script, args, plan, tm
     ran = launched_with_plan(plan, tmp_path, plan.devices, script, *args)
     assert ran["losses"] == pytest.approx(alone, rel=LOSS_RTOL)
     assert ran["written"]["cp"] == plan.cp
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_the_backward_keeps_each_ranks_share_of_the_gathered_keys_and_values(tmp_path):
+    """One torchrun of tests/cp_shares_probe.py (cp 2, two layers, GQA): with the runtime's saved-tensor hooks autograd
+    is handed the rank's share of every gathered key and value instead of the whole sequence's (under eager attention
+    exactly half of K and V fewer bytes per layer; flash attention's two chunks read views of them), the backward
+    gathers each once more (one all-gather per key or value and layer, as many as the forward), and every gradient is
+    bitwise the one of autograd keeping the gathered tensors."""
+    out = tmp_path / "probe.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             str(REPO / "tests" / "cp_shares_probe.py"), out], env=ENV, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(out.read_text())
+    layers = 2
+    for attention, got in probe.items():
+        assert got["same_gradients"], attention
+        assert got["shares"]["forward_gathers"] == got["whole"]["forward_gathers"] == 2 * layers, attention
+        assert (got["shares"]["backward_gathers"], got["whole"]["backward_gathers"]) == (2 * layers, 0), attention
+        assert got["shares"]["kept_bytes"] < got["whole"]["kept_bytes"], attention
+    eager = probe["eager"]
+    assert eager["whole"]["kept_bytes"] - eager["shares"]["kept_bytes"] == layers * eager["kv_bytes_per_layer"] // 2

@@ -54,23 +54,26 @@ def test_a_copy_at_cp2_is_the_copy_at_half_the_samples_plus_the_gathered_keys_an
     model = _model(_graph(write_json))
     cost = model.blocks[0][1]
     strategy, head_dim = LayerStrategy(recompute), HIDDEN // HEADS
-    # from the shapes: the runtime all-gathers K and V of the kv heads (before the GQA repeat) over the whole sequence,
-    # and the eager attention saves the repeated copies (all heads), S long, for its backward
+    # from the shapes: the runtime all-gathers K and V of the kv heads (before any GQA repeat) over the whole sequence
+    # and keeps the rank's share of them (S / cp long) for the backward, which gathers them again; the captured eager
+    # attention saved the repeated copies (all heads), which the grouped attention under CP never makes
     gathered = 2 * SEQ * KV_HEADS * head_dim * BF16
-    saved = 2 * SEQ * HEADS * head_dim * BF16
+    repeated = 2 * SEQ * HEADS * head_dim * BF16
     for mb in (2, 4):
         one, two = cost.layer(strategy, 1, (), mb // 2), cost.layer(strategy, 1, (), mb, 2)
         assert two.forward_s == one.forward_s and two.backward_s == one.backward_s      # compute divides by cp
         assert two.recompute_s == one.recompute_s and two.parameters == one.parameters
-        extra = (1 - 1 / 2) * saved * mb
+        extra = (gathered - repeated) * mb / 2                       # the share kept instead of the repeated copies
+        regathered = (1 - 1 / 2) * gathered * mb                     # held while the backward runs
         if recompute == "full":       # keeps the input checkpoint of its share; its backward holds the rest
             assert two.activation_bytes == one.activation_bytes
-            assert two.transient_bytes == pytest.approx(one.transient_bytes + extra, rel=1e-12)
+            assert two.transient_bytes == pytest.approx(one.transient_bytes + extra + regathered, rel=1e-12)
         else:
             assert two.activation_bytes == pytest.approx(one.activation_bytes + extra, rel=1e-12)
-            assert two.transient_bytes == one.transient_bytes
+            assert two.transient_bytes == pytest.approx(one.transient_bytes + regathered, rel=1e-12)
         gather = all_gather_s(gathered * mb, 2, 1, model.cluster)
-        comm = gather + reduce_scatter_s(gathered * mb, 2, 1, model.cluster) + (gather if recompute == "full" else 0)
+        # the forward's gathers, the backward's again and its reduce-scatters; a full recomputation's forward gathers
+        comm = 2 * gather + reduce_scatter_s(gathered * mb, 2, 1, model.cluster) + (recompute == "full") * gather
         assert gather > 0 and two.cp_comm_s == pytest.approx(comm, rel=1e-12)
         assert two.time_s == pytest.approx(one.time_s + comm, rel=1e-12)
 
@@ -86,12 +89,13 @@ def test_under_tp_a_cp_copy_gathers_its_share_of_the_heads_and_its_tokens_tp_tra
     mb = 2
     one, two = cost.layer(strategy, 2, branches, mb // 2), cost.layer(strategy, 2, branches, mb, 2)
     gathered = 2 * SEQ * heads * head_dim * BF16 * mb
-    comm = all_gather_s(gathered, 2, 2, model.cluster) + reduce_scatter_s(gathered, 2, 2, model.cluster)
+    comm = 2 * all_gather_s(gathered, 2, 2, model.cluster) + reduce_scatter_s(gathered, 2, 2, model.cluster)
     assert two.cp_comm_s == pytest.approx(comm, rel=1e-12)
     # tensor-parallel (and sequence-parallel) traffic is of the rank's S / cp tokens: as at half the samples
     assert two.tp_comm_s == pytest.approx(one.tp_comm_s, rel=1e-12) and two.tp_comm_s > 0
-    extra = (1 - 1 / 2) * 2 * SEQ * saved_heads * head_dim * BF16 * mb
+    extra = (gathered - 2 * SEQ * saved_heads * head_dim * BF16 * mb) / 2
     assert two.activation_bytes == pytest.approx(one.activation_bytes + extra, rel=1e-12)
+    assert two.transient_bytes == pytest.approx(one.transient_bytes + gathered / 2, rel=1e-12)
 
 
 def test_a_cp2_plan_shares_its_states_over_dp_x_cp(write_json):

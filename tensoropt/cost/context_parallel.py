@@ -12,9 +12,12 @@ skipping: S / cp x S products, which is 1/cp of the captured whole-sequence atte
 op holds for the attention core too). Its backward reduce-scatters the gathered tensors' gradients back (the same
 volume); a fully recomputed copy runs its forward, all-gathers included, again in the backward.
 
-Memory: the attention saves the gathered K and V for its backward, S long rather than S / cp (for eager attention
-with GQA, the repeated copies its products read, as the captured graph's attention saves them). So a copy keeps the
-captured activations x mb / cp plus (1 - 1/cp) x the saved K and V bytes x mb (``extra_saved_bytes``).
+Memory: what the attention's backward needs of the gathered K and V is kept as the rank's share and gathered again
+when the backward first reads it (``runtime.parallel.context_parallel._Shares``, as Transformer Engine's all-gather
+CP keeps its local K and V), and the attention reads the gathered kv heads as they are (grouped query rows, no GQA
+repeat). So a copy keeps the captured activations x mb / cp, with the captured K and V (the repeated copies under
+eager GQA) replaced by the share of the kv heads' (``extra_saved_bytes``), and holds the rest of the sequence's K and V
+while its backward runs (``regathered_bytes``); the backward's gathers cost a second pass of all-gathers.
 
 Which tensors are K and V is read from the graph (``attention_kv``): the second and third activation inputs of a
 fused attention op (SDPA), or for eager attention the second operand of the core's first product (Q K^T, the core
@@ -37,17 +40,24 @@ class AttentionKV:
     saved_bytes: float        # K and V as the attention saves them for its backward (GQA: the repeated copies)
     gathered_bytes: float     # K and V as the runtime all-gathers them (kv heads, before any repeat)
 
-    def extra_saved_bytes(self, micro_batch: int, cp: int) -> float:
-        """Bytes a copy keeps beyond its captured activations at ``micro_batch / cp`` samples: the gathered K and V
-        are S long, not S / cp."""
-        return (1 - 1 / cp) * self.saved_bytes * micro_batch if cp > 1 else 0.0
+    def extra_saved_bytes(self, micro_batch: float, cp: int) -> float:
+        """Bytes a copy keeps beyond its captured activations at ``micro_batch / cp`` samples (negative: fewer): the
+        rank's share of the gathered K and V (kv heads, S / cp long) where the capture saved them as its attention
+        does (for eager attention with GQA, the repeated copies, which the grouped attention under CP never makes)."""
+        return (self.gathered_bytes - self.saved_bytes) * micro_batch / cp if cp > 1 else 0.0
 
-    def gather_s(self, micro_batch: int, cp: int, stride: int, cluster: Cluster) -> float:
-        """The forward's all-gathers of K and V over the cp ranks (``stride``: the rank distance between them,
-        tp in the dp x cp x tp mesh). ``nbytes`` of ``all_gather_s`` is the gathered (whole-sequence) tensor."""
+    def regathered_bytes(self, micro_batch: float, cp: int) -> float:
+        """The K and V gathered again while a copy's backward runs, beyond the share it kept: the rest of the
+        sequence's."""
+        return (1 - 1 / cp) * self.gathered_bytes * micro_batch if cp > 1 else 0.0
+
+    def gather_s(self, micro_batch: float, cp: int, stride: int, cluster: Cluster) -> float:
+        """One pass of all-gathers of K and V over the cp ranks (``stride``: the rank distance between them, tp in
+        the dp x cp x tp mesh): the forward's, and the backward's of the kept shares. ``nbytes`` of ``all_gather_s``
+        is the gathered (whole-sequence) tensor."""
         return all_gather_s(self.gathered_bytes * micro_batch, cp, stride, cluster) if cp > 1 else 0.0
 
-    def scatter_s(self, micro_batch: int, cp: int, stride: int, cluster: Cluster) -> float:
+    def scatter_s(self, micro_batch: float, cp: int, stride: int, cluster: Cluster) -> float:
         """The backward's reduce-scatters of the gathered K and V gradients back to their owners."""
         return reduce_scatter_s(self.gathered_bytes * micro_batch, cp, stride, cluster) if cp > 1 else 0.0
 

@@ -102,8 +102,9 @@ class _Shared:
     comm_s: float                  # tensor-parallel communication of one copy
     sp_comm_s: float               # the same with sequence parallelism's gathers of the branches' inputs
     parameters: float
-    cp_gather_s: float = 0.0       # context parallelism: the forward's K/V all-gathers of one copy
+    cp_gather_s: float = 0.0       # context parallelism: the K/V all-gathers of one copy (forward; again in backward)
     cp_scatter_s: float = 0.0      # and the backward's reduce-scatters of their gradients
+    cp_regathered_bytes: float = 0.0   # the K and V gathered again while the copy's backward runs, beyond the share
 
 
 class BlockCost:
@@ -198,21 +199,23 @@ class BlockCost:
                               for b in self.space.branches) if sp else comm
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
         whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
-        # context parallelism: the gathered K and V are kept S long (the producers of K and V are not the
-        # attention core, so selective recomputation keeps them too), and gathered / scattered over the cp ranks
-        # (stride tp in the dp x cp x tp mesh); a rank holds its tp share of their heads where tp shards the
-        # attention's branch. Their bytes are per sample: mb / heads-shard of them per rank
+        # context parallelism: K and V are gathered over the cp ranks (stride tp in the dp x cp x tp mesh) and kept
+        # as the rank's share, gathered again in the backward (``cost.context_parallel``); a rank holds its tp share
+        # of their heads where tp shards the attention's branch. Their bytes are per sample: mb / heads-shard of them
         kv = micro_batch / (tp if self._attention_branch in tp_branches else 1)
         extra = self.kv.extra_saved_bytes(kv, cp)
         return _Shared(float(fwd.sum()), float(bwd.sum()), float(saved.sum()) + extra, float(fwd[self.core].sum()),
                        float(saved[self.core].sum()), comm, gathered, float(((self.params - whole) / tp + whole).sum()),
-                       self.kv.gather_s(kv, cp, tp, self.cluster), self.kv.scatter_s(kv, cp, tp, self.cluster))
+                       self.kv.gather_s(kv, cp, tp, self.cluster), self.kv.scatter_s(kv, cp, tp, self.cluster),
+                       self.kv.regathered_bytes(kv, cp))
 
     def _layer(self, strategy, tp, tp_branches, micro_batch, cp=1) -> LayerCost:
         sp = strategy.sequence_parallel and tp > 1
         shared = self._ops(tp, tp_branches, sp, micro_batch, cp)
         comm, all_saved = shared.comm_s, shared.saved_bytes
-        cp_comm = shared.cp_gather_s + shared.cp_scatter_s
+        # context parallelism: the forward's all-gathers, the backward's gathers again of the kept shares and its
+        # reduce-scatters; the gathered-again K and V are held while the copy's backward runs
+        cp_comm = 2 * shared.cp_gather_s + shared.cp_scatter_s
         if strategy.recompute == "full":
             # the block's input checkpoint is the rank's S / cp tokens; its recomputed forward gathers K and V again
             kept = self.space.carried_bytes * (micro_batch / cp) / (tp if sp else 1)
@@ -223,8 +226,8 @@ class BlockCost:
             recompute, transient = shared.core_forward_s, shared.core_saved_bytes
         else:
             kept, recompute, transient = all_saved, 0.0, 0.0
-        return LayerCost(shared.forward_s, shared.backward_s, recompute, shared.sp_comm_s, kept, transient,
-                         shared.parameters, cp_comm)
+        return LayerCost(shared.forward_s, shared.backward_s, recompute, shared.sp_comm_s, kept,
+                         transient + shared.cp_regathered_bytes, shared.parameters, cp_comm)
 
     def _sharded_params(self, tp_branches: tuple[str, ...]) -> np.ndarray:
         out = np.zeros(len(self.ops), dtype=bool)

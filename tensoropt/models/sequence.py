@@ -16,6 +16,7 @@ with ``cp > 1`` (``graph.capture.CONTEXT_PARALLEL_META``, recorded at capture).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,11 +27,15 @@ import torch
 class SequenceShard:
     """This rank's tokens of every sample: ``chunks`` (start, stop) ranges of the whole sequence, in the order its
     input holds them; ``gather(x, dim)`` returns the keys or values of all ranks' tokens along ``dim`` in sequence
-    order (differentiable: its backward sums every rank's gradient into the owner's share)."""
+    order (differentiable: its backward sums every rank's gradient into the owner's share); ``saving()`` is entered
+    around the attention that reads them."""
 
     chunks: tuple[tuple[int, int], ...]
     length: int                                           # the whole sequence
     gather: Callable[[torch.Tensor, int], torch.Tensor]
+    # entered around the attention on gathered tensors: what its backward keeps of them (the runtime keeps the
+    # rank's share and gathers again in the backward); by default what autograd keeps
+    saving: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @property
     def tokens(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ModelSpecError
 from .sequence import current_shard
@@ -139,7 +140,9 @@ class Attention(nn.Module):
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if (shard := current_shard()) is not None:           # context parallelism: this rank's queries, every key
             k, v = shard.gather(k, 2), shard.gather(v, 2)
-            return self.proj(self._attend_gathered(q, k, v, mask).transpose(1, 2).reshape(b, s, -1))
+            with shard.saving():                             # its backward keeps the rank's share of K and V
+                y = self._attend_gathered(q, k, v, mask, shard.chunks)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if cfg.attention == "flash":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=kv != heads,
                                                dropout_p=cfg.dropout if self.training else 0.0)
@@ -152,20 +155,32 @@ class Attention(nn.Module):
             y = self.attn_dropout(scores.softmax(dim=-1)) @ v
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
-    def _attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention of this rank's queries (its chunks of the sequence) to the whole sequence's keys and values,
-        under ``mask`` (True: masked), the causal mask's rows of the queries' positions. Eager: the explicit softmax
-        of ``forward`` on these rows. Flash: SDPA with that boolean mask (its rows are no square's lower triangle,
-        so ``is_causal`` cannot say it); both compute every query x key product, as the whole sequence's eager
-        scores do."""
-        heads, kv, d = q.shape[1], k.shape[1], q.shape[-1]
+    def _attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         chunks: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Attention of this rank's queries (its ``chunks`` of the sequence, in order) to the whole sequence's keys
+        and values, which are read as gathered (kv heads, never repeated per query head: what the backward keeps
+        of them is then the gathered tensors, which the shard's ``saving`` keeps as the rank's share).
+
+        Flash: per chunk, SDPA of its queries against the keys up to its end under a bottom-right causal mask
+        (``causal_lower_right``: the flash and memory-efficient kernels take it without a mask tensor and skip the
+        masked blocks, as Transformer Engine's all-gather CP computes its two chunks). Eager: the explicit softmax of
+        ``forward`` on the causal mask's rows of the queries' positions (``mask``, True: masked; one tensor for
+        every layer), each key/value head's query heads (adjacent, see the class doc) taken as one block of rows."""
+        b, heads, s, d = q.shape
+        kv = k.shape[1]
         if self.cfg.attention == "flash":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, enable_gqa=kv != heads,
-                                                  dropout_p=self.cfg.dropout if self.training else 0.0)
-        if kv != heads:
-            k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-        return self.attn_dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1)) @ v
+            dropout, outs, offset = self.cfg.dropout if self.training else 0.0, [], 0
+            for start, stop in chunks:
+                rows = q[:, :, offset:offset + stop - start]
+                outs.append(F.scaled_dot_product_attention(
+                    rows, k[:, :, :stop], v[:, :, :stop], attn_mask=causal_lower_right(stop - start, stop),
+                    dropout_p=dropout, enable_gqa=kv != heads))
+                offset += stop - start
+            return torch.cat(outs, dim=2)
+        rows = q.reshape(b, kv, heads // kv * s, d)                      # (b, kv, group x s, d)
+        scores = ((rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))).view(b, kv, heads // kv, s, -1)
+        probs = self.attn_dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1))
+        return (probs.view(b, kv, heads // kv * s, -1) @ v).view(b, heads, s, d)
 
 
 class MLP(nn.Module):
@@ -309,7 +324,7 @@ class DecoderLM(nn.Module):
             positions = shard.positions(input_ids.device)
             if self.pos_embed is not None:
                 x = x + self.pos_embed.weight[positions]
-            mask = self.causal_mask[positions, :shard.length]
+            mask = self.causal_mask[positions, :shard.length] if self.cfg.attention == "eager" else None
             rope = None if self.cfg.position != "rope" else (
                 self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype))
             return self._layers_and_loss(self.dropout(x), mask, rope, labels)

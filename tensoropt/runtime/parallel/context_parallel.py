@@ -23,9 +23,11 @@ gradient (the keys' and values' share of it arrives through the reduce-scatter a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...errors import TensorOptError
 from ...models.sequence import SequenceShard, use_shard
@@ -62,39 +64,112 @@ def _gathered_order(cp: int) -> torch.Tensor:
     return torch.tensor([2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)])
 
 
+def _all_gather(x: torch.Tensor, dim: int, group, cp: int) -> torch.Tensor:
+    """Every cp rank's ``x`` (its chunks along ``dim``) as the whole sequence in order, one all-gather; the same
+    layout (strides) every call, which ``_Shares`` relies on."""
+    import torch.distributed as dist
+    local = x.movedim(dim, 0).contiguous()
+    gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    order = _gathered_order(cp).to(x.device)
+    pieces = gathered.view(2 * cp, local.shape[0] // 2, *local.shape[1:]).index_select(0, order)
+    return pieces.reshape(gathered.shape).movedim(0, dim)
+
+
 class _GatherSequence(torch.autograd.Function):
     """All ranks' tokens along ``dim`` in sequence order (forward: all-gather; backward: reduce-scatter, summed)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group, cp: int) -> torch.Tensor:
-        import torch.distributed as dist
+    def forward(ctx, x: torch.Tensor, dim: int, group, cp: int, shares: _Shares) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.cp = dim, group, cp
-        local = x.movedim(dim, 0).contiguous()
-        gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local, group=group)
-        order = _gathered_order(cp).to(x.device)
-        pieces = gathered.view(2 * cp, local.shape[0] // 2, *local.shape[1:]).index_select(0, order)
-        return pieces.reshape(gathered.shape).movedim(0, dim)
+        out = _all_gather(x, dim, group, cp)
+        ctx.share = shares.add(out, x.detach(), dim, group, cp)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         import torch.distributed as dist
         cp = ctx.cp
+        ctx.share.release()              # every reader's backward has run: the tensor gathered again is done
         whole = grad.movedim(ctx.dim, 0)
         by_chunk = whole.reshape(2 * cp, whole.shape[0] // (2 * cp), *whole.shape[1:])
         inverse = torch.argsort(_gathered_order(cp)).to(grad.device)
         rank_major = by_chunk.index_select(0, inverse).reshape(whole.shape).contiguous()
         mine = rank_major.new_empty((whole.shape[0] // cp, *whole.shape[1:]))
         dist.reduce_scatter_tensor(mine, rank_major, group=ctx.group)
-        return mine.movedim(0, ctx.dim), None, None, None
+        return mine.movedim(0, ctx.dim), None, None, None, None
+
+
+class _Share:
+    """One gathered tensor's origin: the rank's own tokens, its dim and group; gathered again from them in the
+    backward, once: the views of it that autograd saved (two chunks' keys under flash attention) share that tensor
+    until the gather's own backward releases it, after every reader's backward."""
+
+    def __init__(self, local: torch.Tensor, dim: int, group, cp: int) -> None:
+        self.local, self.dim, self.group, self.cp = local, dim, group, cp
+        self._whole: torch.Tensor | None = None
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        if self._whole is None:
+            with torch.no_grad():
+                self._whole = _all_gather(local, self.dim, self.group, self.cp)
+        return self._whole
+
+    def release(self) -> None:
+        self._whole = None
+
+
+class _Kept:
+    """A saved view of a gathered tensor, kept as its share: ``inner`` is what the outer pair packed the share as."""
+
+    def __init__(self, share: _Share, inner, size: torch.Size, stride: tuple[int, ...], offset: int) -> None:
+        self.share, self.inner, self.size, self.stride, self.offset = share, inner, size, stride, offset
+
+
+class _Shares:
+    """Saved-tensor hooks that keep a gathered key or value, or a view of it, as the rank's share of it (Transformer
+    Engine's all-gather CP keeps its local K and V and gathers them again in the backward, as here): autograd would
+    keep the whole sequence's keys and values of every layer until its backward. The gathered tensors are known by
+    their storage (``add``, as the gather makes them), so a view autograd saves (a transpose for Q K^T) is found too
+    and comes back as the same view of the tensor gathered again. The pair composes with the one innermost when the
+    attention starts (a full recomputation's, as ``sequence_parallel._SavedShares`` does): every tensor goes on to it,
+    a gathered one as its share, so recomputation still drops and recomputes what it would."""
+
+    def __init__(self) -> None:
+        self._gathered: dict = {}             # StorageWeakRef -> _Share, while the gathered tensor lives
+
+    def add(self, gathered: torch.Tensor, local: torch.Tensor, dim: int, group, cp: int) -> _Share:
+        key = StorageWeakRef(gathered.untyped_storage())
+        share = self._gathered[key] = _Share(local, dim, group, cp)
+        weakref.finalize(gathered, self._gathered.pop, key, None)
+        return share
+
+    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(t: torch.Tensor):
+            share = self._gathered.get(StorageWeakRef(t.untyped_storage()))
+            if share is None:
+                return t if outer_pack is None else outer_pack(t)
+            inner = share.local if outer_pack is None else outer_pack(share.local)
+            return _Kept(share, inner, t.size(), t.stride(), t.storage_offset())
+
+        def unpack(packed):
+            if not isinstance(packed, _Kept):
+                return packed if outer_unpack is None else outer_unpack(packed)
+            local = packed.inner if outer_unpack is None else outer_unpack(packed.inner)
+            return packed.share.whole(local).as_strided(packed.size, packed.stride, packed.offset)
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def install(group, cp: int, rank: int, length: int) -> SequenceShard:
     """Make this worker compute cp rank ``rank``'s share of every ``length``-token sequence (``models.sequence``),
     gathering keys and values over ``group``, for the rest of its life."""
-    spans = chunks(length, cp, rank)
+    spans, shares = chunks(length, cp, rank), _Shares()
     shard = SequenceShard(chunks=spans, length=length,
-                          gather=lambda x, dim: _GatherSequence.apply(x, dim, group, cp))
+                          gather=lambda x, dim: _GatherSequence.apply(x, dim, group, cp, shares),
+                          saving=shares.saving)
     use_shard(shard)
     return shard
 
