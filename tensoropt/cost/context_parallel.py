@@ -47,9 +47,13 @@ class AttentionKV:
         return (self.gathered_bytes - self.saved_bytes) * micro_batch / cp if cp > 1 else 0.0
 
     def regathered_bytes(self, micro_batch: float, cp: int) -> float:
-        """The K and V gathered again while a copy's backward runs, beyond the share it kept: the rest of the
-        sequence's."""
-        return (1 - 1 / cp) * self.gathered_bytes * micro_batch if cp > 1 else 0.0
+        """What a copy's backward holds beyond its priced working set (the captured one at S / cp): the K and V
+        gathered again (the rest of the sequence's beside the share), their gradients, which are the whole
+        sequence's (the rest beside the share's the capture counts), and the gather's backward's reordered copy of
+        one of them for its reduce-scatter (``runtime.parallel.context_parallel._GatherSequence``)."""
+        if cp == 1:
+            return 0.0
+        return (2 * (1 - 1 / cp) + 0.5) * self.gathered_bytes * micro_batch
 
     def gather_s(self, micro_batch: float, cp: int, stride: int, cluster: Cluster) -> float:
         """One pass of all-gathers of K and V over the cp ranks (``stride``: the rank distance between them, tp in

@@ -36,6 +36,10 @@ class SequenceShard:
     # entered around the attention on gathered tensors: what its backward keeps of them (the runtime keeps the
     # rank's share and gathers again in the backward); by default what autograd keeps
     saving: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # per chunk, the bottom-right causal bias of its queries against the keys up to its end
+    # (``torch.nn.attention.bias.causal_lower_right``), made once by the runtime (outside any fake-tensor mode, where
+    # a tensor subclass cannot be made); empty: each forward makes its own
+    lower_right: tuple = ()
 
     @property
     def tokens(self) -> int:

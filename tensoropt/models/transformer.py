@@ -141,7 +141,7 @@ class Attention(nn.Module):
         if (shard := current_shard()) is not None:           # context parallelism: this rank's queries, every key
             k, v = shard.gather(k, 2), shard.gather(v, 2)
             with shard.saving():                             # its backward keeps the rank's share of K and V
-                y = self._attend_gathered(q, k, v, mask, shard.chunks)
+                y = self._attend_gathered(q, k, v, mask, shard.chunks, shard.lower_right)
             return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if cfg.attention == "flash":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=kv != heads,
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
     def _attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         chunks: tuple[tuple[int, int], ...]) -> torch.Tensor:
+                         chunks: tuple[tuple[int, int], ...], lower_right: tuple = ()) -> torch.Tensor:
         """Attention of this rank's queries (its ``chunks`` of the sequence, in order) to the whole sequence's keys
         and values, which are read as gathered (kv heads, never repeated per query head: what the backward keeps
         of them is then the gathered tensors, which the shard's ``saving`` keeps as the rank's share).
@@ -170,11 +170,11 @@ class Attention(nn.Module):
         kv = k.shape[1]
         if self.cfg.attention == "flash":
             dropout, outs, offset = self.cfg.dropout if self.training else 0.0, [], 0
-            for start, stop in chunks:
+            for i, (start, stop) in enumerate(chunks):
                 rows = q[:, :, offset:offset + stop - start]
-                outs.append(F.scaled_dot_product_attention(
-                    rows, k[:, :, :stop], v[:, :, :stop], attn_mask=causal_lower_right(stop - start, stop),
-                    dropout_p=dropout, enable_gqa=kv != heads))
+                bias = lower_right[i] if lower_right else causal_lower_right(stop - start, stop)
+                outs.append(F.scaled_dot_product_attention(rows, k[:, :, :stop], v[:, :, :stop], attn_mask=bias,
+                                                           dropout_p=dropout, enable_gqa=kv != heads))
                 offset += stop - start
             return torch.cat(outs, dim=2)
         rows = q.reshape(b, kv, heads // kv * s, d)                      # (b, kv, group x s, d)

@@ -166,10 +166,14 @@ class _Shares:
 def install(group, cp: int, rank: int, length: int) -> SequenceShard:
     """Make this worker compute cp rank ``rank``'s share of every ``length``-token sequence (``models.sequence``),
     gathering keys and values over ``group``, for the rest of its life."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.nn.attention.bias import causal_lower_right
     spans, shares = chunks(length, cp, rank), _Shares()
+    with unset_fake_temporarily():         # the memory check applies the plan under a fake-tensor mode
+        biases = tuple(causal_lower_right(stop - start, stop) for start, stop in spans)
     shard = SequenceShard(chunks=spans, length=length,
                           gather=lambda x, dim: _GatherSequence.apply(x, dim, group, cp, shares),
-                          saving=shares.saving)
+                          saving=shares.saving, lower_right=biases)
     use_shard(shard)
     return shard
 
