@@ -290,7 +290,9 @@ def describe(run_plan: RunPlan, engine: str) -> str:
              ("vocabulary split over tp (embedding, LM head, loss_parallel)" if vocab.enabled else
               f"vocabulary replicated ({vocab.reason})") if plan.tp > 1 and vocab else "",
              f"pipeline {plan.pp} stages ({plan.grad_accumulation} micro-batches)" if plan.pp > 1 else "",
-             {0: "DDP" if plan.dp > 1 else "",
+             f"context parallel {plan.cp} (sequence in {2 * plan.cp} chunks, keys and values all-gathered; data "
+             f"parallelism over dp x cp = {plan.dp * plan.cp} ranks)" if plan.cp > 1 else "",
+             {0: "DDP" if plan.dp * plan.cp > 1 else "",
               1: "FSDP2 fully_shard (reshard_after_forward=False, gradient sync on the last micro-batch only)",
               2: "FSDP2 fully_shard (reshard_after_forward=False)",
               3: "FSDP2 fully_shard (reshard_after_forward=True)"}.get(plan.zero, ""),

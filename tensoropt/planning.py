@@ -33,6 +33,7 @@ from .search.engines import (
     COMPILE_SPACES,
     ENGINE_SPACES,
     ENGINES,
+    context_parallel_refused,
     grad_dtypes,
     master_weights,
     pipeline_refused,
@@ -130,6 +131,7 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     if global_batch < 1:
         raise TensorOptError("give global_batch: the samples per iteration (the graph records none)")
     budget_bytes = _bytes(budget) if budget is not None else profile.memory_bytes
+    _check_context_parallel(graph, limits, engines, [c.num_devices for c in clusters], compile)
     folding = folded(graph)
     # the graphs that price each part of the space, each folded (and its whole-graph facts read) before the clock
     # starts: that is analysis of the graph, not search
@@ -213,6 +215,24 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
         if space is not None:
             spaces.append((space, runs))
     return spaces
+
+
+def _check_context_parallel(graph: OpGraph, limits: Limits, engines: Sequence[str] | None, devices: list[int],
+                            compile: bool) -> None:
+    """One line naming what to change where ``limits`` name a context-parallel degree nothing here runs: a model
+    that refuses it or a sequence 2 cp does not divide (``search.engines.context_parallel_refused``), no torch engine
+    among ``engines``, compiled blocks, a degree dividing none of the device counts. (Without ``--cp`` the search
+    tries only the degrees that run.)"""
+    for cp in [c for c in limits.context_parallel or () if c > 1]:
+        why = context_parallel_refused(graph, cp)
+        if why is None and engines is not None and "torch" not in engines:
+            why = "context parallelism runs in the torch engine only: drop --engine deepspeed or --cp"
+        if why is None and compile:
+            why = "context parallelism runs eager kernels only: drop --compile or --cp"
+        if why is None and all(n % cp for n in devices):
+            why = f"it divides none of the device counts {devices}: give a --cp that divides --gpus"
+        if why:
+            raise TensorOptError(f"--cp {cp}: {why}")
 
 
 def _runs_on(engine: str, staged: bool = True, staged_tp: bool = True) -> Callable[[Plan], str | None]:

@@ -17,6 +17,7 @@ from ..planning import folded
 from ..search.engines import choose_engine, priced_graph, unsupported
 from ..search.engines import master_weights as engine_master_weights
 from ..search.limits import GRAD_DTYPE_FLAGS
+from ..space.context_parallel import graph_refusal
 from ..space.plan import PRECISIONS, RECOMPUTE, BlockPlan, LayerStrategy, Plan, compute_dtype
 from .common import Loaded, load, model_options
 from .format import binary_bytes
@@ -29,12 +30,14 @@ DEFAULT_PRECISION = "bf16-mixed"          # tensoropt launch's (launcher.launch.
 def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
                global_batch: int, recompute: str, sequence_parallel: bool, dtype: str,
                master_weights: bool = True, precision: str = "", compile: bool = False, offload: bool = False,
-               grad_dtype: str = "") -> Plan:
+               grad_dtype: str = "", cp: int = 1) -> Plan:
     """The plan the flags describe, or one line naming every operand that does not fit."""
     problems = []
-    if gpus % (tp * pp):
-        problems.append(f"--tp {tp} x --pp {pp} must divide --gpus {gpus}")
-    dp = max(1, gpus // (tp * pp))
+    if gpus % (cp * tp * pp):
+        problems.append(f"--cp {cp} x --tp {tp} x --pp {pp} must divide --gpus {gpus}" if cp > 1 else
+                        f"--tp {tp} x --pp {pp} must divide --gpus {gpus}")
+    dp = max(1, gpus // (cp * tp * pp))
+    problems += _context_parallel_problems(model_cost, cp, tp, pp, compile, offload)
     if tp > per_node or per_node % tp:
         problems.append(f"--tp {tp} must divide --gpus-per-node {per_node} (tensor parallelism stays in a node)")
     elif not model_cost.tp_allowed(tp):
@@ -58,7 +61,20 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
     strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
     blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
     return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, offload, model_cost.branch_names if tp > 1
-                else (), DTYPES[dtype], blocks, master_weights, precision, compile, grad_dtype=grad_dtype)
+                else (), DTYPES[dtype], blocks, master_weights, precision, compile, grad_dtype=grad_dtype, cp=cp)
+
+
+def _context_parallel_problems(model_cost, cp: int, tp: int, pp: int, compile: bool, offload: bool) -> list[str]:
+    """What keeps ``--cp`` from running (``space.context_parallel``; the runtime runs it with pp 1, eager, no
+    offload), each naming the flag to change."""
+    if cp <= 1:
+        return []
+    problems = [f"--cp {cp}: {why}" for why in [graph_refusal(model_cost.graph, cp)] if why]
+    problems += [f"--cp {cp} runs with {need}: {change}" for need, change, bad in [
+        ("pp 1", "give --pp 1 or drop --cp", pp > 1),
+        ("eager kernels", "drop --compile or --cp", compile),
+        ("no optimizer offload", "drop --offload or --cp", offload)] if bad]
+    return problems
 
 
 def on_engine(plan: Plan, engine: str) -> Plan:
@@ -107,6 +123,9 @@ def priced(loaded: Loaded, plan: Plan, gpus: int, per_node: int) -> ModelCost:
 @model_options
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="tensor-parallel degree")
 @click.option("--pp", type=click.IntRange(min=1), required=True, help="pipeline stages")
+@click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="context-parallel degree: each sample's sequence split over cp ranks (with --pp 1, the torch "
+                   "engine; 2 cp must divide the sequence length)")
 @click.option("--virtual-stages", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
 @click.option("--offload", is_flag=True,
@@ -142,10 +161,10 @@ def priced(loaded: Loaded, plan: Plan, gpus: int, per_node: int) -> ModelCost:
                    "launch chooses for the plan, torch where it runs it, else DeepSpeed; with --dtype or "
                    "--master-weights/--no-master-weights, no engine, priced as the torch engine runs it)")
 @click.option("--json", "as_json", is_flag=True)
-def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages, zero, offload, micro_batch,
+def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, cp, virtual_stages, zero, offload, micro_batch,
              global_batch, recompute, sequence_parallel, dtype, master_weights, precision, grad_dtype, compile_, engine,
              as_json):
-    """Estimate one plan's iteration time and peak memory per device (dp = gpus / (tp * pp)), by default as
+    """Estimate one plan's iteration time and peak memory per device (dp = gpus / (cp * tp * pp)), by default as
     `tensoropt launch --plan` would run it: in launch's default precision, on the engine launch chooses."""
     check_counts(devices=gpus, global_batch=global_batch)
     context = click.get_current_context()
@@ -167,7 +186,7 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
                       global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_,
-                      offload, GRAD_DTYPE_FLAGS[grad_dtype] if grad_dtype == "bf16" else "")
+                      offload, GRAD_DTYPE_FLAGS[grad_dtype] if grad_dtype == "bf16" else "", cp)
     if not by_hand or engine:
         plan = as_launched(plan, engine, grad_dtype)
     cost = priced(loaded, plan, gpus, gpus_per_node)
@@ -188,7 +207,8 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, virtual_stages
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("iteration time", f"{result.iteration_time_s:.3f} s")
-    parts = ("forward_backward_s", "recompute_s", "tensor_parallel_comm_s")
+    parts = ("forward_backward_s", "recompute_s", "tensor_parallel_comm_s") + \
+        (("context_parallel_comm_s",) if "context_parallel_comm_s" in result.time_breakdown else ())
     for key, value in result.time_breakdown.items():
         if key in parts:
             continue

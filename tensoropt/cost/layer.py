@@ -17,6 +17,10 @@ layer (eager attention, dropout, 16-bit activations): with SP and selective reco
 and reciprocal standard deviation (two values per token per norm, in the dtype the capture shows, divided by t
 under SP), which ``native_layer_norm`` saves for its backward; the same holds for their formulas without
 recomputation, with and without SP. ``tests/test_sequence_parallel.py`` holds the price of such a layer to them.
+
+Context parallelism (``cp`` > 1, with tp 1): every op runs on S / cp tokens of each sample, so a copy is priced at
+micro_batch / cp samples, plus its attention's all-gathers of the keys and values and their S-long copies kept for
+the backward (``cost.context_parallel``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..space.block import BlockSpace
 from ..space.plan import LayerStrategy
 from ..space.vocab import VocabLayout
 from .comm import all_gather_s, all_reduce_s
+from .context_parallel import attention_kv
 from .ops import OpArrays, op_times
 from .pipeline_memory import backward_working_bytes
 from .profile import Cluster
@@ -44,10 +49,11 @@ class LayerCost:
     activation_bytes: float      # kept for backward, per micro-batch
     transient_bytes: float       # extra working set while its backward runs (recomputed activations)
     parameters: float            # elements held on one device before ZeRO partitioning
+    cp_comm_s: float = 0.0       # context parallelism's K/V all-gathers and reduce-scatters (``cost.context_parallel``)
 
     @property
     def time_s(self) -> float:
-        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s
+        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s
 
 
 def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
@@ -96,6 +102,9 @@ class _Shared:
     comm_s: float                  # tensor-parallel communication of one copy
     sp_comm_s: float               # the same with sequence parallelism's gathers of the branches' inputs
     parameters: float
+    cp_gather_s: float = 0.0       # context parallelism: the K/V all-gathers of one copy (forward; again in backward)
+    cp_scatter_s: float = 0.0      # and the backward's reduce-scatters of their gradients
+    cp_regathered_bytes: float = 0.0   # the K and V gathered again while the copy's backward runs, beyond the share
 
 
 class BlockCost:
@@ -113,6 +122,10 @@ class BlockCost:
         self._op_cache: dict[tuple, tuple] = {}
         self._branch_nbytes = {b: float(sum(ops[r].outputs[0].nbytes for r in b.row)) for b in space.branches}
         self._gathered_nbytes = {b: _column_input_bytes(ops, b.column) for b in space.branches}
+        self.kv = attention_kv(ops, space.attention_core)      # what context parallelism gathers
+        # the branch that computes the attention (its K and V are sharded by heads when tp shards it)
+        attention = set(space.attention_core) | {i for i, op in enumerate(ops) if op.kind == "attention"}
+        self._attention_branch = next((b.name for b in space.branches if attention & set(b.ops)), None)
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -141,62 +154,80 @@ class BlockCost:
                 total += 2 * all_gather_s(nbytes, tp, 1, self.cluster)
         return total
 
-    def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int) -> LayerCost:
-        key = (strategy, tp, tp_branches, micro_batch)
+    def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1
+              ) -> LayerCost:
+        """One copy under ``strategy``, ``micro_batch`` whole samples per data-parallel rank shared by ``cp``
+        context-parallel ranks."""
+        key = (strategy, tp, tp_branches, micro_batch, cp)
         if key not in self._cache:
-            self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch)
+            self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch, cp)
         return self._cache[key]
 
     def prepare(self, keys) -> None:
-        """Compute the shared sums (``_ops``) of many (tp, branches, sequence parallelism, micro-batch) keys at once:
-        ``op_times`` is elementwise, so one call over a (keys x ops) array gives each key's row the very floats its
-        own call gives, for a fraction of the numpy calls (the search asks for every key it prices)."""
-        todo = [key for key in dict.fromkeys(keys) if key not in self._op_cache]
+        """Compute the shared sums (``_ops``) of many (tp, branches, sequence parallelism, micro-batch, cp) keys at
+        once (a key without cp: 1): ``op_times`` is elementwise, so one call over a (keys x ops) array gives each
+        key's row the very floats its own call gives, for a fraction of the numpy calls (the search asks for every
+        key it prices)."""
+        todo = [key for key in dict.fromkeys(k if len(k) == 5 else (*k, 1) for k in keys) if key not in self._op_cache]
         if not todo:
             return
-        shard = np.stack([self.shards(tp, branches, sp) for tp, branches, sp, _ in todo])
-        micro_batch = np.array([[mb] for *_, mb in todo])
+        shard = np.stack([self.shards(tp, branches, sp) for tp, branches, sp, _, _ in todo])
+        # under context parallelism each op runs on S / cp tokens of each sample: mb / cp samples' worth
+        micro_batch = np.array([[mb / cp if cp > 1 else mb] for *_, mb, cp in todo])
         fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
         saved = self.arrays.saved_bytes * micro_batch / shard
         for k, key in enumerate(todo):
             self._op_cache[key] = self._shared(key, fwd[k], bwd[k], saved[k])
 
-    def _ops(self, tp: int, tp_branches: tuple[str, ...], sp: bool, micro_batch: int) -> _Shared:
-        """What every recomputation choice of a (tp, branches, sequence parallelism, micro-batch) shares: the
-        per-op (forward s, backward s, saved bytes) summed as each strategy needs them, the tensor-parallel
-        communication of one copy, and the parameters."""
-        key = (tp, tp_branches, sp, micro_batch)
+    def _ops(self, tp: int, tp_branches: tuple[str, ...], sp: bool, micro_batch: int, cp: int = 1) -> _Shared:
+        """What every recomputation choice of a (tp, branches, sequence parallelism, micro-batch, cp) shares: the
+        per-op (forward s, backward s, saved bytes) summed as each strategy needs them, the tensor- and
+        context-parallel communication of one copy, and the parameters."""
+        key = (tp, tp_branches, sp, micro_batch, cp)
         self.prepare([key])
         return self._op_cache[key]
 
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
-        tp, tp_branches, sp, micro_batch = key
-        comm = self.tp_comm_s(tp, tp_branches, sp, micro_batch)
+        tp, tp_branches, sp, micro_batch, cp = key
+        tokens = micro_batch / cp           # samples' worth of tokens on this rank (S / cp of each sample)
+        comm = self.tp_comm_s(tp, tp_branches, sp, tokens)
         # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
         # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
         # without recomputation, under selective recomputation, and in a full recomputation's recomputed
         # forward (runtime.parallel.sequence_parallel composes its saved-tensor hooks with the recomputation's)
-        gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * micro_batch, tp, 1, self.cluster)
+        gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
                               for b in self.space.branches) if sp else comm
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
         whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
-        return _Shared(float(fwd.sum()), float(bwd.sum()), float(saved.sum()), float(fwd[self.core].sum()),
-                       float(saved[self.core].sum()), comm, gathered, float(((self.params - whole) / tp + whole).sum()))
+        # context parallelism: K and V are gathered over the cp ranks (stride tp in the dp x cp x tp mesh) and kept
+        # as the rank's share, gathered again in the backward (``cost.context_parallel``); a rank holds its tp share
+        # of their heads where tp shards the attention's branch. Their bytes are per sample: mb / heads-shard of them
+        kv = micro_batch / (tp if self._attention_branch in tp_branches else 1)
+        extra = self.kv.extra_saved_bytes(kv, cp)
+        return _Shared(float(fwd.sum()), float(bwd.sum()), float(saved.sum()) + extra, float(fwd[self.core].sum()),
+                       float(saved[self.core].sum()), comm, gathered, float(((self.params - whole) / tp + whole).sum()),
+                       self.kv.gather_s(kv, cp, tp, self.cluster), self.kv.scatter_s(kv, cp, tp, self.cluster),
+                       self.kv.regathered_bytes(kv, cp))
 
-    def _layer(self, strategy, tp, tp_branches, micro_batch) -> LayerCost:
+    def _layer(self, strategy, tp, tp_branches, micro_batch, cp=1) -> LayerCost:
         sp = strategy.sequence_parallel and tp > 1
-        shared = self._ops(tp, tp_branches, sp, micro_batch)
+        shared = self._ops(tp, tp_branches, sp, micro_batch, cp)
         comm, all_saved = shared.comm_s, shared.saved_bytes
+        # context parallelism: the forward's all-gathers, the backward's gathers again of the kept shares and its
+        # reduce-scatters; the gathered-again K and V are held while the copy's backward runs
+        cp_comm = 2 * shared.cp_gather_s + shared.cp_scatter_s
         if strategy.recompute == "full":
-            kept = self.space.carried_bytes * micro_batch / (tp if sp else 1)
+            # the block's input checkpoint is the rank's S / cp tokens; its recomputed forward gathers K and V again
+            kept = self.space.carried_bytes * (micro_batch / cp) / (tp if sp else 1)
             recompute, transient = shared.forward_s + comm / 2, all_saved
+            cp_comm += shared.cp_gather_s
         elif strategy.recompute == "selective":
             kept = all_saved - shared.core_saved_bytes
             recompute, transient = shared.core_forward_s, shared.core_saved_bytes
         else:
             kept, recompute, transient = all_saved, 0.0, 0.0
-        return LayerCost(shared.forward_s, shared.backward_s, recompute, shared.sp_comm_s, kept, transient,
-                         shared.parameters)
+        return LayerCost(shared.forward_s, shared.backward_s, recompute, shared.sp_comm_s, kept,
+                         transient + shared.cp_regathered_bytes, shared.parameters, cp_comm)
 
     def _sharded_params(self, tp_branches: tuple[str, ...]) -> np.ndarray:
         out = np.zeros(len(self.ops), dtype=bool)
@@ -221,7 +252,7 @@ def tp_comm_hidden_s(stage: list[tuple[BlockCost, list[tuple[LayerStrategy, int]
     hidden = 0.0
     for cost, counts in stage:
         for strategy, n in counts:
-            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch)
+            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch, plan.cp)
             overlapped = min(c.tp_comm_s, c.forward_s + c.backward_s + c.recompute_s)
             hidden += n * (1 - overlap_slowdown) * overlapped
     return hidden

@@ -30,6 +30,10 @@ it), and holds a 16-bit copy of every weight it computes with for the step (auto
 the products save them for backward): 2 more bytes per parameter of the stage, over tp but not over dp
 (the copies are of the gathered weights), counted in ``other_bytes``.
 Model-state bytes per precision and engine: ``cost.states``.
+Context parallelism (``Plan.cp``): data parallelism runs over the dp x cp ranks (DDP's all-reduce, FSDP2's mesh
+flattened), so the states divide, and the collectives run, over dp x cp where they did over dp; the ops run on S / cp
+tokens of each sample (``cost.layer``, ``cost.context_parallel``; the ops outside the blocks at micro_batch / cp
+samples, ``cost.rows``).
 """
 
 from __future__ import annotations
@@ -254,7 +258,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context] | ContextTable, which: n
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
-               micro_batch: int) -> tuple[float, float, float, float, float]:
+               micro_batch: int, cp: int = 1) -> tuple[float, float, float, float, float]:
     """Sums over an ordered chain of copies, entered and left with a replicated stream:
     (time incl. layout changes, backward time, kept activations, transient max, parameters)."""
     time = back = acts = params = 0.0
@@ -267,7 +271,7 @@ def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int
         if sp != layout:
             time += cost.layout_change_s(tp, micro_batch)
             layout = sp
-        c = cost.layer(strategy, tp, tp_branches, micro_batch)
+        c = cost.layer(strategy, tp, tp_branches, micro_batch, cp)
         time, back = time + n * c.time_s, back + n * c.backward_s
         acts, params = acts + n * c.activation_bytes, params + n * c.parameters
         transient = max(transient, c.transient_bytes)
@@ -277,7 +281,7 @@ def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int
 
 
 def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int,
-                      tp_branches: tuple[str, ...], micro_batch: int, virtual_stages: int = 1
+                      tp_branches: tuple[str, ...], micro_batch: int, virtual_stages: int = 1, cp: int = 1
                       ) -> tuple[float, float, float, float, float]:
     """``chain_sums`` of a device's copies of one block (in the plan's order) as they run with
     ``virtual_stages`` interleaved stages: v consecutive chains of k / v copies, each held by another
@@ -286,7 +290,7 @@ def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], 
     (space.plan.chain_order) that is ceil(n_sp / (k / v)) chains paying them, the fewest any order can."""
     total = sum(n for _, n in counts)
     if virtual_stages == 1 or total % virtual_stages:
-        return chain_sums(cost, counts, tp, tp_branches, micro_batch)
+        return chain_sums(cost, counts, tp, tp_branches, micro_batch, cp)
     size, chains, chain, room = total // virtual_stages, [], [], total // virtual_stages
     for strategy, n in counts:          # cut the (strategy, copies) entries at the chains' boundaries
         while n:
@@ -296,7 +300,7 @@ def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], 
             if not room:
                 chains.append(chain)
                 chain, room = [], size
-    parts = [chain_sums(cost, c, tp, tp_branches, micro_batch) for c in chains]
+    parts = [chain_sums(cost, c, tp, tp_branches, micro_batch, cp) for c in chains]
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
             max(p[3] for p in parts), sum(p[4] for p in parts))
 
@@ -326,7 +330,7 @@ def estimate(model: ModelCost, plan: Plan, megatron_tp_comm_overlap: bool = Fals
     time = back = acts = transient = params = 0.0
     for cost, counts in stage:
         t, b, a, x, p = device_chain_sums(cost, counts, plan.tp, plan.tp_branches, plan.micro_batch,
-                                          plan.virtual_stages)
+                                          plan.virtual_stages, plan.cp)
         time, back, acts, params = time + t, back + b, acts + a, params + p
         transient = max(transient, x)
     hidden = tp_comm_hidden_s(stage, plan, model.cluster.profile.overlap_slowdown) if megatron_tp_comm_overlap \
@@ -354,12 +358,16 @@ def _stage_counts(model: ModelCost, plan: Plan) -> list[tuple[BlockCost, list[tu
 def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     """What ``compute_s`` (every micro-batch on the slowest stage) is made of in the layers."""
     parts = {"forward_backward_s": 0.0, "recompute_s": 0.0, "tensor_parallel_comm_s": 0.0}
+    if plan.cp > 1:
+        parts["context_parallel_comm_s"] = 0.0
     for cost, counts in stage:
         for strategy, n in counts:
-            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch)
+            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch, plan.cp)
             parts["forward_backward_s"] += micro_batches * n * (c.forward_s + c.backward_s)
             parts["recompute_s"] += micro_batches * n * c.recompute_s
             parts["tensor_parallel_comm_s"] += micro_batches * n * c.tp_comm_s
+            if plan.cp > 1:
+                parts["context_parallel_comm_s"] += micro_batches * n * c.cp_comm_s
     return parts
 
 

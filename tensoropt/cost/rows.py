@@ -30,12 +30,13 @@ class PlanRows:
     """One array entry per plan: its context's choices, its model-state bytes per parameter (``cost.states``) and
     the sizes of its stage's ops outside the blocks."""
 
-    dp: np.ndarray
+    dp: np.ndarray                 # ranks the model states divide over and gradients reduce over: dp x cp
     tp: np.ndarray
     pp: np.ndarray
     v: np.ndarray                  # interleaved stages per device
     m: np.ndarray                  # micro-batches per step
-    mb: np.ndarray                 # samples per micro-batch
+    mb: np.ndarray                 # samples per micro-batch (whole samples: a context-parallel rank holds 1/cp of each)
+    cp: np.ndarray                 # context-parallel degree
     zero: np.ndarray
     offload: np.ndarray            # bool
     weight: np.ndarray             # bytes per parameter (``StateBytes``)
@@ -70,26 +71,30 @@ class PlanRows:
         return self.pp > 1
 
 
-_INTS = 19          # the first 19 fields are integers, the rest floats
+_INTS = 20          # the first 20 fields are integers, the rest floats
 
 
 def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanRows:
     """The arrays of plan i under context row ``which[i]`` of ``table``. What many contexts share is computed once
     per distinct value and spread over the rows by indexing: the model states per (kind, ZeRO stage), the loose
-    ops' and the loss's sizes per (tp, branches, micro-batch, pipelined or not, gradient bytes)."""
+    ops' and the loss's sizes per (tp, branches, micro-batch, cp, pipelined or not, gradient bytes). Under context
+    parallelism (``cp`` > 1) data parallelism runs over the dp x cp ranks (DDP over all of them, FSDP2 on the
+    flattened dp x cp mesh: ``runtime.parallel.context_parallel``), so ``dp`` is dp x cp, while the micro-batches per
+    step are the global batch over dp x micro-batch (a context-parallel group shares its samples)."""
     used, at = np.unique(np.asarray(which, dtype=np.int64), return_inverse=True)    # the contexts priced
     kind, zero, tp, mb = table.kind[used], table.zero[used], table.tp[used], table.micro_batch[used]
-    branches, pp, dp = table.branches[used], table.pp[used], table.dp[used]
+    branches, pp, dp, cp = table.branches[used], table.pp[used], table.dp[used], table.cp[used]
     state_keys, state_at = np.unique(kind * 4 + zero, return_inverse=True)         # ZeRO stages 0-3
     grads, state_ints = zip(*(_state(model, table.kinds[key // 4], key % 4) for key in state_keys.tolist()))
     grad_bytes = np.array(grads, dtype=np.int64)[state_at]
-    # (tp, branches, micro-batch, pipelined, gradient bytes) packed into one integer: each field well inside its bits
-    packed = (((tp * 4096 + branches) * 2**20 + mb) * 2 + (pp > 1)) * 256 + grad_bytes
+    # (tp, branches, micro-batch, cp, pipelined, gradient bytes) packed into one integer: each field well inside its
+    # bits
+    packed = ((((tp * 4096 + branches) * 2**20 + mb) * 256 + cp) * 2 + (pp > 1)) * 256 + grad_bytes
     _, firsts, shape_at = np.unique(packed, return_index=True, return_inverse=True)  # a row of each shape
     floats = [_shape(model, int(tp[r]), table.branch_sets[int(branches[r])], int(mb[r]), int(pp[r]),
-                     int(grad_bytes[r]), model.row_cache) for r in firsts.tolist()]
+                     int(grad_bytes[r]), model.row_cache, int(cp[r])) for r in firsts.tolist()]
     global_batch = np.array([k[0] for k in table.kinds], dtype=np.int64)[kind]
-    ints = np.column_stack([dp, tp, pp, table.virtual_stages[used], global_batch // (dp * mb), mb, zero,
+    ints = np.column_stack([dp * cp, tp, pp, table.virtual_stages[used], global_batch // (dp * mb), mb, cp, zero,
                             table.offload[used], np.array(state_ints, dtype=np.int64)[state_at]])
     columns = [*ints[at].T, *np.array(floats, dtype=float)[shape_at][at].T]
     names = [f.name for f in fields(PlanRows)]
@@ -109,26 +114,29 @@ def _state(model: ModelCost, kind: tuple, zero: int) -> tuple[int, tuple]:
                         state.partition_copy, state.reduced_bytes)
 
 
-def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: int, grad_bytes: int, cache: dict
-           ) -> tuple:
-    """The float columns of a (tp, branches, micro-batch, pipelined, gradient bytes) shape, kept in ``cache`` (the
-    model's ``row_cache``: every search and pricing call on the model reads the same shapes) with what shapes share
-    (per (tp, branches), per (tp, branches, micro-batch), per gradient bytes too)."""
-    shape_key = ("shape", tp, branches, mb, pp > 1, grad_bytes)
+def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: int, grad_bytes: int, cache: dict,
+           cp: int = 1) -> tuple:
+    """The float columns of a (tp, branches, micro-batch, cp, pipelined, gradient bytes) shape, kept in ``cache``
+    (the model's ``row_cache``: every search and pricing call on the model reads the same shapes) with what shapes
+    share (per (tp, branches), per (tp, branches, micro-batch, cp), per gradient bytes too). Under context
+    parallelism the ops outside the blocks (embedding, head, loss) run on S / cp tokens of each sample: their sizes
+    are those of micro_batch / cp samples."""
+    shape_key = ("shape", tp, branches, mb, pp > 1, grad_bytes) + ((cp,) if cp > 1 else ())
     if shape_key in cache:
         return cache[shape_key]
-    copy_key, loss_key, back_key = ("copy", tp, branches), ("loss", tp, branches, mb), ("back", tp, branches, mb,
-                                                                                       grad_bytes)
+    share = mb / cp if cp > 1 else mb       # samples' worth of tokens a rank computes
+    copy_key, loss_key, back_key = ("copy", tp, branches), ("loss", tp, branches, mb, cp), ("back", tp, branches,
+                                                                                            share, grad_bytes)
     if copy_key not in cache:
         cache[copy_key] = largest_copy_parameters(model, tp, branches)
     if loss_key not in cache:
         logits = logits_elements(model)
-        cache[loss_key] = (loss_gradient_bytes(model, tp, mb, logits), loss_forward_bytes(model, tp, mb, logits),
-                           stage_loss_bytes(model, tp, mb, logits), one_copy_peak_bytes(model, tp, branches, mb))
+        cache[loss_key] = (loss_gradient_bytes(model, tp, share, logits), loss_forward_bytes(model, tp, share, logits),
+                           stage_loss_bytes(model, tp, share, logits), one_copy_peak_bytes(model, tp, branches, mb, cp))
     if back_key not in cache:
-        cache[back_key] = copy_backward_bytes(model, tp, branches, mb, grad_bytes)
-    first, last = model.loose(tp, mb, pp)
-    head, tail = model.loose(tp, mb, 2)     # the ops before the blocks, and after them
+        cache[back_key] = copy_backward_bytes(model, tp, branches, share, grad_bytes)
+    first, last = model.loose(tp, share, pp)
+    head, tail = model.loose(tp, share, 2)     # the ops before the blocks, and after them
     cache[shape_key] = (max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                         first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
                         cache[copy_key], *cache[loss_key], head.activation_bytes, tail.parameters, *cache[back_key])

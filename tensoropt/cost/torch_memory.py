@@ -53,14 +53,14 @@ def largest_copy_parameters(model, tp: int, tp_branches: tuple[str, ...]) -> flo
                default=0.0)
 
 
-def one_copy_peak_bytes(model, tp: int, tp_branches: tuple[str, ...], micro_batch: int) -> float:
+def one_copy_peak_bytes(model, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> float:
     """The most one block copy holds of its own in its backward on one device: its kept activations and what it
     recomputes, at most its input checkpoint and every tensor its forward saves (full recomputation; no
     recomputation keeps those tensors, selective keeps some and recomputes the rest, and sequence parallelism
     keeps less of them): the working set at the end of a one-micro-batch backward (``fsdp_held_bytes``), when the
     first copy's backward runs whatever its strategy."""
     return max((c.activation_bytes + c.transient_bytes for _, cost in model.blocks
-                for c in (cost.layer(LayerStrategy("full"), tp, tp_branches, micro_batch),)), default=0.0)
+                for c in (cost.layer(LayerStrategy("full"), tp, tp_branches, micro_batch, cp),)), default=0.0)
 
 
 FLOAT32 = 4

@@ -253,7 +253,22 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     precision = {"autocast": _dtype_name(dtype or autocast_inside)} if (dtype or autocast_inside) else {}
     return replace(graph, metadata=tuple(sorted({
         **(metadata or {}), **precision, "returns": describe(output), CROSS_ENTROPY_CALLS: str(calls[0]),
-        OUTPUT_KEY: output_kind(output)}.items())))
+        OUTPUT_KEY: output_kind(output), CONTEXT_PARALLEL_META: context_parallel_refusal(model)}.items())))
+
+
+# graph metadata: "" when the model runs context-parallel (``cp > 1``), else why not (``context_parallel_refusal``)
+CONTEXT_PARALLEL_META = "context_parallel"
+_SHARD_NOT_READ = ("its forward does not read its sequence shard (tensoropt.models.sequence): context parallelism "
+                   "runs the built-in models, whose positions, causal mask and attention follow the shard")
+
+
+def context_parallel_refusal(model: nn.Module) -> str:
+    """Why ``model`` cannot run context-parallel ("" when it can). A model whose forward reads its sequence shard
+    (``models.sequence``: the built-in ``DecoderLM``) says so with a ``context_parallel_refusal()`` method giving its
+    own conditions (no token-routed layers); any other model computes positions and its causal mask from the length
+    of the input it gets, which a sequence split makes wrong."""
+    method = getattr(model, "context_parallel_refusal", None)
+    return method() if callable(method) else _SHARD_NOT_READ
 
 
 def output_kind(output: object) -> str:

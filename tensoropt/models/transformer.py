@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ModelSpecError
+from .sequence import current_shard
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,11 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if (shard := current_shard()) is not None:           # context parallelism: this rank's queries, every key
+            k, v = shard.gather(k, 2), shard.gather(v, 2)
+            with shard.saving():                             # its backward keeps the rank's share of K and V
+                y = self._attend_gathered(q, k, v, mask, shard.chunks, shard.lower_right)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if cfg.attention == "flash":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=kv != heads,
                                                dropout_p=cfg.dropout if self.training else 0.0)
@@ -147,6 +154,33 @@ class Attention(nn.Module):
                 scores = scores.masked_fill(mask, float("-inf"))
             y = self.attn_dropout(scores.softmax(dim=-1)) @ v
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def _attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         chunks: tuple[tuple[int, int], ...], lower_right: tuple = ()) -> torch.Tensor:
+        """Attention of this rank's queries (its ``chunks`` of the sequence, in order) to the whole sequence's keys
+        and values, which are read as gathered (kv heads, never repeated per query head: what the backward keeps
+        of them is then the gathered tensors, which the shard's ``saving`` keeps as the rank's share).
+
+        Flash: per chunk, SDPA of its queries against the keys up to its end under a bottom-right causal mask
+        (``causal_lower_right``: the flash and memory-efficient kernels take it without a mask tensor and skip the
+        masked blocks, as Transformer Engine's all-gather CP computes its two chunks). Eager: the explicit softmax of
+        ``forward`` on the causal mask's rows of the queries' positions (``mask``, True: masked; one tensor for
+        every layer), each key/value head's query heads (adjacent, see the class doc) taken as one block of rows."""
+        b, heads, s, d = q.shape
+        kv = k.shape[1]
+        if self.cfg.attention == "flash":
+            dropout, outs, offset = self.cfg.dropout if self.training else 0.0, [], 0
+            for i, (start, stop) in enumerate(chunks):
+                rows = q[:, :, offset:offset + stop - start]
+                bias = lower_right[i] if lower_right else causal_lower_right(stop - start, stop)
+                outs.append(F.scaled_dot_product_attention(rows, k[:, :, :stop], v[:, :, :stop], attn_mask=bias,
+                                                           dropout_p=dropout, enable_gqa=kv != heads))
+                offset += stop - start
+            return torch.cat(outs, dim=2)
+        rows = q.reshape(b, kv, heads // kv * s, d)                      # (b, kv, group x s, d)
+        scores = ((rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))).view(b, kv, heads // kv, s, -1)
+        probs = self.attn_dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1))
+        return (probs.view(b, kv, heads // kv * s, -1) @ v).view(b, heads, s, d)
 
 
 class MLP(nn.Module):
@@ -276,16 +310,33 @@ class DecoderLM(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def context_parallel_refusal(self) -> str:
+        """Why this model cannot run context-parallel ("": it can; ``models.sequence``): token-routed layers
+        (``MoE``) fill each expert's capacity from the tokens a rank holds, which a sequence split changes."""
+        return "its token-routed (MoE) layers size their capacity by the tokens a rank holds" \
+            if self.cfg.num_experts else ""
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
         x = self.embed(input_ids)
+        if (shard := current_shard()) is not None:            # context parallelism: this rank's positions
+            shard.check(s)
+            positions = shard.positions(input_ids.device)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed.weight[positions]
+            mask = self.causal_mask[positions, :shard.length] if self.cfg.attention == "eager" else None
+            rope = None if self.cfg.position != "rope" else (
+                self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype))
+            return self._layers_and_loss(self.dropout(x), mask, rope, labels)
         if self.pos_embed is not None:
             x = x + self.pos_embed.weight[:s]
-        x = self.dropout(x)
         mask = self.causal_mask[:s, :s] if self.cfg.attention == "eager" else None
         rope = None
         if self.cfg.position == "rope":
             rope = (self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype))
+        return self._layers_and_loss(self.dropout(x), mask, rope, labels)
+
+    def _layers_and_loss(self, x: torch.Tensor, mask, rope, labels: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, mask, rope)
         logits = self.head(self.norm(x))

@@ -33,6 +33,7 @@ from . import RUN_DIR_ENV, SIMULATED_MEMORY_ENV  # noqa: F401  (named with the l
 from .checkpoint.files import KEEP
 from .device import check_placement, local_tensor, to_device
 from .engines.compile import compile_report
+from .parallel.context_parallel import shard_batch
 
 Batch = torch.Tensor | tuple | Mapping
 # an engine's step: this rank's micro-batches in, the step's loss (mean over the whole batch, a 0-dim float32 tensor
@@ -242,6 +243,8 @@ class Run:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where this rank trains
     # the process group of this rank's pipeline (one rank per stage device), None without pipeline stages
     pipeline_group: object = field(default=None, repr=False)
+    # context parallelism: (cp, this rank's cp index, the sequence length it splits); None without
+    context: tuple[int, int, int] | None = None
     _placement_checked: bool = field(default=False, repr=False)
 
     def local_rows(self, global_batch: int | None = None) -> range:
@@ -259,9 +262,17 @@ class Run:
     def local_batches(self, batch: Batch, local: bool = False) -> list[Batch]:
         """This rank's micro-batches of a global batch (its data-parallel slice, split in order; ``local``: the
         batch is that slice already), on its device: only this rank's share of the batch is ever copied there."""
-        mine = batch if local else split_batch(batch, self.dp_rank, self.dp_size)
+        mine = self.sequence_share(batch if local else split_batch(batch, self.dp_rank, self.dp_size))
         return [to_device(split_batch(mine, i, self.grad_accumulation), self.device)
                 for i in range(self.grad_accumulation)]
+
+    def sequence_share(self, batch: Batch) -> Batch:
+        """This rank's tokens of every sequence in ``batch`` under context parallelism (its chunks,
+        ``parallel.context_parallel.shard_batch``); the batch itself otherwise."""
+        if self.context is None:
+            return batch
+        cp, cp_rank, length = self.context
+        return shard_batch(batch, length, cp, cp_rank)
 
     def train_step(self, batch: Batch, local: bool = False, sync: bool = True) -> float | torch.Tensor:
         """One optimizer step on the global ``batch`` (``local``: only this rank's rows of it, ``local_rows``);

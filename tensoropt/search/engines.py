@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..errors import TensorOptError
 from ..graph.bf16_meta import bf16_weights_graph
 from ..graph.ir import OUTPUT_KEY, OpGraph
+from ..space.context_parallel import graph_refusal
 from ..space.plan import Plan
 from ..space.run_plan import ENGINES
 
@@ -69,6 +70,8 @@ def _not_compiled(plan: Plan, engine: str) -> list[str]:
         ("sequence parallelism", _sequence_parallel(plan) and not space.get("sequence_parallel", True)),
         ("tensor parallelism", plan.tp not in space.get("tensor_parallel", (plan.tp,))),
         ("pipeline stages", plan.pp not in space.get("pipeline_stages", (plan.pp,))),
+        # the torch engine runs context parallelism eager only (runtime.parallel.context_parallel)
+        ("context parallelism", plan.cp > 1),
     ] if needed]
 
 
@@ -87,14 +90,26 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
             ("optimizer offload without ZeRO", plan.offload and plan.zero == 0),
             # DeepSpeed keeps a float32 master copy under ZeRO 0 (BF16_Optimizer): bf16 master weights need 1-3
             ("bf16-true without ZeRO", plan.precision == "bf16-true" and plan.zero == 0),
+            # the sequence split needs the model's attention to gather keys and values: the torch engine's
+            ("context parallelism (the torch engine runs it)", plan.cp > 1),
         ] if needed]
     return [what for what, needed in [
         ("optimizer offload", plan.offload),
         # DDP keeps gradients in the weights' dtype (float32 under bf16-mixed): bf16 ones are FSDP2's reduce dtype
         ("bf16 gradients without ZeRO 1, 2 or 3", bool(plan.grad_dtype) and plan.zero == 0),
-        # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh
-        ("tensor and data parallelism without ZeRO 1, 2 or 3", plan.tp > 1 and plan.dp > 1 and plan.zero == 0),
+        # DDP does not take tensor-parallel DTensors: FSDP2 (ZeRO 1-3) runs over a (dp, tp) mesh (over the flattened
+        # dp x cp ranks under context parallelism)
+        ("tensor and data parallelism without ZeRO 1, 2 or 3", plan.tp > 1 and plan.dp * plan.cp > 1
+         and plan.zero == 0),
+        ("context parallelism with pipeline stages", plan.cp > 1 and plan.pp > 1),
     ] if needed]
+
+
+def context_parallel_refused(graph: OpGraph, cp: int) -> str | None:
+    """Why ``graph``'s model does not run over ``cp`` context-parallel ranks, in one line naming what to change (a
+    model whose forward does not read its sequence shard, a sequence 2 cp does not divide:
+    ``space.context_parallel``); None where it does. What a plan needs beside the model: ``unsupported``."""
+    return graph_refusal(graph, cp) or None
 
 
 def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
@@ -172,5 +187,6 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
 
 
 __all__ = ["CHECKPOINTS", "COMPILED_PLANS", "COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine",
+           "context_parallel_refused",
            "computes_with_bf16_weights", "grad_dtypes", "master_weights", "pipeline_refused", "pipelines_not_offered",
            "priced_graph", "staged_tp_refused", "tp_in_stages", "unsupported"]

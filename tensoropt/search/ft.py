@@ -17,7 +17,8 @@ stage holding SP copies): the device's set is the Minkowski sum of v chain sets 
 ``Chain.device``), which prices any multiset of strategies at its best split, the one the runtime
 runs (``space.plan.chain_order``: whole copies first, so the SP ones fill the fewest stages).
 
-Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node,
+Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node, or (dp, cp) with
+context parallelism (tp 1, pp 1: what the runtime runs it with; ``space.context_parallel``),
 which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload, gradient dtype.
 Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
 ``evaluate`` is the one-plan case), and the non-dominated (time, peak memory) points form the frontier.
@@ -46,6 +47,7 @@ import numpy as np
 from ..cost.context import Context, ContextTable
 from ..cost.layer import BlockCost
 from ..cost.model import ModelCost, evaluate_rows
+from ..space.context_parallel import default_degrees, graph_refusal
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .bounds import Seeds, bound_contexts
 from .chain import Chain, Key
@@ -83,6 +85,9 @@ class SearchSpace:
     # gradient layouts searched (``Plan.grad_dtype``): "" the precision's own; "bfloat16" bf16 accumulation and
     # reduction, a sharded optimizer's layout (ZeRO 1-3: under ZeRO 0 the gradients are the weights' dtype)
     grad_dtypes: tuple[str, ...] = ("",)
+    # context-parallel degrees searched (``Plan.cp``; 1: none, every other mesh): None, 1 and the degrees leaving
+    # each rank at least ``space.context_parallel.MIN_TOKENS_PER_RANK`` tokens (``default_degrees``)
+    context_parallel: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,8 +135,27 @@ def device_split(size: int, copies: int, virtual_stages: int, sequence_parallel:
     return chains, copies // chains // size, size
 
 
+def cp_degrees(model: ModelCost, devices: int, space: SearchSpace) -> tuple[int, ...]:
+    """The context-parallel degrees > 1 searched for ``model`` on ``devices``: the space's (or the default ones),
+    where the model runs them (``space.context_parallel``) on eager kernels of the torch engine (a space for
+    DeepSpeed has none), with pp 1 in the space's limits."""
+    seq = int(model.graph.meta("seq_len") or 0) or None
+    wanted = default_degrees(devices, seq) if space.context_parallel is None else space.context_parallel
+    if model.compiled or space.engine == "deepspeed" \
+            or (space.pipeline_stages is not None and 1 not in space.pipeline_stages):
+        return ()
+    return tuple(cp for cp in sorted(set(wanted)) if cp > 1 and devices % cp == 0
+                 and not graph_refusal(model.graph, cp))
+
+
+def _branch_sets(names: tuple[str, ...], tp: int) -> list[tuple[str, ...]]:
+    """The sets of branches tp may shard: none at tp 1, else every non-empty one, largest first."""
+    return [()] if tp == 1 else [c for r in range(len(names), 0, -1) for c in itertools.combinations(names, r)]
+
+
 def contexts(model: ModelCost, devices: int, space: SearchSpace):
-    """Every global choice the runtime supports for this model on ``devices`` devices."""
+    """Every global choice the runtime supports for this model on ``devices`` devices: (dp, tp, pp, branches,
+    micro-batch, (virtual stages, ZeRO, offload, gradients) choices, cp)."""
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
     by_virtual: dict[tuple[int, ...], tuple] = {}        # the global choices of each virtual-stage list, built once
@@ -139,12 +163,11 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     names, repeats = model.branch_names, model.blocks[0][0].repeats if model.blocks else 1
     for dp, tp, pp in meshes(devices, cluster.devices_per_node, max_tp, model.max_pp):
         if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
-                or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
+                or (space.tensor_parallel is not None and tp not in space.tensor_parallel) \
+                or (space.context_parallel is not None and 1 not in space.context_parallel):
             continue
-        branch_sets = [()] if tp == 1 else [c for r in range(len(names), 0, -1)
-                                            for c in itertools.combinations(names, r)]
         copies = repeats // pp
-        for branches in branch_sets:
+        for branches in _branch_sets(names, tp):
             for mb in space.micro_batches:
                 if space.global_batch % (dp * mb):
                     continue
@@ -157,7 +180,17 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                     by_virtual[virtual] = tuple((v, z, off, g) for v in virtual for z in space.zero_stages
                                                 for off in ((False, True) if space.offload and z >= 1 else (False,))
                                                 for g in space.grad_dtypes if z >= 1 or not g)
-                yield dp, tp, pp, branches, mb, by_virtual[virtual]
+                yield dp, tp, pp, branches, mb, by_virtual[virtual], 1
+    # context parallelism: a (dp, cp, tp) mesh, tp inside a node, pp 1, no offload (runtime.parallel.context_parallel)
+    plain = tuple((1, z, False, g) for z in space.zero_stages for g in space.grad_dtypes if z >= 1 or not g)
+    for cp in cp_degrees(model, devices, space):
+        for dp, tp, _ in meshes(devices // cp, cluster.devices_per_node, max_tp, 1):
+            if not model.tp_allowed(tp) or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
+                continue
+            for branches in _branch_sets(names, tp):
+                for mb in space.micro_batches:
+                    if not space.global_batch % (dp * mb):
+                        yield dp, tp, 1, branches, mb, plain, cp
 
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True,
@@ -187,44 +220,44 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
 
     # each choice's contexts (rows of ``table``), grouped by how their virtual stages split the device's chains
     grouped = []
-    for _, tp, pp, branches, mb, first, by_v in choices:
+    for _, tp, pp, branches, mb, first, by_v, cp in choices:
         by_split: dict[tuple, list[np.ndarray]] = {}
         for v, offsets in by_v:
             by_split.setdefault(splits(tp, pp, v), []).append(first + offsets)
-        grouped += [(tp, branches, mb, layout, same[0] if len(same) == 1 else np.sort(np.concatenate(same)))
+        grouped += [(tp, branches, mb, cp, layout, same[0] if len(same) == 1 else np.sort(np.concatenate(same)))
                     for layout, same in by_split.items()]
-    shapes = dict.fromkeys((tp, branches, mb) for tp, branches, mb, _, _ in grouped)
+    shapes = dict.fromkeys((tp, branches, mb, cp) for tp, branches, mb, cp, _, _ in grouped)
     for b in blocks:                    # every layer cost the bounds and chains read, in one pass per block
-        model.blocks[b][1].prepare((tp, branches, o.sequence_parallel and tp > 1, mb)
-                                   for tp, branches, mb in shapes for o in options[(b, tp)])
+        model.blocks[b][1].prepare((tp, branches, o.sequence_parallel and tp > 1, mb, cp)
+                                   for tp, branches, mb, cp in shapes for o in options[(b, tp)])
     seeds = Seeds.empty(len(model.blocks))
     if bound:
         grouped, seeds = bound_contexts(model, table, grouped, options)
-    # one chain per block, with a Pareto set per (tp, group size, branches, micro-batch) it is needed for
+    # one chain per block, with a Pareto set per (tp, group size, branches, micro-batch, cp) it is needed for
     needs: dict[int, dict[Key, set[tuple[int, int]]]] = {b: {} for b in blocks}
-    for tp, branches, mb, layout, _ in grouped:
+    for tp, branches, mb, cp, layout, _ in grouped:
         for b, (chains, groups, size) in zip(blocks, layout):
-            needs[b].setdefault((tp, size, branches, mb), set()).add((groups, chains))
-    builders = {b: Chain(model.blocks[b][1], {tp: options[(b, tp)] for tp, _, _, _ in keys}, keys, space.eps)
+            needs[b].setdefault((tp, size, branches, mb, cp), set()).add((groups, chains))
+    builders = {b: Chain(model.blocks[b][1], {key[0]: options[(b, key[0])] for key in keys}, keys, space.eps)
                 for b, keys in needs.items() if keys}
-    per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb) -> per strategy: backward s, parameters
+    per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb, cp) -> per strategy: backward s, parameters
     ctxs: list[np.ndarray] = []          # per entry of ``grouped``: its rows of ``table``
     stages = []          # per (tp, branches, micro-batch, pp, split): (stage set, option lists, backward, parameters)
     ctx_stage = []       # per context: index into stages
-    for tp, branches, mb, layout, priced in grouped:
-        parts = [builders[b].set((tp, size, branches, mb), groups, chains, doubling)
+    for tp, branches, mb, cp, layout, priced in grouped:
+        parts = [builders[b].set((tp, size, branches, mb, cp), groups, chains, doubling)
                  for b, (chains, groups, size) in zip(blocks, layout)]
         option_lists = [options[(b, tp)] for b in blocks]
         stage = _combine_blocks(parts, space.eps) if parts else \
             ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64))
         backward, params = np.zeros(len(stage)), np.zeros(len(stage))
         for b, (_, counts) in zip(blocks, _split(stage.counts, option_lists)):
-            if (b, tp, branches, mb) not in per_option:
-                layers = [model.blocks[b][1].layer(o, tp, branches, mb) for o in options[(b, tp)]]
-                per_option[(b, tp, branches, mb)] = (np.array([c.backward_s for c in layers]),
-                                                     np.array([c.parameters for c in layers]))
-            backward += counts @ per_option[(b, tp, branches, mb)][0]
-            params += counts @ per_option[(b, tp, branches, mb)][1]
+            if (b, tp, branches, mb, cp) not in per_option:
+                layers = [model.blocks[b][1].layer(o, tp, branches, mb, cp) for o in options[(b, tp)]]
+                per_option[(b, tp, branches, mb, cp)] = (np.array([c.backward_s for c in layers]),
+                                                         np.array([c.parameters for c in layers]))
+            backward += counts @ per_option[(b, tp, branches, mb, cp)][0]
+            params += counts @ per_option[(b, tp, branches, mb, cp)][1]
         stages.append((stage, option_lists, backward, params))
         ctxs.append(priced)
         ctx_stage += [len(stages) - 1] * len(priced)
@@ -274,37 +307,37 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
                    space.engine, g) for g in space.grad_dtypes)
     branch_sets: dict[tuple[str, ...], int] = {}
 
-    def kept(dp, tp, pp, branches, mb, v, z, off, g) -> bool:
-        key = (dp, tp, pp, v, z, off, g)
+    def kept(dp, tp, pp, branches, mb, v, z, off, g, cp) -> bool:
+        key = (dp, tp, pp, v, z, off, g, cp)
         if key not in asked:
             ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                          space.master_weights, space.precision, model.compiled, space.engine, g)
+                          space.master_weights, space.precision, model.compiled, space.engine, g, cp)
             asked[key] = runs is None or runs(ctx.plan(devices, ()))
         return asked[key]
     out, heads, parts, total = [], [], [], 0
     runnable: dict[tuple, tuple] = {}         # per (mesh, global choices): (v, z, off, gradients) rows, by v
-    for dp, tp, pp, branches, mb, globals_ in contexts(model, devices, space):
-        key = (globals_, dp == 1)
+    for dp, tp, pp, branches, mb, globals_, cp in contexts(model, devices, space):
+        key = (globals_, dp * cp == 1)       # data parallelism runs over the dp x cp ranks
         if key not in undominated:
-            undominated[key] = _undominated(globals_, dp, pp)
-        if (dp, tp, pp, globals_) not in runnable:      # the same for every micro-batch and branches
+            undominated[key] = _undominated(globals_, dp * cp, pp)
+        if (dp, tp, pp, globals_, cp) not in runnable:      # the same for every micro-batch and branches
             mine = np.array([(v, z, off, grads[g]) for v, z, off, g in undominated[key]
-                             if kept(dp, tp, pp, branches, mb, v, z, off, g)], dtype=np.int64).reshape(-1, 4)
-            runnable[(dp, tp, pp, globals_)] = mine, tuple((int(v), np.flatnonzero(mine[:, 0] == v))
-                                                           for v in dict.fromkeys(mine[:, 0].tolist()))
-        mine, by_v = runnable[(dp, tp, pp, globals_)]
+                             if kept(dp, tp, pp, branches, mb, v, z, off, g, cp)], dtype=np.int64).reshape(-1, 4)
+            runnable[(dp, tp, pp, globals_, cp)] = mine, tuple((int(v), np.flatnonzero(mine[:, 0] == v))
+                                                               for v in dict.fromkeys(mine[:, 0].tolist()))
+        mine, by_v = runnable[(dp, tp, pp, globals_, cp)]
         if len(mine):
-            out.append((dp, tp, pp, branches, mb, total, by_v))
-            heads.append((dp, tp, pp, mb, branch_sets.setdefault(branches, len(branch_sets)), len(mine)))
+            out.append((dp, tp, pp, branches, mb, total, by_v, cp))
+            heads.append((dp, tp, pp, mb, branch_sets.setdefault(branches, len(branch_sets)), cp, len(mine)))
             parts.append(mine)
             total += len(mine)
     if not out:
         return out, ContextTable.of_rows([], (), kinds)
     head = np.array(heads, dtype=np.int64)
-    each = np.repeat(head[:, :5], head[:, 5], axis=0)       # dp, tp, pp, mb, branches per row
+    each = np.repeat(head[:, :6], head[:, 6], axis=0)       # dp, tp, pp, mb, branches, cp per row
     mine = np.concatenate(parts)                             # v, z, off, gradients per row
     return out, ContextTable.of_rows(np.column_stack([each[:, :3], mine[:, 0], each[:, 3], mine[:, 1:3], each[:, 4],
-                                                      mine[:, 3]]), tuple(branch_sets), kinds)
+                                                      mine[:, 3], each[:, 5]]), tuple(branch_sets), kinds)
 
 
 def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int

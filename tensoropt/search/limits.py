@@ -1,5 +1,8 @@
-"""Limits the user puts on the search space (``--tp``, ``--max-tp``, ``--pp``, ``--zero``, ``--no-offload``,
+"""Limits the user puts on the search space (``--tp``, ``--max-tp``, ``--pp``, ``--cp``, ``--zero``, ``--no-offload``,
 ``--recompute``, ``--grad-dtype`` of ``tensoropt frontier`` and ``tensoropt launch``).
+
+``--cp`` names the context-parallel degrees searched (1: none), any the model runs: without it the search tries the
+degrees that leave each rank at least 4096 tokens (``space.context_parallel.default_degrees``) beside 1.
 
 A limit narrows a ``SearchSpace``; it never widens one, but for ``--grad-dtype``: the space holds both gradient
 layouts the torch engine runs in bf16-mixed, and without the flag only the precision's own (float32) is searched,
@@ -32,6 +35,7 @@ class Limits:
     offload: bool = True                             # False: never offload the optimizer
     recompute: tuple[str, ...] | None = None         # allowed recomputation strategies
     grad_dtypes: tuple[str, ...] | None = None       # dtypes the gradients may be reduced in (float32, bfloat16)
+    context_parallel: tuple[int, ...] | None = None  # context-parallel degrees searched (1: none)
 
     def _parts(self) -> list[tuple[str, str]]:
         """(flag, words) of each limit given."""
@@ -40,7 +44,8 @@ class Limits:
         flags = {dtype: flag for flag, dtype in GRAD_DTYPE_FLAGS.items()}
         grads = self.grad_dtypes and tuple(flags[d] for d in self.grad_dtypes)
         parts = [("--tp", "tp", self.tensor_parallel), ("--max-tp", "tp <=", self.max_tp and (self.max_tp,)),
-                 ("--pp", "pp", self.pipeline_stages), ("--zero", "ZeRO", self.zero_stages),
+                 ("--pp", "pp", self.pipeline_stages), ("--cp", "cp", self.context_parallel),
+                 ("--zero", "ZeRO", self.zero_stages),
                  ("--recompute", "recompute", self.recompute), ("--grad-dtype", "gradients in", grads)]
         out = [(f"{flag} {listed(v)}", f"{words} {listed(v)}") for flag, words, v in parts if v]
         return out + ([("--no-offload", "no offload")] if not self.offload else [])
@@ -71,8 +76,12 @@ class Limits:
             zero = tuple(z for z in zero if z >= 1)
         if any(values == () for values in (tp, pp, zero, recompute, grads)):
             return None
+        cp = _allowed(space.context_parallel, self.context_parallel, None)
+        if cp == ():
+            return None
         return dataclasses.replace(space, tensor_parallel=tp, pipeline_stages=pp, zero_stages=zero,
-                                   recompute=recompute, offload=space.offload and self.offload, grad_dtypes=grads)
+                                   recompute=recompute, offload=space.offload and self.offload, grad_dtypes=grads,
+                                   context_parallel=cp)
 
 
 def _reduced_in(space: SearchSpace, grad_dtype: str) -> str:

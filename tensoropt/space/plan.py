@@ -1,9 +1,9 @@
 """Plans: the global choices (mesh, ZeRO, micro-batching, pipeline) plus per-layer strategies.
 
-Every field is something the runtime can apply: a (dp, tp, pp) mesh with tensor parallelism
-inside a node, Megatron branches sharded over tp, sequence parallelism per layer, recomputation
-per layer, ZeRO stage over dp, optimizer offload, micro-batches, 1F1B pipeline with ``virtual``
-interleaved stages.
+Every field is something the runtime can apply: a (dp, cp, tp, pp) mesh with tensor parallelism
+inside a node, context parallelism (the sequence split over ``cp`` ranks, ``runtime.parallel.context_parallel``),
+Megatron branches sharded over tp, sequence parallelism per layer, recomputation per layer, ZeRO stage over dp (and
+cp), optimizer offload, micro-batches, 1F1B pipeline with ``virtual`` interleaved stages.
 """
 
 from __future__ import annotations
@@ -92,6 +92,11 @@ class Plan:
     # FSDP2 ZeRO 1-3 with ``reduce_dtype=bfloat16``; DeepSpeed's bf16 mode accumulates in bf16 anyway); "": the
     # precision's own (float32 in the torch engine's bf16-mixed). plan.json key ``grad_dtype``, written when set
     grad_dtype: str = ""
+    # context parallelism: each sample's sequence split over ``cp`` ranks (load-balanced causal chunks; the
+    # attention gathers the keys and values of the whole sequence, ``runtime.parallel.context_parallel``). The
+    # devices are dp x cp x tp x pp; ``micro_batch`` counts whole samples of a data-parallel rank, which its cp
+    # ranks share by sequence. plan.json key ``cp``, written when > 1 (plans without it: 1)
+    cp: int = 1
 
     @property
     def precision_name(self) -> str:
@@ -104,7 +109,8 @@ class Plan:
 
     def summary(self) -> str:
         virtual = f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        parts = [f"dp{self.dp} tp{self.tp} pp{self.pp}{virtual}",
+        context = f" cp{self.cp}" if self.cp > 1 else ""
+        parts = [f"dp{self.dp}{context} tp{self.tp} pp{self.pp}{virtual}",
                  f"mb{self.micro_batch}x{self.grad_accumulation}", f"zero{self.zero}"]
         if self.offload:
             parts.append("offload")
@@ -131,7 +137,8 @@ class Plan:
             "summary": self.summary(),
             "compile": self.compile,
         } | {key: value for key, value in (("precision", self.precision), ("engine", self.engine),
-                                            ("grad_dtype", self.grad_dtype)) if value}
+                                            ("grad_dtype", self.grad_dtype)) if value} | (
+            {"cp": self.cp} if self.cp > 1 else {})
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
@@ -149,6 +156,7 @@ class Plan:
                 for s in b["strategies"])) for b in d["blocks"]),
             master_weights=d.get("master_weights", True), precision=d.get("precision") or "",
             compile=d.get("compile", False), engine=d.get("engine") or "", grad_dtype=d.get("grad_dtype") or "",
+            cp=d.get("cp", 1),
         )
 
 
@@ -175,7 +183,7 @@ def plan_problems(d: object) -> list[str]:
     problems = [f'"{key}" is missing' for key in (*_POSITIVE, "zero", "offload", "blocks") if key not in d]
     if problems:
         return problems
-    problems += [f'"{key}" must be an integer >= 1, got {d[key]!r}' for key in (*_POSITIVE, "virtual_stages")
+    problems += [f'"{key}" must be an integer >= 1, got {d[key]!r}' for key in (*_POSITIVE, "virtual_stages", "cp")
                  if key in d and not (_is_int(d[key]) and d[key] >= 1)]
     counts_valid = not problems              # the mesh and batch arithmetic needs them
     if not (_is_int(d["zero"]) and 0 <= d["zero"] <= 3):
@@ -211,8 +219,10 @@ def _grad_problems(d: dict[str, Any]) -> list[str]:
 
 def _mesh_problems(d: dict[str, Any]) -> list[str]:
     problems = []
-    if d["dp"] * d["tp"] * d["pp"] != d["devices"]:
-        problems.append(f'dp {d["dp"]} x tp {d["tp"]} x pp {d["pp"]} must equal "devices" {d["devices"]}')
+    cp = d.get("cp", 1)
+    if d["dp"] * cp * d["tp"] * d["pp"] != d["devices"]:
+        context = f' x cp {cp}' if cp != 1 else ''
+        problems.append(f'dp {d["dp"]}{context} x tp {d["tp"]} x pp {d["pp"]} must equal "devices" {d["devices"]}')
     samples = d["dp"] * d["micro_batch"]
     steps = d.get("gradient_accumulation", d["global_batch"] // samples)
     if not (_is_int(steps) and steps >= 1 and samples * steps == d["global_batch"]):

@@ -8,8 +8,9 @@ imported from here and none importing this one back:
   vocabulary-parallel embedding, head and loss;
 - ``memory.recompute``: full (``checkpoint_wrapper``) or selective (``memory.selective``) recomputation per copy;
 - ``engines.compile``: ``torch.compile`` per copy (``--compile``), after the two above and before data parallelism;
+- ``parallel.context_parallel``: the sequence split over cp ranks (a (dp, cp, tp) mesh), keys and values gathered;
 - ``parallel.data_parallel``: DDP (ZeRO 0) or FSDP2 ``fully_shard`` per copy (ZeRO 1-3), the same functions for
-  the whole model and for pipeline stages;
+  the whole model and for pipeline stages (over the dp x cp ranks under context parallelism);
 - ``memory.materialize``: placement, a meta-built model given storage for this rank's part only;
 - ``pipeline.stages`` (with ``pipeline.split``, ``pipeline.tp``): stages with ``torch.distributed.pipelining``,
   which applies the concerns above inside each stage.
@@ -26,6 +27,7 @@ from ..blocks import largest_block_bytes
 from ..device import init_process_group
 from ..memory.materialize import Materializer, place
 from ..memory.recompute import apply_recompute
+from ..parallel.context_parallel import install as install_context_parallel
 from ..parallel.data_parallel import ddp_micro_batch, fsdp_micro_batch, replicate, shard
 from ..parallel.tensor_parallel import apply_tensor_parallel
 from ..parallel.vocab_parallel import loss_context
@@ -56,8 +58,11 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     if plan.pp > 1:
         return apply_pipeline(model, optimizer_fn, run_plan, device, materializer, example_inputs)
     dp, tp = plan.dp, plan.tp
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan.zero >= 1 \
-        else None
+    if plan.cp > 1:                 # (dp, cp, tp): data parallelism over the dp x cp ranks (context_parallel)
+        mesh = init_device_mesh(device.type, (dp, plan.cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    else:
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan.zero >= 1 \
+            else None
     vocab_split = False             # the logits sharded by vocabulary: the loss runs under loss_parallel
     if tp > 1:
         vocab_split = apply_tensor_parallel(model, run_plan, mesh["tp"], device, example_inputs)
@@ -66,19 +71,32 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     autocast_forward(model, precision, device)
     before_micro_batch = None
     if plan.zero >= 1:
-        shard(model, plan, mesh["dp"])
+        shard(model, plan, mesh["dp", "cp"]._flatten("dp_cp") if plan.cp > 1 else mesh["dp"])
         before_micro_batch = fsdp_micro_batch(model, plan.zero)
     place(model, device, materializer)
-    if plan.zero == 0 and dp > 1:
+    if plan.zero == 0 and dp * plan.cp > 1:      # every rank: tp is 1 wherever cp > 1 (search.engines)
         model = replicate(model, device)
         before_micro_batch = ddp_micro_batch(model)
     optimizer = build_optimizer(optimizer_fn, model.parameters())
-    dp_rank = rank // tp
+    dp_rank = rank // (plan.cp * tp)
     stepper = plain_stepper(model, optimizer, before_micro_batch, loss_context=loss_context(vocab_split)) \
         if optimizer else None
     run = Run(rank, world, dp_rank, dp, plan.micro_batch, plan.grad_accumulation, plan.global_batch, run_plan,
               "torch", stepper, device=device)
+    if plan.cp > 1:                 # after tensor parallelism's guard, which runs the model on whole sequences
+        run.context = (plan.cp, mesh.get_local_rank("cp"), sequence_length(example_inputs))
+        install_context_parallel(mesh["cp"].get_group(), *run.context)
     return model, optimizer, run
+
+
+def sequence_length(example_inputs) -> int:
+    """The sequence a context-parallel plan splits: dim 1 of the example batch's token ids."""
+    from ...models import example_shape
+    seq = example_shape(example_inputs)[1] if example_inputs is not None else None
+    if not seq:
+        raise TensorOptError("context parallelism splits the sequence of tensoropt.parallelize's example_inputs: pass "
+                             "example_inputs with token ids of shape (batch, sequence)")
+    return seq
 
 
 __all__ = ["apply"]

@@ -313,7 +313,8 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs, 
             raise TensorOptError("tensoropt.parallelize was called without an optimizer_fn: there is no step to "
                                  "simulate")
         example = example_inputs if isinstance(example_inputs, (tuple, Mapping)) else (example_inputs,)
-        micro = [_micro_batch(example, plan.micro_batch, device) for _ in range(plan.grad_accumulation)]
+        micro = [run.sequence_share(_micro_batch(example, plan.micro_batch, device))
+                 for _ in range(plan.grad_accumulation)]
         result: dict = {}
         stepper = tracked_stepper(run.stepper, model, optimizer, result.update)
         for _ in range(TRACKED_STEPS):
