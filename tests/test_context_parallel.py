@@ -137,12 +137,15 @@ LLAMA_ARGS = ("--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "
     (GPT_SCRIPT, GPT_ARGS, _plan(2, 1, 2, 0, ("full", "none"), 4)),
     # cp2 x dp2: FSDP2 ZeRO 3 over the flattened dp x cp mesh, selective recomputation (the attention core again)
     (GPT_SCRIPT, GPT_ARGS, _plan(4, 2, 2, 3, ("selective", "none"), 2)),
+    # cp2 x tp2: the heads split over tp, each rank gathering its share of them over its cp rank (tp apart), FSDP2
+    # ZeRO 1 over the cp ranks
+    (GPT_SCRIPT, GPT_ARGS, _plan(4, 1, 2, 1, ("full", "none"), 4, tp=2)),
     # Llama-shaped: rotary positions, grouped-query SDPA with the mask rows, built on the meta device; cp4, ZeRO 2
     (LLAMA_SCRIPT, LLAMA_ARGS, _plan(4, 1, 4, 2, ("none", "full"), 2)),
     # cp2 x tp2 with sequence parallelism: each rank gathers its tp share of the kv heads over its cp ranks (stride
     # tp), the vocabulary split over tp, FSDP2 ZeRO 3 over the cp ranks
     (LLAMA_SCRIPT, LLAMA_ARGS, _plan(4, 1, 2, 3, ("none", "full"), 2, tp=2, sp=True)),
-], ids=["gpt-cp2", "gpt-cp2-dp2-zero3", "llama-cp4-zero2", "llama-cp2-tp2-sp-zero3"])
+], ids=["gpt-cp2", "gpt-cp2-dp2-zero3", "gpt-cp2-tp2-zero1", "llama-cp4-zero2", "llama-cp2-tp2-sp-zero3"])
 def test_context_parallel_plans_train_to_the_losses_alone(script, args, plan, tmp_path_factory, tmp_path):
     alone = losses_alone(script, tmp_path_factory.mktemp("alone") / "losses.json", *args)
     ran = launched_with_plan(plan, tmp_path, plan.devices, script, *args)
