@@ -4,14 +4,11 @@ causal chunks (``runtime.parallel.context_parallel``), the built-in model comput
 workers over gloo train to the losses of the script run alone (float32, rtol ``LOSS_RTOL``: each rank's attention
 sums its rows over the same keys as the whole sequence's, only the loss's mean and the gradients' sums are split)."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import EXAMPLES, REPO
-from workers import ENV, GPT_SCRIPT, LOSS_RTOL, launched_with_plan, losses_alone
+from conftest import EXAMPLES
+from workers import GPT_SCRIPT, LOSS_RTOL, launched_with_plan, losses_alone, probe_under_torchrun
 
 from tensoropt.errors import TensorOptError
 from tensoropt.models import sequence
@@ -161,12 +158,7 @@ def test_the_backward_keeps_each_ranks_share_of_the_gathered_keys_and_values(tmp
     exactly half of K and V fewer bytes per layer; flash attention's two chunks read views of them), the backward
     gathers each once more (one all-gather per key or value and layer, as many as the forward), and every gradient is
     bitwise the one of autograd keeping the gathered tensors."""
-    out = tmp_path / "probe.json"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             str(REPO / "tests" / "cp_shares_probe.py"), out], env=ENV, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    probe = json.loads(out.read_text())
+    probe = probe_under_torchrun("cp_shares_probe.py", tmp_path)
     layers = 2
     for attention, got in probe.items():
         assert got["same_gradients"], attention

@@ -3,16 +3,13 @@ to, and real torchrun runs over gloo on CPU, compared with the same script run a
 
 import contextlib
 import dataclasses
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import EXAMPLES, REPO
+from conftest import EXAMPLES
 from torch import nn
-from workers import ENV, LOSS_RTOL, dry_run_plan, launched_with_plan, losses_alone, tp2
+from workers import LOSS_RTOL, dry_run_plan, launched_with_plan, losses_alone, probe_under_torchrun, tp2
 
 import tensoropt
 from tensoropt.cost.model import ModelCost, estimate
@@ -172,12 +169,7 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     prices (which also counts the copy's output, kept by the next copy: whole under tensor parallelism, a share
     under SP); a block that averages over the sequence outside its branches is stopped by the check before
     training."""
-    out = tmp_path / "probe.json"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             str(REPO / "tests" / "sp_block_probe.py"), out], env=ENV, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    probe = json.loads(out.read_text())
+    probe = probe_under_torchrun("sp_block_probe.py", tmp_path)
     assert len(probe["max_difference"]) == 12
     assert all(d < 1e-5 for d in probe["max_difference"].values()), probe["max_difference"]
     assert probe["equal_to_keeping_whole"] == {k: True for k in probe["max_difference"]}

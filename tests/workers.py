@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import EXAMPLES, LAUNCH_CWD
+from conftest import EXAMPLES, LAUNCH_CWD, REPO
 
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
@@ -66,6 +66,17 @@ def ctrl_c_reaches_it() -> None:
 def tensoropt_cli(*args, cwd, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tensoropt", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=env or ENV, timeout=600)
+
+
+def probe_under_torchrun(script: str, tmp_path) -> dict:
+    """What rank 0 of ``tests/SCRIPT`` wrote (JSON, to the file its first argument names) when run by torchrun on two
+    CPU workers in ``tmp_path``: the probes that check a runtime mechanism on real process groups."""
+    out = tmp_path / "probe.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             str(REPO / "tests" / script), out], env=ENV, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 _ALONE: dict[tuple, list[float]] = {}
