@@ -91,10 +91,9 @@ class _GatherSequence(torch.autograd.Function):
         import torch.distributed as dist
         cp = ctx.cp
         ctx.share.release()              # every reader's backward has run: the tensor gathered again is done
-        whole = grad.movedim(ctx.dim, 0)
-        by_chunk = whole.reshape(2 * cp, whole.shape[0] // (2 * cp), *whole.shape[1:])
+        whole = grad.movedim(ctx.dim, 0)                  # a view: splitting its first dim below is one too
         inverse = torch.argsort(_gathered_order(cp)).to(grad.device)
-        rank_major = by_chunk.index_select(0, inverse).reshape(whole.shape).contiguous()
+        rank_major = whole.unflatten(0, (2 * cp, -1)).index_select(0, inverse).flatten(0, 1)   # the one copy
         mine = rank_major.new_empty((whole.shape[0] // cp, *whole.shape[1:]))
         dist.reduce_scatter_tensor(mine, rank_major, group=ctx.group)
         return mine.movedim(0, ctx.dim), None, None, None, None
