@@ -100,12 +100,13 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class _Share:
-    """One gathered tensor's origin: the rank's own tokens, its dim and group; gathered again from them in the
-    backward, once: the views of it that autograd saved (two chunks' keys under flash attention) share that tensor
-    until the gather's own backward releases it, after every reader's backward."""
+    """How one gathered tensor is gathered again in the backward from the share autograd kept, once: the views of it
+    that autograd saved (two chunks' keys under flash attention) share that tensor until the gather's own backward
+    releases it, after every reader's backward. It holds no share itself: the gather's node keeps it until the
+    backward, and a share held there would outlive a full recomputation that drops it."""
 
-    def __init__(self, local: torch.Tensor, dim: int, group, cp: int) -> None:
-        self.local, self.dim, self.group, self.cp = local, dim, group, cp
+    def __init__(self, dim: int, group, cp: int) -> None:
+        self.dim, self.group, self.cp = dim, group, cp
         self._whole: torch.Tensor | None = None
 
     def whole(self, local: torch.Tensor) -> torch.Tensor:
@@ -135,11 +136,12 @@ class _Shares:
     a gathered one as its share, so recomputation still drops and recomputes what it would."""
 
     def __init__(self) -> None:
-        self._gathered: dict = {}             # StorageWeakRef -> _Share, while the gathered tensor lives
+        self._gathered: dict = {}      # StorageWeakRef -> (the rank's share, _Share), while the gathered tensor lives
 
     def add(self, gathered: torch.Tensor, local: torch.Tensor, dim: int, group, cp: int) -> _Share:
         key = StorageWeakRef(gathered.untyped_storage())
-        share = self._gathered[key] = _Share(local, dim, group, cp)
+        share = _Share(dim, group, cp)
+        self._gathered[key] = (local, share)
         weakref.finalize(gathered, self._gathered.pop, key, None)
         return share
 
@@ -148,10 +150,11 @@ class _Shares:
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(t: torch.Tensor):
-            share = self._gathered.get(StorageWeakRef(t.untyped_storage()))
-            if share is None:
+            gathered = self._gathered.get(StorageWeakRef(t.untyped_storage()))
+            if gathered is None:
                 return t if outer_pack is None else outer_pack(t)
-            inner = share.local if outer_pack is None else outer_pack(share.local)
+            local, share = gathered
+            inner = local if outer_pack is None else outer_pack(local)
             return _Kept(share, inner, t.size(), t.stride(), t.storage_offset())
 
         def unpack(packed):
