@@ -33,7 +33,6 @@ from .search.engines import (
     COMPILE_SPACES,
     ENGINE_SPACES,
     ENGINES,
-    context_parallel_refused,
     grad_dtypes,
     master_weights,
     pipeline_refused,
@@ -45,6 +44,7 @@ from .search.engines import (
 from .search.ft import FrontierPoint, SearchSpace, search
 from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
+from .space.context_parallel import graph_refusal
 from .space.plan import Plan, compute_dtype
 from .units import parse_bytes
 
@@ -220,11 +220,11 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
 def _check_context_parallel(graph: OpGraph, limits: Limits, engines: Sequence[str] | None, devices: list[int],
                             compile: bool) -> None:
     """One line naming what to change where ``limits`` name a context-parallel degree nothing here runs: a model
-    that refuses it or a sequence 2 cp does not divide (``search.engines.context_parallel_refused``), no torch engine
+    that refuses it or a sequence 2 cp does not divide (``space.context_parallel.graph_refusal``), no torch engine
     among ``engines``, compiled blocks, a degree dividing none of the device counts. (Without ``--cp`` the search
     tries only the degrees that run.)"""
     for cp in [c for c in limits.context_parallel or () if c > 1]:
-        why = context_parallel_refused(graph, cp)
+        why = graph_refusal(graph, cp) or None
         if why is None and engines is not None and "torch" not in engines:
             why = "context parallelism runs in the torch engine only: drop --engine deepspeed or --cp"
         if why is None and compile:

@@ -15,11 +15,11 @@ from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import PROFILES_DIR, Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.planning import plan
-from tensoropt.search.engines import context_parallel_refused, unsupported
+from tensoropt.search.engines import unsupported
 from tensoropt.search.exhaustive import exhaustive_search
 from tensoropt.search.ft import SearchSpace, search
 from tensoropt.search.limits import Limits
-from tensoropt.space.context_parallel import CONTEXT_PARALLEL_META, default_degrees
+from tensoropt.space.context_parallel import CONTEXT_PARALLEL_META, default_degrees, graph_refusal
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 CPU_PROFILE = str(PROFILES_DIR / "cpu-2core.json")
@@ -146,9 +146,9 @@ def test_a_model_that_refuses_gets_no_cp_plan_and_a_one_line_reason(write_json):
     refused = dataclasses.replace(graph, metadata=tuple(
         (k, "its forward computes positions from its input") if k == CONTEXT_PARALLEL_META else (k, v)
         for k, v in graph.metadata))
-    assert context_parallel_refused(graph, 2) is None
-    assert "positions from its input" in context_parallel_refused(refused, 2)
-    assert "does not divide the sequence length 512" in context_parallel_refused(graph, 3)
+    assert graph_refusal(graph, 2) == ""
+    assert "positions from its input" in graph_refusal(refused, 2)
+    assert "does not divide the sequence length 512" in graph_refusal(graph, 3)
     model = _model(refused)
     assert all(p.plan.cp == 1 for p in search(model, 4, SearchSpace(global_batch=8, context_parallel=(1, 2))).points)
     cluster = Cluster(4, 4, load_profile("h100-80gb"))

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
-from .ir import CROSS_ENTROPY_CALLS, OUTPUT_KEY, Op, OpGraph, Ref, TensorMeta
+from .ir import CONTEXT_PARALLEL_META, CROSS_ENTROPY_CALLS, OUTPUT_KEY, Op, OpGraph, Ref, TensorMeta
 from .loss import check_loss, counting_cross_entropy, describe, loss_tensor
 from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
 from .precision import active_autocast, cuda_autocast_on_cpu
@@ -256,8 +256,6 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
         OUTPUT_KEY: output_kind(output), CONTEXT_PARALLEL_META: context_parallel_refusal(model)}.items())))
 
 
-# graph metadata: "" when the model runs context-parallel (``cp > 1``), else why not (``context_parallel_refusal``)
-CONTEXT_PARALLEL_META = "context_parallel"
 _SHARD_NOT_READ = ("its forward does not read its sequence shard (tensoropt.models.sequence): context parallelism "
                    "runs the built-in models, whose positions, causal mask and attention follow the shard")
 

@@ -166,6 +166,8 @@ class Op:
 
 CROSS_ENTROPY_CALLS = "cross_entropy_calls"    # graph metadata: calls of torch's cross-entropy entry point
 OUTPUT_KEY = "output"       # graph metadata: what the forward returned (graph.capture.output_kind)
+# graph metadata: "" when the model runs context-parallel, else why not (graph.capture.context_parallel_refusal)
+CONTEXT_PARALLEL_META = "context_parallel"
 
 
 @dataclass(frozen=True)

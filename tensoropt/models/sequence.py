@@ -11,7 +11,7 @@ around a forward: recomputation runs a block's forward again inside the backward
 This module is the library's side of that contract and has no process groups: the runtime hands in the function
 that gathers the other ranks' keys and values. ``models.transformer.DecoderLM`` reads it and says so with a
 ``context_parallel_refusal()`` method; a model that does not (user code, Hugging Face models) is never given a plan
-with ``cp > 1`` (``graph.capture.CONTEXT_PARALLEL_META``, recorded at capture).
+with ``cp > 1`` (``graph.ir.CONTEXT_PARALLEL_META``, recorded at capture).
 """
 
 from __future__ import annotations

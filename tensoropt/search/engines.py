@@ -15,7 +15,6 @@ from __future__ import annotations
 from ..errors import TensorOptError
 from ..graph.bf16_meta import bf16_weights_graph
 from ..graph.ir import OUTPUT_KEY, OpGraph
-from ..space.context_parallel import graph_refusal
 from ..space.plan import Plan
 from ..space.run_plan import ENGINES
 
@@ -105,13 +104,6 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
     ] if needed]
 
 
-def context_parallel_refused(graph: OpGraph, cp: int) -> str | None:
-    """Why ``graph``'s model does not run over ``cp`` context-parallel ranks, in one line naming what to change (a
-    model whose forward does not read its sequence shard, a sequence 2 cp does not divide:
-    ``space.context_parallel``); None where it does. What a plan needs beside the model: ``unsupported``."""
-    return graph_refusal(graph, cp) or None
-
-
 def master_weights(engine: str, precision: str | None = "bf16-mixed") -> bool:
     """Whether an engine keeps a float32 master copy beside bf16 weights: DeepSpeed's bf16 mode does under
     bf16-mixed (``BF16_Optimizer``, ZeRO's float32 partitions: 2 + 2 + 12 bytes per parameter); the torch engine
@@ -187,6 +179,5 @@ def choose_engine(plan: Plan, requested: str | None = None) -> str:
 
 
 __all__ = ["CHECKPOINTS", "COMPILED_PLANS", "COMPILE_SPACES", "ENGINES", "ENGINE_SPACES", "choose_engine",
-           "context_parallel_refused",
            "computes_with_bf16_weights", "grad_dtypes", "master_weights", "pipeline_refused", "pipelines_not_offered",
            "priced_graph", "staged_tp_refused", "tp_in_stages", "unsupported"]

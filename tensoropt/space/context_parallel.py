@@ -14,10 +14,9 @@ today's sequence lengths (2048) stay as they were. An explicit limit (``--cp``) 
 
 from __future__ import annotations
 
+from ..graph.ir import CONTEXT_PARALLEL_META
+
 MIN_TOKENS_PER_RANK = 4096
-# the graph metadata key the capture writes (``graph.capture.CONTEXT_PARALLEL_META``, which imports torch: the planner
-# reads captured graphs without it)
-CONTEXT_PARALLEL_META = "context_parallel"
 
 
 def context_parallel_refusal(meta: str | None, seq_len: int | None, cp: int) -> str:

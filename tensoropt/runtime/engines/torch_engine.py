@@ -74,7 +74,7 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
         shard(model, plan, mesh["dp", "cp"]._flatten("dp_cp") if plan.cp > 1 else mesh["dp"])
         before_micro_batch = fsdp_micro_batch(model, plan.zero)
     place(model, device, materializer)
-    if plan.zero == 0 and dp * plan.cp > 1:      # every rank: tp is 1 wherever cp > 1 (search.engines)
+    if plan.zero == 0 and dp * plan.cp > 1:      # every rank: ZeRO 0 runs no tp beside dp or cp (search.engines)
         model = replicate(model, device)
         before_micro_batch = ddp_micro_batch(model)
     optimizer = build_optimizer(optimizer_fn, model.parameters())
