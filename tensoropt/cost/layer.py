@@ -18,9 +18,9 @@ and reciprocal standard deviation (two values per token per norm, in the dtype t
 under SP), which ``native_layer_norm`` saves for its backward; the same holds for their formulas without
 recomputation, with and without SP. ``tests/test_sequence_parallel.py`` holds the price of such a layer to them.
 
-Context parallelism (``cp`` > 1, with tp 1): every op runs on S / cp tokens of each sample, so a copy is priced at
-micro_batch / cp samples, plus its attention's all-gathers of the keys and values and their S-long copies kept for
-the backward (``cost.context_parallel``).
+Context parallelism (``cp`` > 1): every op runs on S / cp tokens of each sample, so a copy is priced at micro_batch /
+cp samples (its tensor-parallel traffic too), plus its attention's all-gathers of the keys and values, gathered again
+in the backward, which holds the rest of them beside the share the copy keeps (``cost.context_parallel``).
 """
 
 from __future__ import annotations

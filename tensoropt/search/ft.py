@@ -17,8 +17,8 @@ stage holding SP copies): the device's set is the Minkowski sum of v chain sets 
 ``Chain.device``), which prices any multiset of strategies at its best split, the one the runtime
 runs (``space.plan.chain_order``: whole copies first, so the SP ones fill the fewest stages).
 
-Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node, or (dp, cp) with
-context parallelism (tp 1, pp 1: what the runtime runs it with; ``space.context_parallel``),
+Around the chains, the global choices are enumerated: mesh (dp, tp, pp) with tp inside a node, or (dp, cp, tp)
+with context parallelism (pp 1: what the runtime runs it with; ``space.context_parallel``),
 which branches tp shards, micro-batch size, interleaved stages, ZeRO stage, optimizer offload, gradient dtype.
 Every candidate is priced by the same code as ``tensoropt estimate`` (``evaluate_rows``, of which
 ``evaluate`` is the one-plan case), and the non-dominated (time, peak memory) points form the frontier.
