@@ -48,6 +48,13 @@ CONFIGS = {
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                   attention_dropout=0.0),
+    "mixtral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128, pad_token_id=0,
+                    bos_token_id=1, eos_token_id=2, attention_dropout=0.0, router_jitter_noise=0.0),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      decoder_sparse_step=1, mlp_only_layers=[], vocab_size=128, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2, attention_dropout=0.0),
 }
 
 

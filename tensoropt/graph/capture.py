@@ -100,6 +100,19 @@ class _GpuKernels(TorchFunctionMode):
         return out[0]
 
 
+def _grouped_mm_on_meta(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The output of ``aten._grouped_mm`` (a Mixture-of-Experts layer's per-expert products, Hugging Face's default
+    experts kernel) for a (tokens, in) x (experts, in, out) product, made here because the op's meta kernel accepts
+    bf16 operands only (what the GPU kernel took when it was written) while the CPU, and these fake tensors, run it in
+    any float dtype; None for every other op or layout, which run as they are."""
+    if func is not torch.ops.aten._grouped_mm.default or len(args) < 2:
+        return None
+    a, b = args[0], args[1]
+    if a.dim() != 2 or b.dim() != 3 or a.dtype == torch.bfloat16 or a.dtype != b.dtype or a.shape[1] != b.shape[1]:
+        return None
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=kwargs.get("out_dtype") or a.dtype)
+
+
 def gpu_kernels() -> TorchFunctionMode:
     """The routing capture runs a forward under (see the module docstring), for code that re-runs parts of it."""
     return _GpuKernels()
@@ -130,7 +143,9 @@ class _Tracer(TorchDispatchMode):
         self.current = str(func)
         if self.watch_autocast and self.autocast_seen is None:
             self.autocast_seen = active_autocast()
-        out = func(*args, **kwargs)
+        out = _grouped_mm_on_meta(func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         if func.namespace == "prim":
             return out
         out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]

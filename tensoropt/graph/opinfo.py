@@ -27,7 +27,7 @@ def _register(kind: str, names: str) -> None:
         _KIND_BY_NAME[name] = kind
 
 
-_register("matmul", "mm addmm bmm baddbmm _scaled_mm matmul linear")
+_register("matmul", "mm addmm bmm baddbmm _scaled_mm matmul linear _grouped_mm")
 _register("attention", "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention "
           "_scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention "
           "_flash_attention_forward _efficient_attention_forward")
@@ -77,11 +77,19 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
     return 4 * math.prod(batch) * s_q * s_k * d
 
 
+def _grouped_mm_flops(a: torch.Tensor, out: torch.Tensor) -> int:
+    """A grouped product (one matrix per expert, ``aten._grouped_mm``): every row of ``a`` meets one group's matrix,
+    2 * rows * in * out whatever the grouping, so the routing's balance changes no FLOP count."""
+    return 2 * _numel(out) * a.shape[-1]
+
+
 def forward_flops(func: torch._ops.OpOverload, kind: str, args: Sequence, kwargs: dict,
                   out: object, out_tensors: Sequence[torch.Tensor],
                   in_tensors: Sequence[torch.Tensor]) -> int:
     """Forward FLOPs of one dispatched op."""
     formula = flop_registry.get(func.overloadpacket)
+    if func.overloadpacket is torch.ops.aten._grouped_mm and out_tensors:
+        return _grouped_mm_flops(in_tensors[0], out_tensors[0])
     if formula is not None:
         return int(formula(*args, **kwargs, out_val=out))
     if kind == "attention":

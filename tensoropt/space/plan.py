@@ -97,6 +97,12 @@ class Plan:
     # devices are dp x cp x tp x pp; ``micro_batch`` counts whole samples of a data-parallel rank, which its cp
     # ranks share by sequence. plan.json key ``cp``, written when > 1 (plans without it: 1)
     cp: int = 1
+    # expert parallelism: the experts of every token-routed (MoE) layer sharded over ``ep`` ranks taken from data
+    # parallelism (ep divides dp; Megatron-LM's "parallel folding": the attention and dense layers keep dp, the experts
+    # run on dp / ep expert-data-parallel replicas of ep ranks each). Tokens are sent to their experts' ranks by
+    # all-to-all and back (``runtime.parallel.expert_parallel``). plan.json key ``ep``, written when > 1 (plans without
+    # it: 1)
+    ep: int = 1
 
     @property
     def precision_name(self) -> str:
@@ -110,7 +116,8 @@ class Plan:
     def summary(self) -> str:
         virtual = f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""
         context = f" cp{self.cp}" if self.cp > 1 else ""
-        parts = [f"dp{self.dp}{context} tp{self.tp} pp{self.pp}{virtual}",
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        parts = [f"dp{self.dp}{experts}{context} tp{self.tp} pp{self.pp}{virtual}",
                  f"mb{self.micro_batch}x{self.grad_accumulation}", f"zero{self.zero}"]
         if self.offload:
             parts.append("offload")
@@ -138,7 +145,7 @@ class Plan:
             "compile": self.compile,
         } | {key: value for key, value in (("precision", self.precision), ("engine", self.engine),
                                             ("grad_dtype", self.grad_dtype)) if value} | (
-            {"cp": self.cp} if self.cp > 1 else {})
+            {"cp": self.cp} if self.cp > 1 else {}) | ({"ep": self.ep} if self.ep > 1 else {})
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
@@ -156,7 +163,7 @@ class Plan:
                 for s in b["strategies"])) for b in d["blocks"]),
             master_weights=d.get("master_weights", True), precision=d.get("precision") or "",
             compile=d.get("compile", False), engine=d.get("engine") or "", grad_dtype=d.get("grad_dtype") or "",
-            cp=d.get("cp", 1),
+            cp=d.get("cp", 1), ep=d.get("ep", 1),
         )
 
 
@@ -183,7 +190,8 @@ def plan_problems(d: object) -> list[str]:
     problems = [f'"{key}" is missing' for key in (*_POSITIVE, "zero", "offload", "blocks") if key not in d]
     if problems:
         return problems
-    problems += [f'"{key}" must be an integer >= 1, got {d[key]!r}' for key in (*_POSITIVE, "virtual_stages", "cp")
+    problems += [f'"{key}" must be an integer >= 1, got {d[key]!r}'
+                 for key in (*_POSITIVE, "virtual_stages", "cp", "ep")
                  if key in d and not (_is_int(d[key]) and d[key] >= 1)]
     counts_valid = not problems              # the mesh and batch arithmetic needs them
     if not (_is_int(d["zero"]) and 0 <= d["zero"] <= 3):
@@ -223,6 +231,9 @@ def _mesh_problems(d: dict[str, Any]) -> list[str]:
     if d["dp"] * cp * d["tp"] * d["pp"] != d["devices"]:
         context = f' x cp {cp}' if cp != 1 else ''
         problems.append(f'dp {d["dp"]}{context} x tp {d["tp"]} x pp {d["pp"]} must equal "devices" {d["devices"]}')
+    if d["dp"] % d.get("ep", 1):
+        problems.append(f'"ep" {d["ep"]} must divide dp {d["dp"]}: the experts are sharded over ranks taken from data '
+                        'parallelism')
     samples = d["dp"] * d["micro_batch"]
     steps = d.get("gradient_accumulation", d["global_batch"] // samples)
     if not (_is_int(steps) and steps >= 1 and samples * steps == d["global_batch"]):

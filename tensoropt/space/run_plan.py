@@ -37,7 +37,7 @@ DEVICE_KINDS = ("cuda", "cpu")
 # what ``Plan.to_json`` writes (``Plan.from_json`` reads them), then the launcher's additions in their order
 PLAN_KEYS = ("schema_version", "devices", "dp", "tp", "pp", "virtual_stages", "micro_batch", "global_batch",
              "gradient_accumulation", "zero", "offload", "tp_branches", "dtype", "master_weights", "blocks", "summary",
-             "precision", "compile", "grad_dtype", "cp")
+             "precision", "compile", "grad_dtype", "cp", "ep")
 EXTRA_KEYS = ("engine", "device", TP_LAYOUT_KEY, VOCAB_PARALLEL_KEY, "deepspeed_config", "predicted", "command")
 
 
