@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
+from .grouped_mm_meta import install_grouped_mm_meta
 from .ir import CONTEXT_PARALLEL_META, CROSS_ENTROPY_CALLS, OUTPUT_KEY, Op, OpGraph, Ref, TensorMeta
 from .loss import check_loss, counting_cross_entropy, describe, loss_tensor
 from .opinfo import ALIAS_OPS, backward_flops, forward_flops, op_kind, product_operands
@@ -100,19 +101,6 @@ class _GpuKernels(TorchFunctionMode):
         return out[0]
 
 
-def _grouped_mm_on_meta(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The output of ``aten._grouped_mm`` (a Mixture-of-Experts layer's per-expert products, Hugging Face's default
-    experts kernel) for a (tokens, in) x (experts, in, out) product, made here because the op's meta kernel accepts
-    bf16 operands only (what the GPU kernel took when it was written) while the CPU, and these fake tensors, run it in
-    any float dtype; None for every other op or layout, which run as they are."""
-    if func is not torch.ops.aten._grouped_mm.default or len(args) < 2:
-        return None
-    a, b = args[0], args[1]
-    if a.dim() != 2 or b.dim() != 3 or a.dtype == torch.bfloat16 or a.dtype != b.dtype or a.shape[1] != b.shape[1]:
-        return None
-    return a.new_empty((a.shape[0], b.shape[2]), dtype=kwargs.get("out_dtype") or a.dtype)
-
-
 def gpu_kernels() -> TorchFunctionMode:
     """The routing capture runs a forward under (see the module docstring), for code that re-runs parts of it."""
     return _GpuKernels()
@@ -143,9 +131,7 @@ class _Tracer(TorchDispatchMode):
         self.current = str(func)
         if self.watch_autocast and self.autocast_seen is None:
             self.autocast_seen = active_autocast()
-        out = _grouped_mm_on_meta(func, args, kwargs)
-        if out is None:
-            out = func(*args, **kwargs)
+        out = func(*args, **kwargs)
         if func.namespace == "prim":
             return out
         out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -254,6 +240,7 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     them (``precision``). ``require_loss``: a forward that does not return the loss is a one-line
     ``CaptureError`` (``loss``); the graph records what it returned either way.
     """
+    install_grouped_mm_meta()        # a float32 MoE layer's grouped products (graph.grouped_mm_meta)
     model.train()
     calls = [0]
     with cuda_autocast_on_cpu(), counting_cross_entropy(calls):

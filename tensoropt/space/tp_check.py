@@ -27,6 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..graph.fold import fold
+from ..graph.grouped_mm_meta import install_grouped_mm_meta
 from ..graph.ir import Op, OpGraph
 from .block import analyse_block, in_features, out_features, owner_module
 from .tp_meta import TP_CHECKS_META, tp_checks, with_tp_checks
@@ -45,6 +46,7 @@ class _WrongWidth(Exception):
 def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, graph: OpGraph) -> dict:
     """{block: {branch: {"max_tp": m} | {"refused": why}}} for every branch of every unique block of ``graph``
     (``model``'s captured graph, run on ``example_inputs``); {} when no block has a branch."""
+    install_grouped_mm_meta()        # a float32 MoE layer's grouped products run on these fakes (graph.grouped_mm_meta)
     seq_len = int(graph.meta("seq_len") or 0) or None
     targets = {}
     for block in fold(graph).blocks:

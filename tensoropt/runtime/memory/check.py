@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ...errors import TensorOptError
+from ...graph.grouped_mm_meta import install_grouped_mm_meta
 from ...space.plan import Plan
 from ...space.run_plan import RunPlan
 from ..engines.deepspeed_tensors import deepspeed_tensors
@@ -291,6 +292,7 @@ def _real_meshes() -> Iterator[None]:
 def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs, rank: int = 0) -> dict:
     """``rank``'s peak tensor memory by category in the second step of ``plan`` (module doc); the model
     is built on meta. Rank 0 unless asked: a pipeline's last stage (the head and its logits) is another rank."""
+    install_grouped_mm_meta()        # a float32 MoE layer's grouped products run on these fakes (graph.grouped_mm_meta)
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from ...graph.fold import fold
+from ...graph.grouped_mm_meta import install_grouped_mm_meta
 from ...graph.ir import OpGraph
 from ...space.block import analyse_block
 from ...space.run_plan import TPBranch
@@ -51,6 +52,7 @@ def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph) -> dict:
     """``graph``'s tensor-parallel checks (``space.tp_check``, recorded in it) with the runtime's own runs added
     (module doc): {block: {branch: {"max_tp": m} | {"refused": why}, SP_CHECK_KEY: {"max_tp": m} | {"refused":
     why}}}. Unchanged where a process group already exists (the probe needs its own fake one)."""
+    install_grouped_mm_meta()        # a float32 MoE layer's grouped products run on these fakes (graph.grouped_mm_meta)
     import torch.distributed as dist
     checks = json.loads(graph.meta(TP_CHECKS_META) or "{}")
     if dist.is_available() and dist.is_initialized():
