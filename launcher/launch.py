@@ -292,6 +292,9 @@ def describe(run_plan: RunPlan, engine: str) -> str:
              f"pipeline {plan.pp} stages ({plan.grad_accumulation} micro-batches)" if plan.pp > 1 else "",
              f"context parallel {plan.cp} (sequence in {2 * plan.cp} chunks, keys and values all-gathered; data "
              f"parallelism over dp x cp = {plan.dp * plan.cp} ranks)" if plan.cp > 1 else "",
+             f"expert parallel {plan.ep} (each rank holds 1/{plan.ep} of every layer's experts, tokens dispatched "
+             f"and combined by all-to-all; the experts' data parallelism over dp / ep = {plan.dp // plan.ep} ranks)"
+             if plan.ep > 1 else "",
              {0: "DDP" if plan.dp * plan.cp > 1 else "",
               1: "FSDP2 fully_shard (reshard_after_forward=False, gradient sync on the last micro-batch only)",
               2: "FSDP2 fully_shard (reshard_after_forward=False)",

@@ -36,10 +36,10 @@ def limit_options(func):
     """The limits on the search space shared by ``frontier`` and ``launch``: the command receives them as one
     ``limits`` argument (a ``Limits``; bad values are a one-line error, see ``parse_limits``)."""
     @functools.wraps(func)
-    def command(*args, limit_tp, limit_max_tp, limit_pp, limit_cp, limit_zero, limit_recompute, no_offload,
+    def command(*args, limit_tp, limit_max_tp, limit_pp, limit_cp, limit_ep, limit_zero, limit_recompute, no_offload,
                 limit_grad_dtype, **kwargs):
         limits = parse_limits(limit_tp, limit_max_tp, limit_pp, limit_zero, limit_recompute, no_offload,
-                              limit_grad_dtype, limit_cp)
+                              limit_grad_dtype, limit_cp, limit_ep)
         return func(*args, limits=limits, **kwargs)
     options = [
         ("--tp", "allowed tensor-parallel degrees, e.g. 1 (none) or 2,4"),
@@ -47,6 +47,9 @@ def limit_options(func):
         ("--pp", "allowed pipeline stage counts, e.g. 1 (none) or 2,4"),
         ("--cp", "context-parallel degrees to search (each sequence split over cp ranks, pp 1, the torch "
                  "engine), e.g. 1 (none) or 1,2,4; default: 1 and those leaving each rank >= 4096 tokens"),
+        ("--ep", "expert-parallel degrees to search for a Mixture-of-Experts model (its experts sharded over ep of "
+                 "the data-parallel ranks, pp 1, the torch engine), e.g. 1 (none) or 2,4; default: 1 and every "
+                 "degree dividing the experts and dp"),
         ("--zero", "allowed ZeRO stages (0-3), e.g. 2,3"),
         ("--recompute", f"allowed recomputation strategies ({', '.join(RECOMPUTE)}), e.g. none"),
         ("--grad-dtype", "allowed dtypes of gradient accumulation and reduction (fp32, bf16), e.g. fp32: bf16 "
@@ -60,7 +63,8 @@ def limit_options(func):
 
 
 def parse_limits(tp: str | None, max_tp: str | None, pp: str | None, zero: str | None, recompute: str | None,
-                 no_offload: bool, grad_dtype: str | None = None, cp: str | None = None) -> Limits:
+                 no_offload: bool, grad_dtype: str | None = None, cp: str | None = None, ep: str | None = None
+                 ) -> Limits:
     """The limits the flags give (lists are comma-separated); every bad value named in one line."""
     problems: list[str] = []
     some = "positive integers, e.g. 1 or 2,4"
@@ -68,6 +72,7 @@ def parse_limits(tp: str | None, max_tp: str | None, pp: str | None, zero: str |
     most = _numbers(max_tp, "--max-tp", "one positive integer, e.g. 4", problems, single=True)
     pps = _numbers(pp, "--pp", some, problems)
     cps = _numbers(cp, "--cp", some, problems)
+    eps = _numbers(ep, "--ep", some, problems)
     zeros = _numbers(zero, "--zero", "ZeRO stages 0-3, e.g. 0 or 2,3", problems, low=0, high=3)
     strategies = tuple(dict.fromkeys(x.strip() for x in recompute.split(","))) if recompute is not None else None
     if strategies is not None and not set(strategies) <= set(RECOMPUTE):
@@ -77,7 +82,7 @@ def parse_limits(tp: str | None, max_tp: str | None, pp: str | None, zero: str |
         problems.append(f"--grad-dtype {grad_dtype!r}: give dtypes among {', '.join(GRAD_DTYPE_FLAGS)}, e.g. fp32")
         grads = None
     limits = Limits(tps, most[0] if most else None, pps, zeros, not no_offload, strategies,
-                    grads and tuple(GRAD_DTYPE_FLAGS[g] for g in grads), cps)
+                    grads and tuple(GRAD_DTYPE_FLAGS[g] for g in grads), cps, eps)
     if problems:
         raise TensorOptError("; ".join(problems))
     return limits

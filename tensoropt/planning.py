@@ -45,6 +45,7 @@ from .search.ft import FrontierPoint, SearchSpace, search
 from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
 from .space.context_parallel import graph_refusal
+from .space.experts import Experts
 from .space.plan import Plan, compute_dtype
 from .units import parse_bytes
 
@@ -132,6 +133,7 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
         raise TensorOptError("give global_batch: the samples per iteration (the graph records none)")
     budget_bytes = _bytes(budget) if budget is not None else profile.memory_bytes
     _check_context_parallel(graph, limits, engines, [c.num_devices for c in clusters], compile)
+    _check_expert_parallel(graph, limits, engines, [c.num_devices for c in clusters], compile)
     folding = folded(graph)
     # the graphs that price each part of the space, each folded (and its whole-graph facts read) before the clock
     # starts: that is analysis of the graph, not search
@@ -233,6 +235,25 @@ def _check_context_parallel(graph: OpGraph, limits: Limits, engines: Sequence[st
             why = f"it divides none of the device counts {devices}: give a --cp that divides --gpus"
         if why:
             raise TensorOptError(f"--cp {cp}: {why}")
+
+
+def _check_expert_parallel(graph: OpGraph, limits: Limits, engines: Sequence[str] | None, devices: list[int],
+                           compile: bool) -> None:
+    """One line naming what to change where ``limits`` name an expert-parallel degree nothing here runs: a model
+    without experts or whose experts it does not divide (``space.experts``), no torch engine among ``engines``,
+    compiled blocks, a degree dividing none of the device counts. (Without ``--ep`` the search tries the degrees
+    that run.)"""
+    experts = Experts.of(graph)
+    for ep in [e for e in limits.expert_parallel or () if e > 1]:
+        why = experts.refusal(ep) or None
+        if why is None and engines is not None and "torch" not in engines:
+            why = "expert parallelism runs in the torch engine only: drop --engine deepspeed or --ep"
+        if why is None and compile:
+            why = "expert parallelism runs eager kernels only: drop --compile or --ep"
+        if why is None and all(n % ep for n in devices):
+            why = f"it divides none of the device counts {devices}: give an --ep that divides --gpus"
+        if why:
+            raise TensorOptError(f"--ep {ep}: {why}")
 
 
 def _runs_on(engine: str, staged: bool = True, staged_tp: bool = True) -> Callable[[Plan], str | None]:

@@ -30,7 +30,7 @@ DEFAULT_PRECISION = "bf16-mixed"          # tensoropt launch's (launcher.launch.
 def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: int, zero: int, micro_batch: int,
                global_batch: int, recompute: str, sequence_parallel: bool, dtype: str,
                master_weights: bool = True, precision: str = "", compile: bool = False, offload: bool = False,
-               grad_dtype: str = "", cp: int = 1) -> Plan:
+               grad_dtype: str = "", cp: int = 1, ep: int = 1) -> Plan:
     """The plan the flags describe, or one line naming every operand that does not fit."""
     problems = []
     if gpus % (cp * tp * pp):
@@ -38,6 +38,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
                         f"--tp {tp} x --pp {pp} must divide --gpus {gpus}")
     dp = max(1, gpus // (cp * tp * pp))
     problems += _context_parallel_problems(model_cost, cp, tp, pp, compile, offload)
+    problems += _expert_parallel_problems(model_cost, ep, dp, pp, cp, compile, offload)
     if tp > per_node or per_node % tp:
         problems.append(f"--tp {tp} must divide --gpus-per-node {per_node} (tensor parallelism stays in a node)")
     elif not model_cost.tp_allowed(tp):
@@ -61,7 +62,7 @@ def build_plan(model_cost, gpus: int, per_node: int, tp: int, pp: int, virtual: 
     strategy = LayerStrategy(recompute, sequence_parallel and tp > 1)
     blocks = tuple(BlockPlan(b.name, ((strategy, b.repeats // pp),)) for b, _ in model_cost.blocks)
     return Plan(gpus, dp, tp, pp, micro_batch, global_batch, virtual, zero, offload, model_cost.branch_names if tp > 1
-                else (), DTYPES[dtype], blocks, master_weights, precision, compile, grad_dtype=grad_dtype, cp=cp)
+                else (), DTYPES[dtype], blocks, master_weights, precision, compile, grad_dtype=grad_dtype, cp=cp, ep=ep)
 
 
 def _context_parallel_problems(model_cost, cp: int, tp: int, pp: int, compile: bool, offload: bool) -> list[str]:
@@ -74,6 +75,21 @@ def _context_parallel_problems(model_cost, cp: int, tp: int, pp: int, compile: b
         ("pp 1", "give --pp 1 or drop --cp", pp > 1),
         ("eager kernels", "drop --compile or --cp", compile),
         ("no optimizer offload", "drop --offload or --cp", offload)] if bad]
+    return problems
+
+
+def _expert_parallel_problems(model_cost, ep: int, dp: int, pp: int, cp: int, compile: bool, offload: bool
+                              ) -> list[str]:
+    """What keeps ``--ep`` from running (``space.experts``; the runtime runs it on ranks taken from dp, with pp 1, no
+    context parallelism, eager, no offload), each naming the flag to change."""
+    if ep <= 1:
+        return []
+    problems = [f"--ep {ep}: {why}" for why in [model_cost.experts.refusal(ep)] if why]
+    problems += [f"--ep {ep} runs with {need}: {change}" for need, change, bad in [
+        (f"ranks taken from data parallelism (dp {dp})", "give an --ep dividing dp = gpus / (cp x tp x pp)", dp % ep),
+        ("pp 1", "give --pp 1 or drop --ep", pp > 1), ("cp 1", "drop --cp or --ep", cp > 1),
+        ("eager kernels", "drop --compile or --ep", compile),
+        ("no optimizer offload", "drop --offload or --ep", offload)] if bad]
     return problems
 
 
@@ -126,6 +142,10 @@ def priced(loaded: Loaded, plan: Plan, gpus: int, per_node: int) -> ModelCost:
 @click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True,
               help="context-parallel degree: each sample's sequence split over cp ranks (with --pp 1, the torch "
                    "engine; 2 cp must divide the sequence length)")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="expert-parallel degree of a Mixture-of-Experts model: its experts sharded over ep of the "
+                   "data-parallel ranks, tokens exchanged by all-to-all (with --pp 1, the torch engine; ep must divide "
+                   "dp and every layer's experts)")
 @click.option("--virtual-stages", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
 @click.option("--offload", is_flag=True,
@@ -161,7 +181,7 @@ def priced(loaded: Loaded, plan: Plan, gpus: int, per_node: int) -> ModelCost:
                    "launch chooses for the plan, torch where it runs it, else DeepSpeed; with --dtype or "
                    "--master-weights/--no-master-weights, no engine, priced as the torch engine runs it)")
 @click.option("--json", "as_json", is_flag=True)
-def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, cp, virtual_stages, zero, offload, micro_batch,
+def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, cp, ep, virtual_stages, zero, offload, micro_batch,
              global_batch, recompute, sequence_parallel, dtype, master_weights, precision, grad_dtype, compile_, engine,
              as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (cp * tp * pp)), by default as
@@ -186,7 +206,7 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, cp, virtual_st
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
                       global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_,
-                      offload, GRAD_DTYPE_FLAGS[grad_dtype] if grad_dtype == "bf16" else "", cp)
+                      offload, GRAD_DTYPE_FLAGS[grad_dtype] if grad_dtype == "bf16" else "", cp, ep)
     if not by_hand or engine:
         plan = as_launched(plan, engine, grad_dtype)
     cost = priced(loaded, plan, gpus, gpus_per_node)
@@ -208,7 +228,7 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, cp, virtual_st
     table.add_column(justify="right")
     table.add_row("iteration time", f"{result.iteration_time_s:.3f} s")
     parts = ("forward_backward_s", "recompute_s", "tensor_parallel_comm_s") + \
-        (("context_parallel_comm_s",) if "context_parallel_comm_s" in result.time_breakdown else ())
+        tuple(k for k in ("context_parallel_comm_s", "expert_parallel_comm_s") if k in result.time_breakdown)
     for key, value in result.time_breakdown.items():
         if key in parts:
             continue

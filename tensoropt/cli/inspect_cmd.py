@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..graph.fold import fold
 from ..search.engines import pipelines_not_offered
+from ..space.experts import experts_report
 from ..space.tp_layout import not_offered
 from .format import binary_bytes, count, si
 
@@ -46,6 +47,7 @@ def inspect_report(model: str, batch_size: int | None, seq_len: int | None, use_
         "folding": folded.summary(positions=True) | {"fold_seconds": round(fold_seconds, 4)},
         # layouts left out of every plan, with their reasons
         "not_offered": not_offered(graph, folded) + pipelines_not_offered(graph),
+        "experts": experts_report(graph),          # a Mixture-of-Experts model's experts (None: a dense model)
     }
 
 
@@ -66,6 +68,11 @@ def _print_tables(report: dict) -> None:
         ("capture time", f"{report['capture_seconds']:.2f} s" + (" (cached)" if report["cached"] else "")),
         ("fold time", f"{report['folding']['fold_seconds']:.2f} s"),
     ]
+    if moe := report.get("experts"):
+        rows[1:1] = [("active parameters", count(moe["active_parameters"])),
+                     ("experts", f"{moe['layers']} layers x {'/'.join(map(str, moe['experts']))} experts, top-"
+                                 f"{'/'.join(map(str, moe['top_k']))} per token"),
+                     ("expert parameters", count(moe["expert_parameters"]))]
     for key, value in rows:
         summary.add_row(key, value)
     console.print(summary)

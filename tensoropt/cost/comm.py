@@ -67,3 +67,20 @@ def p2p_s(nbytes, crosses_node, cluster: Cluster):
     bandwidth = np.where(crosses_node, inter.effective_bytes_per_s, intra.effective_bytes_per_s)
     latency = np.where(crosses_node, inter.latency_s, intra.latency_s)
     return np.where(np.asarray(nbytes) > 0, nbytes / bandwidth + latency, 0.0)
+
+
+def all_to_all_s(nbytes, size: int, stride: int, cluster: Cluster):
+    """All-to-all of ``nbytes`` per rank (each rank keeps 1/n of it and sends every other member its 1/n): the
+    expert-parallel dispatch and combine of Mixture-of-Experts layers (Lepikhin et al., GShard, 2020; NCCL runs it as
+    concurrent send/receive pairs). Members in the rank's node take (per_node - 1)/n of the bytes over NVLink, the
+    others (n - per_node)/n over the rank's own NIC; both parts are summed (the links run at once, but the exchange
+    ends with its slower half and the NIC's congestion is not modelled: a conservative price). Latency once per peer
+    link kind and member. The profile's ``all_to_all`` bandwidth where it measured one, else the link's effective."""
+    if size <= 1:
+        return 0.0 * nbytes
+    per_node, nodes = group_layout(size, stride, cluster.devices_per_node)
+    intra, inter = cluster.profile.intra_node, cluster.profile.inter_node
+    t = (per_node - 1) / size * nbytes / intra.bytes_per_s("all_to_all") + (per_node - 1) * intra.latency_s
+    if nodes > 1:
+        t = t + (size - per_node) / size * nbytes / inter.bytes_per_s("all_to_all") + (nodes - 1) * inter.latency_s
+    return np.where(nbytes > 0, t, 0.0) if isinstance(nbytes, np.ndarray) else (t if nbytes > 0 else 0.0)

@@ -36,6 +36,7 @@ class Context:
     engine: str = ""                 # the engine priced: "deepspeed" adds its own buffers (cost.deepspeed_memory)
     grad_dtype: str = ""             # gradients accumulated and reduced in bf16 ("bfloat16"; ``Plan.grad_dtype``)
     cp: int = 1                      # context parallelism: each sample's sequence split over cp ranks (``Plan.cp``)
+    ep: int = 1                      # expert parallelism: the experts sharded over ep of the dp ranks (``Plan.ep``)
 
     @property
     def micro_batches(self) -> int:
@@ -45,13 +46,13 @@ class Context:
     def of(plan: Plan) -> Context:
         return Context(plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.global_batch,
                        plan.zero, plan.offload, plan.tp_branches, plan.dtype, plan.master_weights, plan.precision,
-                       plan.compile, plan.engine, plan.grad_dtype, plan.cp)
+                       plan.compile, plan.engine, plan.grad_dtype, plan.cp, plan.ep)
 
     def plan(self, devices: int, blocks: tuple[BlockPlan, ...]) -> Plan:
         """The plan of these global choices with these per-block strategies (inverse of ``of``)."""
         return Plan(devices, self.dp, self.tp, self.pp, self.micro_batch, self.global_batch, self.virtual_stages,
                     self.zero, self.offload, self.tp_branches, self.dtype, blocks, self.master_weights,
-                    self.precision, self.compile, self.engine, self.grad_dtype, self.cp)
+                    self.precision, self.compile, self.engine, self.grad_dtype, self.cp, self.ep)
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,12 @@ class ContextTable:
     branches: np.ndarray                   # index into ``branch_sets``
     kind: np.ndarray                       # index into ``kinds``
     cp: np.ndarray                         # context-parallel degree (``Context.cp``)
+    ep: np.ndarray                         # expert-parallel degree (``Context.ep``)
     branch_sets: tuple[tuple[str, ...], ...]
     kinds: tuple[tuple, ...]               # (global_batch, dtype, master_weights, precision, compile, engine, grad)
 
     # the columns of a row tuple, in order (``of_rows``)
-    COLUMNS = ("dp", "tp", "pp", "virtual_stages", "micro_batch", "zero", "offload", "branches", "kind", "cp")
+    COLUMNS = ("dp", "tp", "pp", "virtual_stages", "micro_batch", "zero", "offload", "branches", "kind", "cp", "ep")
 
     def __len__(self) -> int:
         return len(self.dp)
@@ -82,7 +84,8 @@ class ContextTable:
     @staticmethod
     def of_rows(rows: list[tuple] | np.ndarray, branch_sets: tuple[tuple[str, ...], ...], kinds: tuple[tuple, ...]
                 ) -> ContextTable:
-        """A table of ``rows``, each (dp, tp, pp, virtual stages, micro-batch, zero, offload, branches, kind, cp)."""
+        """A table of ``rows``, each (dp, tp, pp, virtual stages, micro-batch, zero, offload, branches, kind, cp,
+        ep)."""
         columns = np.array(rows, dtype=np.int64).reshape(-1, len(ContextTable.COLUMNS)).T
         values = dict(zip(ContextTable.COLUMNS, columns))
         values["offload"] = values["offload"].astype(bool)
@@ -95,7 +98,8 @@ class ContextTable:
         kinds = tuple(dict.fromkeys(_kind(c) for c in contexts))
         where_branches, where_kind = {b: i for i, b in enumerate(branch_sets)}, {k: i for i, k in enumerate(kinds)}
         return ContextTable.of_rows([(c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch, c.zero, c.offload,
-                                      where_branches[c.tp_branches], where_kind[_kind(c)], c.cp) for c in contexts],
+                                      where_branches[c.tp_branches], where_kind[_kind(c)], c.cp, c.ep)
+                                     for c in contexts],
                                     branch_sets, kinds)
 
     def context(self, i: int) -> Context:
@@ -104,7 +108,7 @@ class ContextTable:
         return Context(int(self.dp[i]), int(self.tp[i]), int(self.pp[i]), int(self.virtual_stages[i]),
                        int(self.micro_batch[i]), global_batch, int(self.zero[i]), bool(self.offload[i]),
                        self.branch_sets[int(self.branches[i])], dtype, master, precision, compile, engine, grad,
-                       int(self.cp[i]))
+                       int(self.cp[i]), int(self.ep[i]))
 
 
 def _kind(c: Context) -> tuple:

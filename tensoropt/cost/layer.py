@@ -25,15 +25,16 @@ in the backward, which holds the rest of them beside the share the copy keeps (`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..graph.ir import Op
 from ..space.block import BlockSpace
+from ..space.experts import Experts, dispatch_bytes, expert_ops
 from ..space.plan import LayerStrategy
 from ..space.vocab import VocabLayout
-from .comm import all_gather_s, all_reduce_s
+from .comm import all_gather_s, all_reduce_s, all_to_all_s
 from .context_parallel import attention_kv
 from .ops import OpArrays, op_times
 from .pipeline_memory import backward_working_bytes
@@ -50,10 +51,11 @@ class LayerCost:
     transient_bytes: float       # extra working set while its backward runs (recomputed activations)
     parameters: float            # elements held on one device before ZeRO partitioning
     cp_comm_s: float = 0.0       # context parallelism's K/V all-gathers and reduce-scatters (``cost.context_parallel``)
+    ep_comm_s: float = 0.0       # expert parallelism's dispatch and combine all-to-alls (``_expert_exchange_s``)
 
     @property
     def time_s(self) -> float:
-        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s
+        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
 
 
 def _param_elements(ops: tuple[Op, ...], indices) -> np.ndarray:
@@ -110,7 +112,8 @@ class _Shared:
 class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
-    def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False) -> None:
+    def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False,
+                 experts: Experts | None = None) -> None:
         self.ops, self.space, self.cluster = ops, space, cluster
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
@@ -126,6 +129,11 @@ class BlockCost:
         # the branch that computes the attention (its K and V are sharded by heads when tp shards it)
         attention = set(space.attention_core) | {i for i, op in enumerate(ops) if op.kind == "attention"}
         self._attention_branch = next((b.name for b in space.branches if attention & set(b.ops)), None)
+        # Mixture-of-Experts: the elements of the expert weights (sharded over ep ranks) and the bytes per sample the
+        # dispatch all-to-all moves (``space.experts``)
+        experts_at = expert_ops(ops, experts) if experts else ()
+        self.expert_params = float(self.params[list(experts_at)].sum()) if experts_at else 0.0
+        self.dispatch_bytes = dispatch_bytes(ops, experts_at)
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -154,14 +162,27 @@ class BlockCost:
                 total += 2 * all_gather_s(nbytes, tp, 1, self.cluster)
         return total
 
-    def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1
-              ) -> LayerCost:
+    def layer(self, strategy: LayerStrategy, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1,
+              ep: int = 1) -> LayerCost:
         """One copy under ``strategy``, ``micro_batch`` whole samples per data-parallel rank shared by ``cp``
-        context-parallel ranks."""
-        key = (strategy, tp, tp_branches, micro_batch, cp)
+        context-parallel ranks, its experts (if any) sharded over ``ep`` ranks."""
+        key = (strategy, tp, tp_branches, micro_batch, cp, ep)
         if key not in self._cache:
-            self._cache[key] = self._layer(strategy, tp, tp_branches, micro_batch, cp)
+            layer = self._layer(strategy, tp, tp_branches, micro_batch, cp)
+            self._cache[key] = self._with_experts(layer, strategy, tp, micro_batch, ep) if ep > 1 else layer
         return self._cache[key]
+
+    def _with_experts(self, layer: LayerCost, strategy: LayerStrategy, tp: int, micro_batch: int, ep: int
+                      ) -> LayerCost:
+        """``layer`` with its experts sharded over ``ep`` ranks (Megatron-LM's and torchtitan's expert parallelism):
+        each rank holds experts / ep of the weights; under balanced routing (what the capture prices) a rank's expert
+        products run as many token rows as without it, its tokens' rows going to other ranks and as many coming
+        back, so the compute and the kept activations stay; the dispatch and the combine are one all-to-all each in
+        the forward and one each in the backward (their gradients), twice more where full recomputation runs the
+        forward again. The ep ranks are consecutive data-parallel ranks: tp apart."""
+        exchanges = 6 if strategy.recompute == "full" else 4
+        exchange_s = exchanges * all_to_all_s(self.dispatch_bytes * micro_batch, ep, tp, self.cluster)
+        return replace(layer, parameters=layer.parameters - self.expert_params * (1 - 1 / ep), ep_comm_s=exchange_s)
 
     def prepare(self, keys) -> None:
         """Compute the shared sums (``_ops``) of many (tp, branches, sequence parallelism, micro-batch, cp) keys at
@@ -252,7 +273,7 @@ def tp_comm_hidden_s(stage: list[tuple[BlockCost, list[tuple[LayerStrategy, int]
     hidden = 0.0
     for cost, counts in stage:
         for strategy, n in counts:
-            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch, plan.cp)
+            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch, plan.cp, plan.ep)
             overlapped = min(c.tp_comm_s, c.forward_s + c.backward_s + c.recompute_s)
             hidden += n * (1 - overlap_slowdown) * overlapped
     return hidden

@@ -74,13 +74,18 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     ``other``) of each plan; ``params``: the elements of the device's stage (copies and loose ops)."""
     prof = model.cluster.profile
     activation_bytes, transient = np.asarray(activation_bytes, dtype=float), np.asarray(transient_bytes, dtype=float)
-    weights = r.weight * params / np.where(r.zero == 3, r.dp, 1)
-    grads = r.grad * params / gradients_divisor(r.pp, r.zero, r.dp)
+    # expert parallelism: ``params`` holds a rank's experts / ep of the expert weights; where ZeRO shards a state over
+    # dp, the experts' shards are over the dp / ep ranks holding the same experts: experts / ep / (dp / ep) = the
+    # whole model's / dp, as without expert parallelism (``sharded`` below: the elements ZeRO divides by dp)
+    sharded = params + model.expert_parameters * (1 - 1 / r.ep)
+    weights = r.weight * np.where(r.zero == 3, sharded / r.dp, params)
+    divisor = gradients_divisor(r.pp, r.zero, r.dp)
+    grads = r.grad * np.where(divisor > 1, sharded, params) / divisor
     # a DDP stage (ZeRO 0) runs its micro-batches' backwards under ``no_sync`` but the last: they accumulate into
     # ``.grad`` tensors of their own beside the bucket DDP allocated with the wrapper, as the whole model does
     # (``cost.torch_memory.fsdp_held_bytes``); the executor tells the stage so (``runtime.pipeline.executor``)
     grads = grads * np.where(r.piped & ~r.deepspeed & (r.zero == 0) & (r.m > 1) & (r.dp > 1), 2, 1)
-    optimizer = np.where(r.offload, 0.0, r.optimizer_bytes * params / np.where(r.zero >= 1, r.dp, 1))
+    optimizer = np.where(r.offload, 0.0, r.optimizer_bytes * np.where(r.zero >= 1, sharded / r.dp, params))
     # FSDP2's and DDP's terms are the torch engine's flat plans'. A pipeline stage prices the loss's backward with
     # its loose ops (``activations_bytes``); on a ZeRO 2/3 stage FSDP2's units run every micro-batch as in a flat
     # plan, and what they hold beside the loss's backward and beside a copy's is ``pipeline_memory``'s

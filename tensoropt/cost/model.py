@@ -45,6 +45,7 @@ import numpy as np
 from ..graph.fold import Block, FoldedGraph
 from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
+from ..space.experts import Experts
 from ..space.plan import LayerStrategy, Plan
 from ..space.tp_meta import tp_checks
 from ..space.vocab import VocabLayout, vocab_layout
@@ -105,10 +106,13 @@ class ModelCost:
         self.compiled = compiled
         self._kernels: dict[bool, ModelCost] = {compiled: self}
         seq_len = int(graph.meta("seq_len") or 0) or None
+        self.experts = Experts.of(graph)
         self.blocks: list[tuple[Block, BlockCost]] = [
             (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster,
-                          compiled))
+                          compiled, self.experts))
             for b in folded.blocks]
+        # the model's expert weights, elements (sharded over ep ranks by expert parallelism: ``BlockCost.layer``)
+        self.expert_parameters = float(sum(b.repeats * cost.expert_params for b, cost in self.blocks))
         first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
         last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
@@ -240,7 +244,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context] | ContextTable, which: n
     dp_comm, exposed = data_parallel_s(r.dp, r.tp, r.zero, r.m, r.gathered * params, r.reduced * params, stage_s,
                                         backward, cluster, model.units_per_stage(r.pp),
                                         serial=r.deepspeed & ~overlaps_comm(r.zero))
-    opt_params = params / np.where(r.zero >= 1, r.dp, 1)
+    # the optimizer steps a rank's share: over dp under ZeRO (the experts' too, ``cost.memory.memory_rows``)
+    opt_params = np.where(r.zero >= 1, (params + model.expert_parameters * (1 - 1 / r.ep)) / r.dp, params)
     offloaded_s = offload_step_s(opt_params, r.weight, prof) + gradient_copies_s(r.zero, r.m, opt_params, r.grad, prof)
     optimizer_s = np.where(r.offload, offloaded_s, opt_params * r.adam_moved / prof.memory_bytes_per_s)
     time_s = pipeline_s + exposed + optimizer_s
@@ -258,7 +263,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context] | ContextTable, which: n
 
 
 def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int, tp_branches: tuple[str, ...],
-               micro_batch: int, cp: int = 1) -> tuple[float, float, float, float, float]:
+               micro_batch: int, cp: int = 1, ep: int = 1) -> tuple[float, float, float, float, float]:
     """Sums over an ordered chain of copies, entered and left with a replicated stream:
     (time incl. layout changes, backward time, kept activations, transient max, parameters)."""
     time = back = acts = params = 0.0
@@ -271,7 +276,7 @@ def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int
         if sp != layout:
             time += cost.layout_change_s(tp, micro_batch)
             layout = sp
-        c = cost.layer(strategy, tp, tp_branches, micro_batch, cp)
+        c = cost.layer(strategy, tp, tp_branches, micro_batch, cp, ep)
         time, back = time + n * c.time_s, back + n * c.backward_s
         acts, params = acts + n * c.activation_bytes, params + n * c.parameters
         transient = max(transient, c.transient_bytes)
@@ -281,8 +286,8 @@ def chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int
 
 
 def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], tp: int,
-                      tp_branches: tuple[str, ...], micro_batch: int, virtual_stages: int = 1, cp: int = 1
-                      ) -> tuple[float, float, float, float, float]:
+                      tp_branches: tuple[str, ...], micro_batch: int, virtual_stages: int = 1, cp: int = 1,
+                      ep: int = 1) -> tuple[float, float, float, float, float]:
     """``chain_sums`` of a device's copies of one block (in the plan's order) as they run with
     ``virtual_stages`` interleaved stages: v consecutive chains of k / v copies, each held by another
     stage and so each entered and left with a replicated stream (runtime.pipeline.tp.shard_stage); a
@@ -290,7 +295,7 @@ def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], 
     (space.plan.chain_order) that is ceil(n_sp / (k / v)) chains paying them, the fewest any order can."""
     total = sum(n for _, n in counts)
     if virtual_stages == 1 or total % virtual_stages:
-        return chain_sums(cost, counts, tp, tp_branches, micro_batch, cp)
+        return chain_sums(cost, counts, tp, tp_branches, micro_batch, cp, ep)
     size, chains, chain, room = total // virtual_stages, [], [], total // virtual_stages
     for strategy, n in counts:          # cut the (strategy, copies) entries at the chains' boundaries
         while n:
@@ -300,7 +305,7 @@ def device_chain_sums(cost: BlockCost, counts: list[tuple[LayerStrategy, int]], 
             if not room:
                 chains.append(chain)
                 chain, room = [], size
-    parts = [chain_sums(cost, c, tp, tp_branches, micro_batch, cp) for c in chains]
+    parts = [chain_sums(cost, c, tp, tp_branches, micro_batch, cp, ep) for c in chains]
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
             max(p[3] for p in parts), sum(p[4] for p in parts))
 
@@ -330,7 +335,7 @@ def estimate(model: ModelCost, plan: Plan, megatron_tp_comm_overlap: bool = Fals
     time = back = acts = transient = params = 0.0
     for cost, counts in stage:
         t, b, a, x, p = device_chain_sums(cost, counts, plan.tp, plan.tp_branches, plan.micro_batch,
-                                          plan.virtual_stages, plan.cp)
+                                          plan.virtual_stages, plan.cp, plan.ep)
         time, back, acts, params = time + t, back + b, acts + a, params + p
         transient = max(transient, x)
     hidden = tp_comm_hidden_s(stage, plan, model.cluster.profile.overlap_slowdown) if megatron_tp_comm_overlap \
@@ -360,14 +365,18 @@ def _layer_parts(stage, plan: Plan, micro_batches: int) -> dict[str, float]:
     parts = {"forward_backward_s": 0.0, "recompute_s": 0.0, "tensor_parallel_comm_s": 0.0}
     if plan.cp > 1:
         parts["context_parallel_comm_s"] = 0.0
+    if plan.ep > 1:
+        parts["expert_parallel_comm_s"] = 0.0
     for cost, counts in stage:
         for strategy, n in counts:
-            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch, plan.cp)
+            c = cost.layer(strategy, plan.tp, plan.tp_branches, plan.micro_batch, plan.cp, plan.ep)
             parts["forward_backward_s"] += micro_batches * n * (c.forward_s + c.backward_s)
             parts["recompute_s"] += micro_batches * n * c.recompute_s
             parts["tensor_parallel_comm_s"] += micro_batches * n * c.tp_comm_s
             if plan.cp > 1:
                 parts["context_parallel_comm_s"] += micro_batches * n * c.cp_comm_s
+            if plan.ep > 1:
+                parts["expert_parallel_comm_s"] += micro_batches * n * c.ep_comm_s
     return parts
 
 

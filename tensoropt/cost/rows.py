@@ -37,6 +37,7 @@ class PlanRows:
     m: np.ndarray                  # micro-batches per step
     mb: np.ndarray                 # samples per micro-batch (whole samples: a context-parallel rank holds 1/cp of each)
     cp: np.ndarray                 # context-parallel degree
+    ep: np.ndarray                 # expert-parallel degree (the experts sharded over ep of the dp ranks)
     zero: np.ndarray
     offload: np.ndarray            # bool
     weight: np.ndarray             # bytes per parameter (``StateBytes``)
@@ -71,7 +72,7 @@ class PlanRows:
         return self.pp > 1
 
 
-_INTS = 20          # the first 20 fields are integers, the rest floats
+_INTS = 21          # the first 21 fields are integers, the rest floats
 
 
 def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanRows:
@@ -94,8 +95,8 @@ def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanR
     floats = [_shape(model, int(tp[r]), table.branch_sets[int(branches[r])], int(mb[r]), int(pp[r]),
                      int(grad_bytes[r]), model.row_cache, int(cp[r])) for r in firsts.tolist()]
     global_batch = np.array([k[0] for k in table.kinds], dtype=np.int64)[kind]
-    ints = np.column_stack([dp * cp, tp, pp, table.virtual_stages[used], global_batch // (dp * mb), mb, cp, zero,
-                            table.offload[used], np.array(state_ints, dtype=np.int64)[state_at]])
+    ints = np.column_stack([dp * cp, tp, pp, table.virtual_stages[used], global_batch // (dp * mb), mb, cp,
+                            table.ep[used], zero, table.offload[used], np.array(state_ints, dtype=np.int64)[state_at]])
     columns = [*ints[at].T, *np.array(floats, dtype=float)[shape_at][at].T]
     names = [f.name for f in fields(PlanRows)]
     assert len(names) == len(columns) and ints.shape[1] == _INTS

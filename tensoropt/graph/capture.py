@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
+from .experts import EXPERTS_META, experts_metadata
 from .grouped_mm_meta import install_grouped_mm_meta
 from .ir import CONTEXT_PARALLEL_META, CROSS_ENTROPY_CALLS, OUTPUT_KEY, Op, OpGraph, Ref, TensorMeta
 from .loss import check_loss, counting_cross_entropy, describe, loss_tensor
@@ -255,7 +256,8 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     precision = {"autocast": _dtype_name(dtype or autocast_inside)} if (dtype or autocast_inside) else {}
     return replace(graph, metadata=tuple(sorted({
         **(metadata or {}), **precision, "returns": describe(output), CROSS_ENTROPY_CALLS: str(calls[0]),
-        OUTPUT_KEY: output_kind(output), CONTEXT_PARALLEL_META: context_parallel_refusal(model)}.items())))
+        OUTPUT_KEY: output_kind(output), CONTEXT_PARALLEL_META: context_parallel_refusal(model),
+        **({EXPERTS_META: experts} if (experts := experts_metadata(model)) else {})}.items())))
 
 
 _SHARD_NOT_READ = ("its forward does not read its sequence shard (tensoropt.models.sequence): context parallelism "

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import ModelSpecError, first_line, last_line
 from .bert import BertForPreTraining
+from .hf_presets import HF_PRESETS
 from .presets import PRESETS
 from .resnet import ResNetConfig, WideResNet
 from .transformer import DecoderLM, TransformerConfig
@@ -381,6 +382,8 @@ def resolve_model(spec: str) -> ModelSource:
     if spec in PRESETS:
         preset = PRESETS[spec]
         return BuiltinSource(preset.name, preset.family, preset.config)
+    if spec in HF_PRESETS:
+        return HuggingFaceSource(spec, HF_PRESETS[spec].config)
     path_part, _, function = spec.rpartition(":")
     if path_part.endswith(".py") and function:
         path = Path(path_part)
@@ -394,5 +397,5 @@ def resolve_model(spec: str) -> ModelSource:
         if not path.is_file():
             raise ModelSpecError(f"{path}: no such file")
         return _json_source(path)
-    raise ModelSpecError(f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}), "
+    raise ModelSpecError(f"unknown model {spec!r}: use a preset ({', '.join([*PRESETS, *HF_PRESETS])}), "
                          "a JSON config file, or FILE.py:FUNCTION")

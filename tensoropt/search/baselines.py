@@ -47,8 +47,9 @@ def expert_grid(model: ModelCost, devices: int, global_batch: int) -> SearchResu
     start = time.perf_counter()
     per_node = model.cluster.devices_per_node
     plans = []
-    grid = SearchSpace(global_batch, micro_batches=(1, 2, 4), context_parallel=(1,))    # Megatron's grid: no CP
-    for dp, tp, pp, branches, mb, globals_, _ in contexts(model, devices, grid):
+    grid = SearchSpace(global_batch, micro_batches=(1, 2, 4), context_parallel=(1,),    # Megatron's grid: no CP
+                       expert_parallel=(1,))                                          # nor EP
+    for dp, tp, pp, branches, mb, globals_, _, _ in contexts(model, devices, grid):
         megatron_tp = max(t for t in range(1, per_node + 1) if per_node % t == 0 and model.tp_allowed(t)
                           and devices % t == 0)
         if tp != megatron_tp or set(branches) != set(model.branch_names if tp > 1 else ()):
@@ -77,8 +78,8 @@ def nsga2(model: ModelCost, devices: int, global_batch: int, seconds: float, see
 
     start = time.perf_counter()
     space = SearchSpace(global_batch)
-    ctxs = [Context(dp, tp, pp, v, mb, global_batch, z, off, br, cp=cp)
-            for dp, tp, pp, br, mb, globals_, cp in contexts(model, devices, space) for v, z, off, _ in globals_]
+    ctxs = [Context(dp, tp, pp, v, mb, global_batch, z, off, br, cp=cp, ep=ep)
+            for dp, tp, pp, br, mb, globals_, cp, ep in contexts(model, devices, space) for v, z, off, _ in globals_]
     strategies = [LayerStrategy(r, sp) for r in RECOMPUTE for sp in (False, True)]
     evaluated: list[Plan] = []
 

@@ -69,8 +69,8 @@ class Seeds:
 
 def bound_contexts(model: ModelCost, table: ContextTable, grouped: list[tuple], options: dict
                    ) -> tuple[list[tuple], Seeds]:
-    """``grouped`` (tp, branches, micro-batch, cp, layout, rows of ``table``) without the contexts no frontier point can
-    come from, and the real plans priced to show it (candidates of the search)."""
+    """``grouped`` (tp, branches, micro-batch, cp, ep, layout, rows of ``table``) without the contexts no frontier
+    point can come from, and the real plans priced to show it (candidates of the search)."""
     if not grouped:
         return grouped, Seeds.empty(len(model.blocks))
     sums, picks, copies = _entry_rows(model, grouped, options)  # per entry: fast, lean, most compute, bound corners
@@ -93,11 +93,11 @@ def bound_contexts(model: ModelCost, table: ContextTable, grouped: list[tuple], 
         low_time = (c["iteration_time_s"] - c["data_parallel_exposed_s"]).reshape(-1, corners) + exposed[rest, 2:3]
         dropped[rest] = _dominated(real, low_time.ravel(), c["peak_memory_bytes"]).reshape(-1, corners).all(axis=1)
     kept, start = [], 0
-    for (tp, branches, mb, cp, layout, rows), n in zip(grouped, per_entry):
+    for (tp, branches, mb, cp, ep, layout, rows), n in zip(grouped, per_entry):
         mine = rows[~dropped[start:start + n]]
         start += n
         if len(mine):
-            kept.append((tp, branches, mb, cp, layout, mine))
+            kept.append((tp, branches, mb, cp, ep, layout, mine))
     tps = np.array([tp for tp, *_ in grouped], dtype=np.int64)
     seeds = np.repeat(entry, 2)                    # per context: its fastest plan, then its leanest
     return kept, Seeds(real, np.repeat(ctxs, 2), tps[seeds], picks[seeds, :, np.tile([0, 1], len(entry))],
@@ -111,16 +111,17 @@ def _entry_rows(model: ModelCost, grouped: list[tuple], options: dict) -> tuple[
     corners) x 5; and per entry and block, the strategy the fastest and the leanest plan run on every copy
     (entries x blocks x 2) and the copies (entries x blocks). Computed for all entries at once, block by block."""
     hull = len(model.blocks) == 1           # the hull's corners for one block; several blocks: the ideal point only
-    keys: dict[tuple, int] = {}             # entries sharing (tp, branches, micro-batch, cp) share their layer table
-    key_of = np.array([keys.setdefault((tp, branches, mb, cp), len(keys)) for tp, branches, mb, cp, _, _ in grouped])
+    keys: dict[tuple, int] = {}     # entries sharing (tp, branches, micro-batch, cp, ep) share their layer table
+    key_of = np.array([keys.setdefault((tp, branches, mb, cp, ep), len(keys))
+                       for tp, branches, mb, cp, ep, _, _ in grouped])
     layouts = np.array([lay for *_, lay, _ in grouped], dtype=np.int64)      # entries x blocks x (chains, groups, size)
     at = np.arange(len(grouped))
     rows = None
     picks = np.zeros((len(grouped), len(model.blocks), 2), dtype=np.int64)
     all_copies = np.zeros((len(grouped), len(model.blocks)), dtype=np.int64)
     for b in range(len(model.blocks)):
-        layers = [_layer_table(model.blocks[b][1], options[(b, tp)], tp, branches, mb, cp)
-                  for tp, branches, mb, cp in keys]
+        layers = [_layer_table(model.blocks[b][1], options[(b, tp)], tp, branches, mb, cp, ep)
+                  for tp, branches, mb, cp, ep in keys]
         width = max(len(values) for values, _ in layers)
         per_key = np.full((len(keys), width, 6), np.inf)          # time, backward, acts, transient, params, change
         per_key[..., 1:] = 0.0
@@ -187,12 +188,12 @@ def _turn(o: int, a: int, b: int, x: np.ndarray, y: np.ndarray) -> float:
     return (x[a] - x[o]) * (y[b] - y[o]) - (y[a] - y[o]) * (x[b] - x[o])
 
 
-def _layer_table(cost: BlockCost, opts: list[LayerStrategy], tp: int, branches: tuple[str, ...], mb: int, cp: int = 1
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def _layer_table(cost: BlockCost, opts: list[LayerStrategy], tp: int, branches: tuple[str, ...], mb: int, cp: int = 1,
+                 ep: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy: (time, backward, activations, transient, parameters, layout change) of one copy, and whether
     it splits the stream."""
     change = cost.layout_change_s(tp, mb)
-    layers = [cost.layer(o, tp, branches, mb, cp) for o in opts]
+    layers = [cost.layer(o, tp, branches, mb, cp, ep) for o in opts]
     return (np.array([[c.time_s, c.backward_s, c.activation_bytes, c.transient_bytes, c.parameters, change]
                       for c in layers]), np.array([o.sequence_parallel and tp > 1 for o in opts]))
 

@@ -11,15 +11,15 @@ from ..cost.layer import BlockCost
 from ..space.plan import LayerStrategy
 from .pareto import ParetoSet, ParetoSets, combine_sets, union_sets
 
-Key = tuple[int, int, tuple[str, ...], int, int]   # a chain's (tp, copies per group, branches, micro-batch, cp)
+Key = tuple[int, int, tuple[str, ...], int, int, int]  # a chain's (tp, copies per group, branches, micro-batch, cp, ep)
 
 
 def _layer_sets(cost: BlockCost, options: list[LayerStrategy], keys: list[Key], rows: list[list[int]]) -> ParetoSets:
     """One step of the chains: a group of consecutive copies running one strategy (for each key, one of the
     ``options`` listed in its ``rows``), one Pareto set per key; layout changes are added when a chain is closed."""
     values = [[size * c.time_s, size * c.activation_bytes, c.transient_bytes]
-              for (tp, size, branches, micro_batch, cp), mine in zip(keys, rows)
-              for c in (cost.layer(options[i], tp, branches, micro_batch, cp) for i in mine)]
+              for (tp, size, branches, micro_batch, cp, ep), mine in zip(keys, rows)
+              for c in (cost.layer(options[i], tp, branches, micro_batch, cp, ep) for i in mine)]
     eye = np.eye(len(options), dtype=np.int64)
     counts = np.concatenate([size * eye[mine] for (_, size, *_), mine in zip(keys, rows)])
     group = np.repeat(np.arange(len(keys)), [len(mine) for mine in rows])
@@ -28,7 +28,7 @@ def _layer_sets(cost: BlockCost, options: list[LayerStrategy], keys: list[Key], 
 
 class Chain:
     """Pareto sets of k consecutive copies of one block, entered and left with a replicated stream, for every
-    (tp, copies per group, branches, micro-batch, cp) key the search needs at once: one set per key, all held in one
+    (tp, copies per group, branches, micro-batch, cp, ep) key the search needs at once: one set per key, all held in one
     ``ParetoSets``, so each step below is one numpy pass over every key.
 
     Times, kept activations and parameters add over a chain's copies and the transient takes their max, whatever
@@ -51,7 +51,7 @@ class Chain:
         self.columns = {tp: [self.options.index(o) for o in opts] for tp, opts in options.items()}
         self.needs = list(needs.values())
         keys = list(needs)
-        self.change = np.array([cost.layout_change_s(tp, mb) for tp, _, _, mb, _ in keys], dtype=float)
+        self.change = np.array([cost.layout_change_s(tp, mb) for tp, _, _, mb, *_ in keys], dtype=float)
         self.split = np.array([o.sequence_parallel for o in self.options])       # the strategies' columns
         rows = [self.columns[tp] for tp, *_ in keys]
         plain = [[i for i in mine if not self.split[i]] for mine in rows]

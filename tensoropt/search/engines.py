@@ -71,6 +71,8 @@ def _not_compiled(plan: Plan, engine: str) -> list[str]:
         ("pipeline stages", plan.pp not in space.get("pipeline_stages", (plan.pp,))),
         # the torch engine runs context parallelism eager only (runtime.parallel.context_parallel)
         ("context parallelism", plan.cp > 1),
+        # nor expert parallelism (runtime.parallel.expert_parallel: its all-to-alls between eager products)
+        ("expert parallelism", plan.ep > 1),
     ] if needed]
 
 
@@ -91,6 +93,8 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
             ("bf16-true without ZeRO", plan.precision == "bf16-true" and plan.zero == 0),
             # the sequence split needs the model's attention to gather keys and values: the torch engine's
             ("context parallelism (the torch engine runs it)", plan.cp > 1),
+            # TensorOpt's own token exchange, not DeepSpeed-MoE's layers (runtime.parallel.expert_parallel)
+            ("expert parallelism (the torch engine runs it)", plan.ep > 1),
         ] if needed]
     return [what for what, needed in [
         ("optimizer offload", plan.offload),
@@ -101,6 +105,8 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
         ("tensor and data parallelism without ZeRO 1, 2 or 3", plan.tp > 1 and plan.dp * plan.cp > 1
          and plan.zero == 0),
         ("context parallelism with pipeline stages", plan.cp > 1 and plan.pp > 1),
+        ("expert parallelism with pipeline stages", plan.ep > 1 and plan.pp > 1),
+        ("expert parallelism with context parallelism", plan.ep > 1 and plan.cp > 1),
     ] if needed]
 
 

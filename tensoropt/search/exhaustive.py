@@ -22,7 +22,7 @@ from .ft import FrontierPoint, SearchResult, SearchSpace, contexts, device_split
 def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_sequences: int = 200_000) -> SearchResult:
     start = time.perf_counter()
     values, plans = [], []
-    for dp, tp, pp, branches, mb, globals_, cp in contexts(model, devices, space):
+    for dp, tp, pp, branches, mb, globals_, cp, ep in contexts(model, devices, space):
         chains_of = {}                 # the blocks' priced sequences for each number of virtual stages
         for v, z, off, grad in globals_:
             per_block = chains_of.setdefault(v, [])
@@ -35,10 +35,10 @@ def exhaustive_search(model: ModelCost, devices: int, space: SearchSpace, max_se
                 if len(options) ** groups > max_sequences:
                     raise ValueError(f"{len(options)}^{groups} sequences: too many for exhaustive search")
                 per_block.append([([(o, size) for o in seq],
-                                   device_chain_sums(cost, [(o, size) for o in seq], tp, branches, mb, v, cp))
+                                   device_chain_sums(cost, [(o, size) for o in seq], tp, branches, mb, v, cp, ep))
                                   for seq in itertools.product(options, repeat=groups)])
             ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                          space.master_weights, space.precision, engine=space.engine, grad_dtype=grad, cp=cp)
+                          space.master_weights, space.precision, engine=space.engine, grad_dtype=grad, cp=cp, ep=ep)
             combos = list(itertools.product(*per_block))
             sums = np.array([[c[1] for c in combo] for combo in combos])     # (combination, block, sum)
             # one call per context: evaluate prices each entry of its arrays as it would price it alone

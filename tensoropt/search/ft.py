@@ -88,6 +88,9 @@ class SearchSpace:
     # context-parallel degrees searched (``Plan.cp``; 1: none, every other mesh): None, 1 and the degrees leaving
     # each rank at least ``space.context_parallel.MIN_TOKENS_PER_RANK`` tokens (``default_degrees``)
     context_parallel: tuple[int, ...] | None = None
+    # expert-parallel degrees searched (``Plan.ep``; 1: none) for a Mixture-of-Experts model: None, every degree
+    # dividing dp and the experts (``space.experts.Experts.degrees``)
+    expert_parallel: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,15 @@ def cp_degrees(model: ModelCost, devices: int, space: SearchSpace) -> tuple[int,
                  and not graph_refusal(model.graph, cp))
 
 
+def ep_searched(model: ModelCost, space: SearchSpace) -> bool:
+    """Whether the search tries expert parallelism for ``model``: a Mixture-of-Experts model on eager kernels of the
+    torch engine (a space for DeepSpeed has none), with pp 1 in the space's limits and no context parallelism
+    required."""
+    return bool(model.experts.modules) and not model.compiled and space.engine != "deepspeed" \
+        and (space.pipeline_stages is None or 1 in space.pipeline_stages) \
+        and (space.context_parallel is None or 1 in space.context_parallel)
+
+
 def _branch_sets(names: tuple[str, ...], tp: int) -> list[tuple[str, ...]]:
     """The sets of branches tp may shard: none at tp 1, else every non-empty one, largest first."""
     return [()] if tp == 1 else [c for r in range(len(names), 0, -1) for c in itertools.combinations(names, r)]
@@ -155,7 +167,7 @@ def _branch_sets(names: tuple[str, ...], tp: int) -> list[tuple[str, ...]]:
 
 def contexts(model: ModelCost, devices: int, space: SearchSpace):
     """Every global choice the runtime supports for this model on ``devices`` devices: (dp, tp, pp, branches,
-    micro-batch, (virtual stages, ZeRO, offload, gradients) choices, cp)."""
+    micro-batch, (virtual stages, ZeRO, offload, gradients) choices, cp, ep)."""
     cluster = model.cluster
     max_tp = int(np.gcd.reduce([b.max_tp for s in model.spaces for b in s.branches])) if model.branch_names else 1
     by_virtual: dict[tuple[int, ...], tuple] = {}        # the global choices of each virtual-stage list, built once
@@ -165,6 +177,8 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
         if not model.tp_allowed(tp) or (space.pipeline_stages is not None and pp not in space.pipeline_stages) \
                 or (space.tensor_parallel is not None and tp not in space.tensor_parallel) \
                 or (space.context_parallel is not None and 1 not in space.context_parallel):
+            continue
+        if space.expert_parallel is not None and 1 not in space.expert_parallel:
             continue
         copies = repeats // pp
         for branches in _branch_sets(names, tp):
@@ -180,7 +194,7 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
                     by_virtual[virtual] = tuple((v, z, off, g) for v in virtual for z in space.zero_stages
                                                 for off in ((False, True) if space.offload and z >= 1 else (False,))
                                                 for g in space.grad_dtypes if z >= 1 or not g)
-                yield dp, tp, pp, branches, mb, by_virtual[virtual], 1
+                yield dp, tp, pp, branches, mb, by_virtual[virtual], 1, 1
     # context parallelism: a (dp, cp, tp) mesh, tp inside a node, pp 1, no offload (runtime.parallel.context_parallel)
     plain = tuple((1, z, False, g) for z in space.zero_stages for g in space.grad_dtypes if z >= 1 or not g)
     for cp in cp_degrees(model, devices, space):
@@ -190,7 +204,18 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
             for branches in _branch_sets(names, tp):
                 for mb in space.micro_batches:
                     if not space.global_batch % (dp * mb):
-                        yield dp, tp, 1, branches, mb, plain, cp
+                        yield dp, tp, 1, branches, mb, plain, cp, 1
+    # expert parallelism: ep of the dp ranks share the experts, pp 1, no offload (runtime.parallel.expert_parallel)
+    for dp, tp, _ in meshes(devices, cluster.devices_per_node, max_tp, 1) if ep_searched(model, space) else ():
+        if not model.tp_allowed(tp) or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
+            continue
+        for ep in model.experts.degrees(dp):
+            if space.expert_parallel is not None and ep not in space.expert_parallel:
+                continue
+            for branches in _branch_sets(names, tp):
+                for mb in space.micro_batches:
+                    if not space.global_batch % (dp * mb):
+                        yield dp, tp, 1, branches, mb, plain, 1, ep
 
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True,
@@ -220,44 +245,44 @@ def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = 
 
     # each choice's contexts (rows of ``table``), grouped by how their virtual stages split the device's chains
     grouped = []
-    for _, tp, pp, branches, mb, first, by_v, cp in choices:
+    for _, tp, pp, branches, mb, first, by_v, cp, ep in choices:
         by_split: dict[tuple, list[np.ndarray]] = {}
         for v, offsets in by_v:
             by_split.setdefault(splits(tp, pp, v), []).append(first + offsets)
-        grouped += [(tp, branches, mb, cp, layout, same[0] if len(same) == 1 else np.sort(np.concatenate(same)))
+        grouped += [(tp, branches, mb, cp, ep, layout, same[0] if len(same) == 1 else np.sort(np.concatenate(same)))
                     for layout, same in by_split.items()]
-    shapes = dict.fromkeys((tp, branches, mb, cp) for tp, branches, mb, cp, _, _ in grouped)
+    shapes = dict.fromkeys((tp, branches, mb, cp) for tp, branches, mb, cp, _, _, _ in grouped)
     for b in blocks:                    # every layer cost the bounds and chains read, in one pass per block
         model.blocks[b][1].prepare((tp, branches, o.sequence_parallel and tp > 1, mb, cp)
                                    for tp, branches, mb, cp in shapes for o in options[(b, tp)])
     seeds = Seeds.empty(len(model.blocks))
     if bound:
         grouped, seeds = bound_contexts(model, table, grouped, options)
-    # one chain per block, with a Pareto set per (tp, group size, branches, micro-batch, cp) it is needed for
+    # one chain per block, with a Pareto set per (tp, group size, branches, micro-batch, cp, ep) it is needed for
     needs: dict[int, dict[Key, set[tuple[int, int]]]] = {b: {} for b in blocks}
-    for tp, branches, mb, cp, layout, _ in grouped:
+    for tp, branches, mb, cp, ep, layout, _ in grouped:
         for b, (chains, groups, size) in zip(blocks, layout):
-            needs[b].setdefault((tp, size, branches, mb, cp), set()).add((groups, chains))
+            needs[b].setdefault((tp, size, branches, mb, cp, ep), set()).add((groups, chains))
     builders = {b: Chain(model.blocks[b][1], {key[0]: options[(b, key[0])] for key in keys}, keys, space.eps)
                 for b, keys in needs.items() if keys}
-    per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb, cp) -> per strategy: backward s, parameters
+    per_option: dict[tuple, tuple] = {}     # (block, tp, branches, mb, cp, ep) -> per strategy: backward s, parameters
     ctxs: list[np.ndarray] = []          # per entry of ``grouped``: its rows of ``table``
     stages = []          # per (tp, branches, micro-batch, pp, split): (stage set, option lists, backward, parameters)
     ctx_stage = []       # per context: index into stages
-    for tp, branches, mb, cp, layout, priced in grouped:
-        parts = [builders[b].set((tp, size, branches, mb, cp), groups, chains, doubling)
+    for tp, branches, mb, cp, ep, layout, priced in grouped:
+        parts = [builders[b].set((tp, size, branches, mb, cp, ep), groups, chains, doubling)
                  for b, (chains, groups, size) in zip(blocks, layout)]
         option_lists = [options[(b, tp)] for b in blocks]
         stage = _combine_blocks(parts, space.eps) if parts else \
             ParetoSet(np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int64))
         backward, params = np.zeros(len(stage)), np.zeros(len(stage))
         for b, (_, counts) in zip(blocks, _split(stage.counts, option_lists)):
-            if (b, tp, branches, mb, cp) not in per_option:
-                layers = [model.blocks[b][1].layer(o, tp, branches, mb, cp) for o in options[(b, tp)]]
-                per_option[(b, tp, branches, mb, cp)] = (np.array([c.backward_s for c in layers]),
+            if (b, tp, branches, mb, cp, ep) not in per_option:
+                layers = [model.blocks[b][1].layer(o, tp, branches, mb, cp, ep) for o in options[(b, tp)]]
+                per_option[(b, tp, branches, mb, cp, ep)] = (np.array([c.backward_s for c in layers]),
                                                          np.array([c.parameters for c in layers]))
-            backward += counts @ per_option[(b, tp, branches, mb, cp)][0]
-            params += counts @ per_option[(b, tp, branches, mb, cp)][1]
+            backward += counts @ per_option[(b, tp, branches, mb, cp, ep)][0]
+            params += counts @ per_option[(b, tp, branches, mb, cp, ep)][1]
         stages.append((stage, option_lists, backward, params))
         ctxs.append(priced)
         ctx_stage += [len(stages) - 1] * len(priced)
@@ -307,37 +332,37 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
                    space.engine, g) for g in space.grad_dtypes)
     branch_sets: dict[tuple[str, ...], int] = {}
 
-    def kept(dp, tp, pp, branches, mb, v, z, off, g, cp) -> bool:
-        key = (dp, tp, pp, v, z, off, g, cp)
+    def kept(dp, tp, pp, branches, mb, v, z, off, g, cp, ep) -> bool:
+        key = (dp, tp, pp, v, z, off, g, cp, ep)
         if key not in asked:
             ctx = Context(dp, tp, pp, v, mb, space.global_batch, z, off, branches, space.dtype,
-                          space.master_weights, space.precision, model.compiled, space.engine, g, cp)
+                          space.master_weights, space.precision, model.compiled, space.engine, g, cp, ep)
             asked[key] = runs is None or runs(ctx.plan(devices, ()))
         return asked[key]
     out, heads, parts, total = [], [], [], 0
     runnable: dict[tuple, tuple] = {}         # per (mesh, global choices): (v, z, off, gradients) rows, by v
-    for dp, tp, pp, branches, mb, globals_, cp in contexts(model, devices, space):
+    for dp, tp, pp, branches, mb, globals_, cp, ep in contexts(model, devices, space):
         key = (globals_, dp * cp == 1)       # data parallelism runs over the dp x cp ranks
         if key not in undominated:
             undominated[key] = _undominated(globals_, dp * cp, pp)
-        if (dp, tp, pp, globals_, cp) not in runnable:      # the same for every micro-batch and branches
+        if (dp, tp, pp, globals_, cp, ep) not in runnable:      # the same for every micro-batch and branches
             mine = np.array([(v, z, off, grads[g]) for v, z, off, g in undominated[key]
-                             if kept(dp, tp, pp, branches, mb, v, z, off, g, cp)], dtype=np.int64).reshape(-1, 4)
-            runnable[(dp, tp, pp, globals_, cp)] = mine, tuple((int(v), np.flatnonzero(mine[:, 0] == v))
+                             if kept(dp, tp, pp, branches, mb, v, z, off, g, cp, ep)], dtype=np.int64).reshape(-1, 4)
+            runnable[(dp, tp, pp, globals_, cp, ep)] = mine, tuple((int(v), np.flatnonzero(mine[:, 0] == v))
                                                                for v in dict.fromkeys(mine[:, 0].tolist()))
-        mine, by_v = runnable[(dp, tp, pp, globals_, cp)]
+        mine, by_v = runnable[(dp, tp, pp, globals_, cp, ep)]
         if len(mine):
-            out.append((dp, tp, pp, branches, mb, total, by_v, cp))
-            heads.append((dp, tp, pp, mb, branch_sets.setdefault(branches, len(branch_sets)), cp, len(mine)))
+            out.append((dp, tp, pp, branches, mb, total, by_v, cp, ep))
+            heads.append((dp, tp, pp, mb, branch_sets.setdefault(branches, len(branch_sets)), cp, ep, len(mine)))
             parts.append(mine)
             total += len(mine)
     if not out:
         return out, ContextTable.of_rows([], (), kinds)
     head = np.array(heads, dtype=np.int64)
-    each = np.repeat(head[:, :6], head[:, 6], axis=0)       # dp, tp, pp, mb, branches, cp per row
+    each = np.repeat(head[:, :7], head[:, 7], axis=0)       # dp, tp, pp, mb, branches, cp, ep per row
     mine = np.concatenate(parts)                             # v, z, off, gradients per row
     return out, ContextTable.of_rows(np.column_stack([each[:, :3], mine[:, 0], each[:, 3], mine[:, 1:3], each[:, 4],
-                                                      mine[:, 3], each[:, 5]]), tuple(branch_sets), kinds)
+                                                      mine[:, 3], each[:, 5], each[:, 6]]), tuple(branch_sets), kinds)
 
 
 def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int

@@ -36,6 +36,7 @@ class Limits:
     recompute: tuple[str, ...] | None = None         # allowed recomputation strategies
     grad_dtypes: tuple[str, ...] | None = None       # dtypes the gradients may be reduced in (float32, bfloat16)
     context_parallel: tuple[int, ...] | None = None  # context-parallel degrees searched (1: none)
+    expert_parallel: tuple[int, ...] | None = None   # expert-parallel degrees searched (1: none)
 
     def _parts(self) -> list[tuple[str, str]]:
         """(flag, words) of each limit given."""
@@ -45,6 +46,7 @@ class Limits:
         grads = self.grad_dtypes and tuple(flags[d] for d in self.grad_dtypes)
         parts = [("--tp", "tp", self.tensor_parallel), ("--max-tp", "tp <=", self.max_tp and (self.max_tp,)),
                  ("--pp", "pp", self.pipeline_stages), ("--cp", "cp", self.context_parallel),
+                 ("--ep", "ep", self.expert_parallel),
                  ("--zero", "ZeRO", self.zero_stages),
                  ("--recompute", "recompute", self.recompute), ("--grad-dtype", "gradients in", grads)]
         out = [(f"{flag} {listed(v)}", f"{words} {listed(v)}") for flag, words, v in parts if v]
@@ -77,11 +79,12 @@ class Limits:
         if any(values == () for values in (tp, pp, zero, recompute, grads)):
             return None
         cp = _allowed(space.context_parallel, self.context_parallel, None)
-        if cp == ():
+        ep = _allowed(space.expert_parallel, self.expert_parallel, None)
+        if cp == () or ep == ():
             return None
         return dataclasses.replace(space, tensor_parallel=tp, pipeline_stages=pp, zero_stages=zero,
                                    recompute=recompute, offload=space.offload and self.offload, grad_dtypes=grads,
-                                   context_parallel=cp)
+                                   context_parallel=cp, expert_parallel=ep)
 
 
 def _reduced_in(space: SearchSpace, grad_dtype: str) -> str:

@@ -1,0 +1,148 @@
+"""Expert parallelism in the planner: the capture's experts of Hugging Face Mixture-of-Experts models, the price of an
+ep plan checked against the graph's shapes (experts' weights over ep, states over dp, the all-to-alls), FT equal to
+exhaustive enumeration with ep contexts, and the --ep flags of estimate and frontier with their one-line errors."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import tensoropt
+from tensoropt.cli import cli
+from tensoropt.cost.comm import all_to_all_s
+from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.search.engines import unsupported
+from tensoropt.search.exhaustive import exhaustive_search
+from tensoropt.search.ft import SearchSpace, search
+from tensoropt.space.experts import Experts, experts_report
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+# small Hugging Face configs, as examples/train_hf.py trains them (4 and 8 experts, top-2)
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "vocab_size": 128, "max_position_embeddings": 64, "router_jitter_noise": 0.0}
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+             "vocab_size": 128, "max_position_embeddings": 64}
+
+
+def run(*args) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def _graph(write_json, cfg):
+    return tensoropt.capture(write_json("moe.json", cfg), seq_len=64).graph
+
+
+def _model(graph, devices=4, per_node=4):
+    return ModelCost(graph, tensoropt.fold(graph), Cluster(devices, per_node, load_profile("h100-80gb")))
+
+
+@pytest.mark.parametrize("cfg, experts", [(MIXTRAL, 4), (QWEN3_MOE, 8)])
+def test_the_capture_records_each_layers_experts_and_top_k(write_json, cfg, experts):
+    graph = _graph(write_json, cfg)
+    found = Experts.of(graph)
+    assert [(path, e, k) for path, e, k in found.modules] == [
+        (f"model.layers.{i}.mlp.experts", experts, 2) for i in range(2)]
+    assert found.params == {f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                            for w in ("gate_up_proj", "down_proj")}
+    sizes = dict(graph.params)
+    expert_elements = sum(sizes[p].numel for p in found.params)
+    report = experts_report(graph)
+    # one token computes with every weight but the experts it does not visit: (1 - 2 / experts) of each layer's
+    assert report["active_parameters"] == graph.num_parameters - round(expert_elements * (1 - 2 / experts))
+    assert report["expert_parameters"] == expert_elements and report["top_k"] == [2]
+    # the grouped products count every token-expert pair once: 2 x tokens x top-k x in x out, whatever the routing
+    products = [op for op in graph.ops if op.target == "aten._grouped_mm.default"]
+    assert len(products) == 4
+    for op in products:
+        rows, width = op.inputs[0].shape
+        assert rows == 64 * 2 and op.forward_flops == 2 * rows * width * op.outputs[0].shape[1]
+
+
+def _plan(ep: int, zero: int, recompute: str = "none") -> Plan:
+    return Plan(devices=4, dp=4, tp=1, pp=1, micro_batch=2, global_batch=8, zero=zero, ep=ep, dtype="float32",
+                master_weights=False, precision="32-true",
+                blocks=(BlockPlan("model.layers.*", ((LayerStrategy(recompute), 2),)),))
+
+
+@pytest.mark.parametrize("recompute, exchanges", [("none", 4), ("full", 6)])
+def test_an_ep_copy_holds_its_share_of_the_experts_and_pays_the_all_to_alls(write_json, recompute, exchanges):
+    model = _model(_graph(write_json, QWEN3_MOE))
+    cost = model.blocks[0][1]
+    plain = cost.layer(LayerStrategy(recompute), 1, (), 2)
+    sharded = cost.layer(LayerStrategy(recompute), 1, (), 2, 1, 4)
+    per_copy = cost.expert_params
+    assert per_copy == sum(m.numel for n, m in model.graph.params if n.startswith("model.layers.0.mlp.experts."))
+    assert sharded.parameters == pytest.approx(plain.parameters - per_copy * 3 / 4)
+    # the dispatch moves the rows of the first grouped product: tokens x top-k x hidden x 2 bytes per sample (a
+    # Hugging Face config is captured in bf16)
+    assert cost.dispatch_bytes == 64 * 2 * 64 * 2
+    assert sharded.ep_comm_s == pytest.approx(exchanges * all_to_all_s(cost.dispatch_bytes * 2, 4, 1, model.cluster))
+    assert (sharded.forward_s, sharded.backward_s, sharded.activation_bytes) == \
+        (plain.forward_s, plain.backward_s, plain.activation_bytes)
+
+
+def test_zero_shards_the_experts_states_over_dp_as_without_ep(write_json):
+    """ZeRO 0 holds a rank's experts / ep whole; ZeRO 3 holds experts / ep / (dp / ep) = the same share as at ep 1."""
+    model = _model(_graph(write_json, QWEN3_MOE))
+    held = model.expert_parameters * 3 / 4 * 4       # float32 weights: the experts ep 4 takes off a rank, bytes
+    for zero, fewer in ((0, held), (3, 0.0)):
+        one, four = estimate(model, _plan(1, zero)), estimate(model, _plan(4, zero))
+        assert one.memory_breakdown["parameters_bytes"] - four.memory_breakdown["parameters_bytes"] == \
+            pytest.approx(fewer)
+        assert four.time_breakdown["expert_parallel_comm_s"] > 0
+
+
+@pytest.mark.parametrize("per_node", [4, 2])
+def test_ft_equals_exhaustive_enumeration_with_expert_parallelism(write_json, per_node):
+    model = _model(_graph(write_json, MIXTRAL), 4, per_node)
+    space = SearchSpace(global_batch=8, micro_batches=(1, 2), eps=0.0, expert_parallel=(1, 2, 4))
+    ft, brute = search(model, 4, space), exhaustive_search(model, 4, space)
+    front = np.array([[p.iteration_time_s, p.peak_memory_bytes] for p in ft.points])
+    np.testing.assert_allclose(front, [[p.iteration_time_s, p.peak_memory_bytes] for p in brute.points], rtol=1e-12)
+    assert any(p.plan.ep > 1 for p in ft.points)
+    for point in ft.points:
+        e = estimate(model, point.plan)
+        assert e.iteration_time_s == pytest.approx(point.iteration_time_s, rel=1e-12)
+        assert e.peak_memory_bytes == pytest.approx(point.peak_memory_bytes, rel=1e-12)
+        if point.plan.ep > 1:
+            assert (point.plan.pp, point.plan.cp, point.plan.offload) == (1, 1, False)
+            assert point.plan.dp % point.plan.ep == 0
+            assert not unsupported(point.plan, "torch") and unsupported(point.plan, "deepspeed")
+
+
+def test_a_dense_model_gets_no_ep_plan(write_json):
+    dense = {**MIXTRAL, "model_type": "llama"}
+    del dense["num_local_experts"], dense["num_experts_per_tok"], dense["router_jitter_noise"]
+    model = _model(_graph(write_json, dense))
+    assert not model.experts.modules and model.expert_parameters == 0
+    assert all(p.plan.ep == 1 for p in search(model, 4, SearchSpace(global_batch=8)).points)
+
+
+def test_estimate_and_frontier_ep_flags(write_json):
+    moe = write_json("moe.json", MIXTRAL)
+    common = ("--model", moe, "--gpus", 4, "--global-batch", 8, "--seq-len", 64, "--device", "h100-80gb")
+    code, out = run("estimate", *common, "--tp", 1, "--pp", 1, "--micro-batch", 2, "--ep", 2, "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["plan"]["ep"] == 2 and report["engine"] == "torch" and "dp4 ep2 tp1" in report["plan"]["summary"]
+    assert report["time_breakdown"]["expert_parallel_comm_s"] > 0
+    code, out = run("estimate", *common, "--tp", 1, "--pp", 1, "--ep", 3)
+    assert code != 0 and "4 experts do not divide by 3" in out and out.count("\n") == 1
+    code, out = run("estimate", *common, "--tp", 1, "--pp", 1, "--ep", 2, "--engine", "deepspeed")
+    assert code != 0 and "expert parallelism" in out and out.count("\n") == 1
+    code, out = run("frontier", *common, "--ep", 2, "--json")
+    assert code == 0, out
+    points = json.loads(out)["points"]
+    assert points and all(p["plan"]["ep"] == 2 for p in points)
+    code, out = run("frontier", *common, "--ep", 8)
+    assert code != 0 and out.startswith("error: --ep 8:") and out.count("\n") == 1
+    dense = write_json("dense.json", {"family": "llama", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
+                                       "ffn_hidden_size": 128, "seq_length": 64, "vocab_size": 128})
+    code, out = run("frontier", "--model", dense, "--gpus", 4, "--global-batch", 8, "--ep", 2)
+    assert code != 0 and "has none" in out and out.count("\n") == 1
