@@ -2,6 +2,7 @@
 ep plan checked against the graph's shapes (experts' weights over ep, states over dp, the all-to-alls), FT equal to
 exhaustive enumeration with ep contexts, and the --ep flags of estimate and frontier with their one-line errors."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -83,8 +84,26 @@ def test_an_ep_copy_holds_its_share_of_the_experts_and_pays_the_all_to_alls(writ
     # Hugging Face config is captured in bf16)
     assert cost.dispatch_bytes == 64 * 2 * 64 * 2
     assert sharded.ep_comm_s == pytest.approx(exchanges * all_to_all_s(cost.dispatch_bytes * 2, 4, 1, model.cluster))
-    assert (sharded.forward_s, sharded.backward_s, sharded.activation_bytes) == \
-        (plain.forward_s, plain.backward_s, plain.activation_bytes)
+    # the same token rows and FLOPs: the kept activations stay, the products read (and write gradients of) fewer
+    # weights, which can only save time
+    assert sharded.activation_bytes == plain.activation_bytes
+    assert sharded.forward_s <= plain.forward_s and sharded.backward_s <= plain.backward_s
+
+
+def test_ep_saves_the_expert_weights_a_memory_bound_product_reads(write_json):
+    """On a device whose products are memory-bound (a peak so high that FLOPs cost nothing), an ep copy's expert
+    products save exactly the bytes of the weights the rank does not hold: read once in the forward, twice in the
+    backward (read again and their gradients written)."""
+    graph = _graph(write_json, QWEN3_MOE)
+    h100 = load_profile("h100-80gb")
+    fast = dataclasses.replace(h100, peak_flops=tuple((k, v * 1e9) for k, v in h100.peak_flops))
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(4, 4, fast))
+    cost = model.blocks[0][1]
+    plain, sharded = cost.layer(LayerStrategy(), 1, (), 2), cost.layer(LayerStrategy(), 1, (), 2, 1, 4)
+    weights = sum(m.nbytes for n, m in graph.params if n.startswith("model.layers.0.mlp.experts."))
+    saved_s = weights * 3 / 4 / fast.memory_bytes_per_s
+    assert plain.forward_s - sharded.forward_s == pytest.approx(saved_s, rel=1e-9)
+    assert plain.backward_s - sharded.backward_s == pytest.approx(2 * saved_s, rel=1e-9)
 
 
 def test_zero_shards_the_experts_states_over_dp_as_without_ep(write_json):

@@ -134,6 +134,7 @@ class BlockCost:
         experts_at = expert_ops(ops, experts) if experts else ()
         self.expert_params = float(self.params[list(experts_at)].sum()) if experts_at else 0.0
         self.dispatch_bytes = dispatch_bytes(ops, experts_at)
+        self._expert_arrays = self.arrays.subset(list(experts_at)) if experts_at else None
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -182,7 +183,22 @@ class BlockCost:
         forward again. The ep ranks are consecutive data-parallel ranks: tp apart."""
         exchanges = 6 if strategy.recompute == "full" else 4
         exchange_s = exchanges * all_to_all_s(self.dispatch_bytes * micro_batch, ep, tp, self.cluster)
-        return replace(layer, parameters=layer.parameters - self.expert_params * (1 - 1 / ep), ep_comm_s=exchange_s)
+        forward_s, backward_s = self._expert_weight_reads_s(micro_batch, ep)
+        return replace(layer, forward_s=layer.forward_s + forward_s, backward_s=layer.backward_s + backward_s,
+                       recompute_s=layer.recompute_s + (forward_s if strategy.recompute == "full" else 0.0),
+                       parameters=layer.parameters - self.expert_params * (1 - 1 / ep), ep_comm_s=exchange_s)
+
+    def _expert_weight_reads_s(self, micro_batch: int, ep: int) -> tuple[float, float]:
+        """(forward, backward) seconds an expert-parallel copy's expert products save by reading, and writing the
+        gradients of, only the rank's experts / ep of the weights (the same token rows, the same FLOPs): where the
+        roofline makes a product memory-bound at a small micro-batch (every expert's weights read for few rows each),
+        ep makes it cheaper. Measured ops keep their measured times (no change)."""
+        arrays, prof = self._expert_arrays, self.cluster.profile
+        shard = np.ones(len(arrays.forward_flops))
+        whole_f, whole_b = op_times(arrays, shard, micro_batch, prof)
+        part_f, part_b = op_times(replace(arrays, parameter_bytes=arrays.parameter_bytes / ep), shard, micro_batch,
+                                  prof)
+        return float((part_f - whole_f).sum()), float((part_b - whole_b).sum())
 
     def prepare(self, keys) -> None:
         """Compute the shared sums (``_ops``) of many (tp, branches, sequence parallelism, micro-batch, cp) keys at

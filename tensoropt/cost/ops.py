@@ -20,7 +20,7 @@ measured, else the unsharded time scaled by micro-batch / shard (all measured at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -46,6 +46,11 @@ class OpArrays:
     measured_forward_s: np.ndarray   # profiler's time at the captured shapes, nan where not measured
     measured_backward_s: np.ndarray
     measured_sharded: tuple = ()     # (tp, forward_s array, backward_s array) at one rank's shapes
+
+    def subset(self, indices: list[int]) -> OpArrays:
+        """These arrays for the ops at ``indices`` only (their measured times kept, no sharded ones)."""
+        return OpArrays(**{f.name: getattr(self, f.name)[indices] for f in fields(self)
+                           if f.name != "measured_sharded"})
 
     @staticmethod
     def of(ops: tuple[Op, ...], profile: DeviceProfile, fused: bool = False) -> OpArrays:
