@@ -97,6 +97,11 @@ class _GpuKernels(TorchFunctionMode):
         if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
             groups = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+        if v.shape[-1] != q.shape[-1]:
+            # values narrower than queries and keys (DeepSeek's MLA: 192 vs 128): the flash kernels take one head size,
+            # CUDA's SDPA runs the memory-efficient kernel, which keeps O(s) state as well
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, attn_mask, True, dropout_p, is_causal, scale=kwargs.get("scale"))[0]
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=kwargs.get("scale"))
         return out[0]
