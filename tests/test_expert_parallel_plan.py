@@ -165,3 +165,20 @@ def test_estimate_and_frontier_ep_flags(write_json):
                                        "ffn_hidden_size": 128, "seq_length": 64, "vocab_size": 128})
     code, out = run("frontier", "--model", dense, "--gpus", 4, "--global-batch", 8, "--ep", 2)
     assert code != 0 and "has none" in out and out.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
+def test_moe_presets_match_their_published_totals_and_active_parameters(name):
+    """The presets are the published configs: built on meta, their parameters and the ones a token computes with (every
+    weight but the experts it does not visit) are the publishers' (two significant figures: 2%)."""
+    from tensoropt.graph.experts import experts_modules
+    from tensoropt.models.hf_presets import HF_PRESETS
+    from tensoropt.models.sources import resolve_model
+    preset = HF_PRESETS[name]
+    model, _ = resolve_model(name).build(1, 64)
+    total = sum(p.numel() for p in model.parameters())
+    sizes = dict(model.named_parameters())
+    idle = sum(sizes[p].numel() * (1 - m["top_k"] / m["experts"]) for m in experts_modules(model).values()
+               for p in m["params"])
+    assert total == pytest.approx(preset.published_parameters, rel=0.02)
+    assert total - idle == pytest.approx(preset.active_parameters, rel=0.02)
