@@ -182,3 +182,23 @@ def test_moe_presets_match_their_published_totals_and_active_parameters(name):
                for p in m["params"])
     assert total == pytest.approx(preset.published_parameters, rel=0.02)
     assert total - idle == pytest.approx(preset.active_parameters, rel=0.02)
+
+
+def test_a_routing_imbalance_prices_the_busiest_rank(write_json):
+    """With --routing-imbalance f the busiest ep rank receives, computes and keeps f x the average rows: its
+    all-to-alls move f x the bytes and it keeps (f - 1) x the expert products' saved tensors and the dispatched rows
+    more; at ep 1 nothing changes (each rank computes its own tokens' experts)."""
+    from tensoropt.space.experts import with_routing_imbalance
+    graph = _graph(write_json, QWEN3_MOE)
+    even, skewed = _model(graph), _model(with_routing_imbalance(graph, 1.5))
+    a, b = even.blocks[0][1], skewed.blocks[0][1]
+    assert b.layer(LayerStrategy(), 1, (), 2) == a.layer(LayerStrategy(), 1, (), 2)
+    one, more = a.layer(LayerStrategy(), 1, (), 2, 1, 4), b.layer(LayerStrategy(), 1, (), 2, 1, 4)
+    assert more.ep_comm_s == pytest.approx(4 * all_to_all_s(a.dispatch_bytes * 2 * 1.5, 4, 1, even.cluster))
+    expert_saved = sum(op.saved_bytes for op in even.blocks[0][0].ops
+                       if any(r.name in even.experts.params for r in op.sources))
+    assert more.activation_bytes - one.activation_bytes == pytest.approx(0.5 * 2 * (expert_saved + a.dispatch_bytes))
+    assert more.forward_s > one.forward_s and more.backward_s > one.backward_s
+    code, out = run("estimate", "--model", write_json("moe.json", MIXTRAL), "--gpus", 4, "--tp", 1, "--pp", 1,
+                    "--global-batch", 8, "--routing-imbalance", 0.5)
+    assert code != 0 and "--routing-imbalance" in out and out.count("\n") == 1

@@ -68,6 +68,10 @@ def load(model: str, device: str, seq_len: int | None, dtype: str | None = None,
 
 
 def model_options(func):
+    func = click.option("--routing-imbalance", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
+                        help="Mixture-of-Experts models: the token rows the busiest expert-parallel rank gets over the "
+                             "average (1: balanced routing); prices that rank's expert products, kept tensors and "
+                             "all-to-alls")(func)
     func = click.option("--seq-len", type=click.IntRange(min=1), default=None,
                         help="sequence length (default: the model's)")(func)
     func = click.option("--device", "device", default="h100-80gb", show_default=True,

@@ -18,6 +18,7 @@ from ..search.engines import choose_engine, priced_graph, unsupported
 from ..search.engines import master_weights as engine_master_weights
 from ..search.limits import GRAD_DTYPE_FLAGS
 from ..space.context_parallel import graph_refusal
+from ..space.experts import with_routing_imbalance
 from ..space.plan import PRECISIONS, RECOMPUTE, BlockPlan, LayerStrategy, Plan, compute_dtype
 from .common import Loaded, load, model_options
 from .format import binary_bytes
@@ -181,9 +182,9 @@ def priced(loaded: Loaded, plan: Plan, gpus: int, per_node: int) -> ModelCost:
                    "launch chooses for the plan, torch where it runs it, else DeepSpeed; with --dtype or "
                    "--master-weights/--no-master-weights, no engine, priced as the torch engine runs it)")
 @click.option("--json", "as_json", is_flag=True)
-def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, cp, ep, virtual_stages, zero, offload, micro_batch,
-             global_batch, recompute, sequence_parallel, dtype, master_weights, precision, grad_dtype, compile_, engine,
-             as_json):
+def estimate(model, gpus, gpus_per_node, device, seq_len, routing_imbalance, tp, pp, cp, ep, virtual_stages, zero,
+             offload, micro_batch, global_batch, recompute, sequence_parallel, dtype, master_weights, precision,
+             grad_dtype, compile_, engine, as_json):
     """Estimate one plan's iteration time and peak memory per device (dp = gpus / (cp * tp * pp)), by default as
     `tensoropt launch --plan` would run it: in launch's default precision, on the engine launch chooses."""
     check_counts(devices=gpus, global_batch=global_batch)
@@ -203,6 +204,8 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, tp, pp, cp, ep, virtua
     # precision is captured as the launcher captures a script in it
     loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" and not precision else None,
                   precision if precision else None)
+    if routing_imbalance != 1.0:
+        loaded.graph = with_routing_imbalance(loaded.graph, routing_imbalance)
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
                       global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..options import check_counts, limit_options
 from ..paths import PLOT_SUFFIXES, check_output_file
 from ..planning import NoPlanError, NoPlanFitsError, plan
 from ..search.limits import NO_LIMITS, Limits
+from ..space.experts import with_routing_imbalance
 from ..space.plan import PRECISIONS
 from ..units import parse_bytes
 from .common import model_options, parse_gpus
@@ -30,7 +32,7 @@ DEFAULT_PRECISION = "bf16-mixed"      # tensoropt launch's default (launcher.lau
 
 def run_search(model: str, gpus: list[int], per_node: int, device: str, global_batch: int, seq_len: int | None,
                no_fold: bool, limits: Limits = NO_LIMITS, compile: bool = False,
-               precision: str = DEFAULT_PRECISION) -> Frontier:
+               precision: str = DEFAULT_PRECISION, routing_imbalance: float = 1.0) -> Frontier:
     """``tensoropt.plan`` for the command's flags: what ``tensoropt launch`` runs, each engine's part of the space in
     ``precision`` (the model captured in it, as the launcher captures a script), each plan priced as the engine that
     runs it holds it; only plans that fit the profile's memory (a plan the devices cannot hold is not a plan), each
@@ -39,6 +41,8 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
     profile = load_profile(device)
     from ..api import capture  # torch: imported when a model is captured, not when the CLI starts
     captured = capture(model, seq_len=seq_len, precision=precision)
+    if routing_imbalance != 1.0:
+        captured = dataclasses.replace(captured, graph=with_routing_imbalance(captured.graph, routing_imbalance))
     # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the
     # search (a full collection there cost gpt3-175b's search ~70 ms, a third of it)
     gc.freeze()
@@ -111,8 +115,8 @@ def print_frontier(frontier: Frontier, chosen, limit: int = 40) -> None:
 @click.option("--out", "out_path", default=None, help="save the frontier (JSON) for later queries")
 @click.option("--load", "load_path", default=None, help="answer from a saved frontier instead of searching")
 @limit_options
-def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_fold, compile_, precision, plot_path,
-             as_json, out_path, load_path, limits):
+def frontier(model, gpus, gpus_per_node, device, seq_len, routing_imbalance, global_batch, mem, no_fold, compile_,
+             precision, plot_path, as_json, out_path, load_path, limits):
     """Search the Pareto frontier of plans (iteration time vs peak memory per device) that `tensoropt launch` runs."""
     limit = parse_bytes(mem) if mem is not None else None
     for path, flag, suffixes in ((out_path, "--out", ()), (plot_path, "--plot", PLOT_SUFFIXES)):
@@ -127,7 +131,7 @@ def frontier(model, gpus, gpus_per_node, device, seq_len, global_batch, mem, no_
         counts = parse_gpus(gpus)
         check_counts(global_batch=global_batch, gpus_per_node=gpus_per_node, devices=counts[-1])
         result = run_search(model, counts, gpus_per_node, device, global_batch, seq_len, no_fold, limits, compile_,
-                            precision)
+                            precision, routing_imbalance)
     chosen = result.fastest_within(limit) if limit is not None else None
     if out_path:
         write_json_atomic(Path(out_path), result.to_json(chosen))

@@ -135,6 +135,7 @@ class BlockCost:
         self.expert_params = float(self.params[list(experts_at)].sum()) if experts_at else 0.0
         self.dispatch_bytes = dispatch_bytes(ops, experts_at)
         self._expert_arrays = self.arrays.subset(list(experts_at)) if experts_at else None
+        self.imbalance = experts.imbalance if experts else 1.0
 
     def shards(self, tp: int, tp_branches: tuple[str, ...], sequence_parallel: bool) -> np.ndarray:
         shard = np.full(len(self.ops), float(tp if sequence_parallel else 1))
@@ -176,29 +177,39 @@ class BlockCost:
     def _with_experts(self, layer: LayerCost, strategy: LayerStrategy, tp: int, micro_batch: int, ep: int
                       ) -> LayerCost:
         """``layer`` with its experts sharded over ``ep`` ranks (Megatron-LM's and torchtitan's expert parallelism):
-        each rank holds experts / ep of the weights; under balanced routing (what the capture prices) a rank's expert
-        products run as many token rows as without it, its tokens' rows going to other ranks and as many coming
-        back, so the compute and the kept activations stay; the dispatch and the combine are one all-to-all each in
-        the forward and one each in the backward (their gradients), twice more where full recomputation runs the
-        forward again. The ep ranks are consecutive data-parallel ranks: tp apart."""
+        each rank holds experts / ep of the weights. Under balanced routing (what the capture prices) a rank's expert
+        products run as many token rows as without it, its tokens' rows going to other ranks and as many coming back,
+        reading (and writing gradients of) only its experts' weights (``_expert_products_s``); the dispatch and the
+        combine are one all-to-all each in the forward and one each in the backward (their gradients), twice more where
+        full recomputation runs the forward again. The ep ranks are consecutive data-parallel ranks: tp apart. With a
+        routing imbalance f (``space.experts.ROUTING_IMBALANCE_META``) the busiest rank, which every other waits for,
+        receives, computes and keeps f x the average rows: its expert products' work and kept tensors and the rows it
+        receives (the dispatched tokens, kept for the products' backward) grow by f."""
+        f = self.imbalance
         exchanges = 6 if strategy.recompute == "full" else 4
-        exchange_s = exchanges * all_to_all_s(self.dispatch_bytes * micro_batch, ep, tp, self.cluster)
-        forward_s, backward_s = self._expert_weight_reads_s(micro_batch, ep)
+        exchange_s = exchanges * all_to_all_s(self.dispatch_bytes * micro_batch * f, ep, tp, self.cluster)
+        forward_s, backward_s = self._expert_products_s(micro_batch, ep, f)
+        extra_kept = (f - 1) * micro_batch * (float(self._expert_arrays.saved_bytes.sum()) + self.dispatch_bytes)
+        full = strategy.recompute == "full"
         return replace(layer, forward_s=layer.forward_s + forward_s, backward_s=layer.backward_s + backward_s,
-                       recompute_s=layer.recompute_s + (forward_s if strategy.recompute == "full" else 0.0),
+                       recompute_s=layer.recompute_s + (forward_s if full else 0.0),
+                       activation_bytes=layer.activation_bytes + (0.0 if full else extra_kept),
+                       transient_bytes=layer.transient_bytes + (extra_kept if full else 0.0),
                        parameters=layer.parameters - self.expert_params * (1 - 1 / ep), ep_comm_s=exchange_s)
 
-    def _expert_weight_reads_s(self, micro_batch: int, ep: int) -> tuple[float, float]:
-        """(forward, backward) seconds an expert-parallel copy's expert products save by reading, and writing the
-        gradients of, only the rank's experts / ep of the weights (the same token rows, the same FLOPs): where the
-        roofline makes a product memory-bound at a small micro-batch (every expert's weights read for few rows each),
-        ep makes it cheaper. Measured ops keep their measured times (no change)."""
+    def _expert_products_s(self, micro_batch: int, ep: int, imbalance: float) -> tuple[float, float]:
+        """(forward, backward) seconds an expert-parallel copy's expert products take beyond the balanced,
+        unsharded price in ``layer``: they read (and write the gradients of) only the rank's experts / ep of the
+        weights, which saves time where the roofline makes them memory-bound at a small micro-batch (every expert's
+        weights read for few rows each), and run ``imbalance`` x the rows, priced as ``imbalance`` x their balanced time
+        (not at the larger shapes: the efficiency curve would make a busier rank faster on small products). Measured
+        ops keep their measured times."""
         arrays, prof = self._expert_arrays, self.cluster.profile
         shard = np.ones(len(arrays.forward_flops))
         whole_f, whole_b = op_times(arrays, shard, micro_batch, prof)
         part_f, part_b = op_times(replace(arrays, parameter_bytes=arrays.parameter_bytes / ep), shard, micro_batch,
                                   prof)
-        return float((part_f - whole_f).sum()), float((part_b - whole_b).sum())
+        return float((imbalance * part_f - whole_f).sum()), float((imbalance * part_b - whole_b).sum())
 
     def prepare(self, keys) -> None:
         """Compute the shared sums (``_ops``) of many (tp, branches, sequence parallelism, micro-batch, cp) keys at

@@ -11,10 +11,26 @@ data-parallel degree, in the torch engine with pp 1, no context parallelism, no 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..graph.bf16_meta import bf16_weights_graph, with_bf16_weights
 from ..graph.experts import EXPERTS_META
 from ..graph.ir import Op, OpGraph
+
+# graph metadata: how many times the average token rows the busiest expert-parallel rank gets (>= 1; 1: balanced
+# routing, what the capture prices), set by the planning commands' --routing-imbalance
+ROUTING_IMBALANCE_META = "routing_imbalance"
+
+
+def with_routing_imbalance(graph: OpGraph, factor: float) -> OpGraph:
+    """``graph`` priced with its busiest expert-parallel rank getting ``factor`` x the average token rows (the graph
+    it carries with bf16 weights too, which prices the engines that compute with them: ``search.engines``)."""
+    if factor < 1:
+        raise ValueError(f"--routing-imbalance {factor}: the busiest rank gets at least the average rows: give >= 1")
+    meta = dict(graph.metadata) | {ROUTING_IMBALANCE_META: repr(float(factor))}
+    out = replace(graph, metadata=tuple(sorted(meta.items())))
+    bf16 = bf16_weights_graph(graph)
+    return with_bf16_weights(out, with_routing_imbalance(bf16, factor)) if bf16 is not None else out
 
 
 @dataclass(frozen=True)
@@ -23,12 +39,14 @@ class Experts:
 
     modules: tuple[tuple[str, int, int], ...]      # (module path, experts, top-k)
     params: frozenset[str]
+    imbalance: float = 1.0        # the busiest ep rank's token rows over the average (``ROUTING_IMBALANCE_META``)
 
     @staticmethod
     def of(graph: OpGraph) -> Experts:
         raw = json.loads(graph.meta(EXPERTS_META) or "{}")
         return Experts(tuple((path, int(m["experts"]), int(m["top_k"])) for path, m in sorted(raw.items())),
-                       frozenset(p for m in raw.values() for p in m["params"]))
+                       frozenset(p for m in raw.values() for p in m["params"]),
+                       float(graph.meta(ROUTING_IMBALANCE_META) or 1.0))
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -84,4 +102,5 @@ def dispatch_bytes(ops: tuple[Op, ...], indices: tuple[int, ...]) -> float:
     return float(ops[indices[0]].inputs[0].nbytes) if indices else 0.0
 
 
-__all__ = ["Experts", "dispatch_bytes", "expert_ops", "experts_report"]
+__all__ = ["ROUTING_IMBALANCE_META", "Experts", "dispatch_bytes", "expert_ops", "experts_report",
+           "with_routing_imbalance"]
