@@ -35,7 +35,8 @@ group of dL_s/dW``; its replicas are one per ep group (the ``edp`` ranks), so ``
 ``reduce_expert_gradients`` does that sum and division once per step before the optimizer step (one all-reduce per
 dtype, as Megatron-LM's expert-data-parallel buckets). ZeRO 1-3: FSDP2 on each experts module over the ``edp`` dim
 with ``set_gradient_divide_factor(dp)`` (torchtitan: ``experts.set_gradient_divide_factor``), reduced as a sum then
-divided (``set_force_sum_reduction_for_comms``: gloo has no pre-multiplied sum), the rest over all ``dp`` ranks.
+divided (``set_force_sum_reduction_for_comms``: gloo has no pre-multiplied sum; not over one rank, where torch 2.13
+would divide twice), the rest over all ``dp`` ranks.
 
 What a rank holds (against torchtitan's EP): expert weights, gradients and optimizer states ``/ ep`` (and ``/ edp``
 more under ZeRO 3), as torchtitan; per layer in flight: the sorted rows (T k x H), the received rows, their
@@ -233,7 +234,9 @@ def shard_experts_fsdp(modules: list[nn.Module], plan: Plan, edp_mesh) -> None:
     for module in modules:
         fully_shard(module, mesh=edp_mesh, reshard_after_forward=plan.zero == 3, **precision)
         module.set_gradient_divide_factor(float(plan.dp))
-        module.set_force_sum_reduction_for_comms(True)
+        # over one rank FSDP2 divides the copy by the factor and then post-divides by it again under a forced sum
+        # (torch 2.13 ``foreach_reduce``): the forced sum only where there is a reduce-scatter
+        module.set_force_sum_reduction_for_comms(edp_mesh.size() > 1)
 
 
 __all__ = ["ExpertParallel", "check_plan", "experts_modules", "ignore_in_ddp", "reduce_before_step",
