@@ -38,6 +38,11 @@ with ``set_gradient_divide_factor(dp)`` (torchtitan: ``experts.set_gradient_divi
 divided (``set_force_sum_reduction_for_comms``: gloo has no pre-multiplied sum; not over one rank, where torch 2.13
 would divide twice), the rest over all ``dp`` ranks.
 
+Checkpoints (``checkpoint.sharded``) need nothing more: torch.distributed.checkpoint stores each expert DTensor by
+name as the whole (E, ...) tensor, so a run resumes under another ep or none (tests/test_expert_parallel.py: ep4
+ZeRO 2 to ep2 ZeRO 0). The memory check's simulation (``memory.check``) skips ep plans: the splits are the routing's
+counts, which fake tensors do not have.
+
 What a rank holds (against torchtitan's EP): expert weights, gradients and optimizer states ``/ ep`` (and ``/ edp``
 more under ZeRO 3), as torchtitan; per layer in flight: the sorted rows (T k x H), the received rows, their
 regrouped copy and the expert activations (each ~T k x H for balanced routing), the rows sent back and their
