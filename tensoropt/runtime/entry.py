@@ -55,6 +55,9 @@ def parallelize(model: nn.Module, optimizer_fn: Callable[[object], torch.optim.O
     device = worker_device(run_plan)
     with exit_on_out_of_memory(0, int(os.environ.get("RANK", "0"))):     # as in a step: the launcher re-plans
         if engine == "deepspeed":
+            if run_plan.plan.ep > 1:          # one line before DeepSpeed starts (runtime.parallel.expert_parallel)
+                from .parallel.expert_parallel import check_plan
+                check_plan(run_plan.plan, engine, model)
             from .engines.deepspeed_engine import apply
             model, optimizer, run = apply(model, optimizer_fn, run_plan, device, materializer)
         else:

@@ -9,6 +9,10 @@ imported from here and none importing this one back:
 - ``memory.recompute``: full (``checkpoint_wrapper``) or selective (``memory.selective``) recomputation per copy;
 - ``engines.compile``: ``torch.compile`` per copy (``--compile``), after the two above and before data parallelism;
 - ``parallel.context_parallel``: the sequence split over cp ranks (a (dp, cp, tp) mesh), keys and values gathered;
+- ``parallel.expert_parallel``: the experts of Hugging Face MoE layers sharded over ep ranks taken from dp (an
+  (edp, ep, tp) mesh, dp = edp x ep), after tensor parallelism (whose guard runs the blocks whole) and before
+  recomputation; their data parallelism is over the edp ranks only (FSDP2 on each experts module before the blocks,
+  or DDP without them and their gradients reduced before the optimizer step);
 - ``parallel.data_parallel``: DDP (ZeRO 0) or FSDP2 ``fully_shard`` per copy (ZeRO 1-3), the same functions for
   the whole model and for pipeline stages (over the dp x cp ranks under context parallelism);
 - ``memory.materialize``: placement, a meta-built model given storage for this rank's part only;
@@ -27,6 +31,7 @@ from ..blocks import largest_block_bytes
 from ..device import init_process_group
 from ..memory.materialize import Materializer, place
 from ..memory.recompute import apply_recompute
+from ..parallel import expert_parallel
 from ..parallel.context_parallel import install as install_context_parallel
 from ..parallel.data_parallel import ddp_micro_batch, fsdp_micro_batch, replicate, shard
 from ..parallel.tensor_parallel import apply_tensor_parallel
@@ -55,29 +60,43 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
         materializer.block_bytes = largest_block_bytes(model, plan)
     precision = of_plan(plan)
     cast_model(model, precision)      # before sharding: the weights' dtype (see runtime.engines.precision)
+    if plan.ep > 1:
+        expert_parallel.check_plan(plan, "torch", model)
     if plan.pp > 1:
         return apply_pipeline(model, optimizer_fn, run_plan, device, materializer, example_inputs)
     dp, tp = plan.dp, plan.tp
     if plan.cp > 1:                 # (dp, cp, tp): data parallelism over the dp x cp ranks (context_parallel)
         mesh = init_device_mesh(device.type, (dp, plan.cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    elif plan.ep > 1:               # (edp, ep, tp): an ep group is ep consecutive dp ranks (expert_parallel)
+        mesh = init_device_mesh(device.type, (dp // plan.ep, plan.ep, tp), mesh_dim_names=("edp", "ep", "tp"))
+        dp_mesh = mesh["edp", "ep"]._flatten("dp")
     else:
         mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 or plan.zero >= 1 \
             else None
+        dp_mesh = mesh["dp"] if mesh is not None else None
     vocab_split = False             # the logits sharded by vocabulary: the loss runs under loss_parallel
     if tp > 1:
         vocab_split = apply_tensor_parallel(model, run_plan, mesh["tp"], device, example_inputs)
+    experts = expert_parallel.shard_experts(model, plan, mesh["ep"]) if plan.ep > 1 else []
     apply_recompute(model, plan)
     apply_compile(model, plan)      # around TP and recomputation, inside DDP / FSDP2 (see runtime.engines.compile)
     autocast_forward(model, precision, device)
     before_micro_batch = None
     if plan.zero >= 1:
-        shard(model, plan, mesh["dp", "cp"]._flatten("dp_cp") if plan.cp > 1 else mesh["dp"])
+        if experts:                 # inner units first: the blocks' and the root's FSDP2 then leave them alone
+            expert_parallel.shard_experts_fsdp(experts, plan, mesh["edp"])
+        shard(model, plan, dp_mesh)
         before_micro_batch = fsdp_micro_batch(model, plan.zero)
     place(model, device, materializer)
     if plan.zero == 0 and dp * plan.cp > 1:      # every rank: ZeRO 0 runs no tp beside dp or cp (search.engines)
+        if experts:
+            expert_parallel.ignore_in_ddp(model, experts)
         model = replicate(model, device)
         before_micro_batch = ddp_micro_batch(model)
     optimizer = build_optimizer(optimizer_fn, model.parameters())
+    if experts and plan.zero == 0 and optimizer is not None:
+        expert_parallel.reduce_before_step(optimizer, experts, mesh["edp"].get_group(), dp)
     dp_rank = rank // (plan.cp * tp)
     stepper = plain_stepper(model, optimizer, before_micro_batch, loss_context=loss_context(vocab_split)) \
         if optimizer else None

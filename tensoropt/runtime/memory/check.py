@@ -61,6 +61,9 @@ def unsimulated(plan: Plan, engine: str) -> str | None:
     if plan.compile:    # priced with the eager plan's memory (cost.model: compiling is a time fact)
         return ("compiled blocks are not simulated: dynamo and inductor would trace and compile the fake step; "
                 "check the same plan without --compile, whose memory the compiled plan is priced with")
+    if plan.ep > 1:     # runtime.parallel.expert_parallel reads its all-to-all splits from the routing's counts
+        return ("expert parallelism is not simulated: its all-to-all splits are the routing's token counts, which fake "
+                "tensors do not have; measure a real run with TENSOROPT_MEMORY_OUT")
     return None
 
 
