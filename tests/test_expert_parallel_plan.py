@@ -84,9 +84,15 @@ def test_an_ep_copy_holds_its_share_of_the_experts_and_pays_the_all_to_alls(writ
     # Hugging Face config is captured in bf16)
     assert cost.dispatch_bytes == 64 * 2 * 64 * 2
     assert sharded.ep_comm_s == pytest.approx(exchanges * all_to_all_s(cost.dispatch_bytes * 2, 4, 1, model.cluster))
-    # the same token rows and FLOPs: the kept activations stay, the products read (and write gradients of) fewer
-    # weights, which can only save time
-    assert sharded.activation_bytes == plain.activation_bytes
+    # the same token rows and FLOPs: the kept activations stay but for the two int64 row orders of the exchange (per
+    # token-expert row: 64 tokens x top-2 a sample); the products read (and write gradients of) fewer weights, which
+    # can only save time
+    orders = 2 * 8 * 64 * 2 * 2
+    if recompute == "full":
+        assert (sharded.activation_bytes, sharded.transient_bytes) == \
+            (plain.activation_bytes, plain.transient_bytes + 2 * cost.dispatch_bytes * 2 + orders)
+    else:
+        assert sharded.activation_bytes == plain.activation_bytes + orders
     assert sharded.forward_s <= plain.forward_s and sharded.backward_s <= plain.backward_s
 
 
@@ -197,8 +203,24 @@ def test_a_routing_imbalance_prices_the_busiest_rank(write_json):
     assert more.ep_comm_s == pytest.approx(4 * all_to_all_s(a.dispatch_bytes * 2 * 1.5, 4, 1, even.cluster))
     expert_saved = sum(op.saved_bytes for op in even.blocks[0][0].ops
                        if any(r.name in even.experts.params for r in op.sources))
-    assert more.activation_bytes - one.activation_bytes == pytest.approx(0.5 * 2 * (expert_saved + a.dispatch_bytes))
+    orders = 2 * 8 * 64 * 2 * 2                      # the exchange's two int64 row orders, f x the rows too
+    assert more.activation_bytes - one.activation_bytes == \
+        pytest.approx(0.5 * 2 * (expert_saved + a.dispatch_bytes) + 0.5 * orders)
     assert more.forward_s > one.forward_s and more.backward_s > one.backward_s
     code, out = run("estimate", "--model", write_json("moe.json", MIXTRAL), "--gpus", 4, "--tp", 1, "--pp", 1,
                     "--global-batch", 8, "--routing-imbalance", 0.5)
     assert code != 0 and "--routing-imbalance" in out and out.count("\n") == 1
+
+
+def test_dense_layers_of_an_moe_model_run_as_without_ep(write_json):
+    """A model whose first layers are dense (DeepSeek-V3's first three, Qwen3-MoE's ``mlp_only_layers``) folds into a
+    dense block and an MoE block: at ep 2 the dense one is priced as without ep, the MoE one shards its experts."""
+    model = _model(_graph(write_json, {**QWEN3_MOE, "num_hidden_layers": 4, "mlp_only_layers": [0, 1]}))
+    assert len(model.blocks) == 2
+    dense, moe = sorted((cost for _, cost in model.blocks), key=lambda c: c.expert_params)
+    assert dense.expert_params == 0 and moe.expert_params > 0
+    assert dense.layer(LayerStrategy(), 1, (), 2, 1, 2) == dense.layer(LayerStrategy(), 1, (), 2)
+    assert moe.layer(LayerStrategy(), 1, (), 2, 1, 2).ep_comm_s > 0
+    plan = Plan(devices=4, dp=4, tp=1, pp=1, micro_batch=2, global_batch=8, ep=2,
+                blocks=tuple(BlockPlan(b.name, ((LayerStrategy(), b.repeats),)) for b, _ in model.blocks))
+    assert estimate(model, plan).time_breakdown["expert_parallel_comm_s"] > 0

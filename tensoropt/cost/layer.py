@@ -134,6 +134,7 @@ class BlockCost:
         experts_at = expert_ops(ops, experts) if experts else ()
         self.expert_params = float(self.params[list(experts_at)].sum()) if experts_at else 0.0
         self.dispatch_bytes = dispatch_bytes(ops, experts_at)
+        self.dispatch_rows = float(ops[experts_at[0]].inputs[0].shape[0]) if experts_at else 0.0   # tokens x top-k
         self._expert_arrays = self.arrays.subset(list(experts_at)) if experts_at else None
         self.imbalance = experts.imbalance if experts else 1.0
 
@@ -171,7 +172,9 @@ class BlockCost:
         key = (strategy, tp, tp_branches, micro_batch, cp, ep)
         if key not in self._cache:
             layer = self._layer(strategy, tp, tp_branches, micro_batch, cp)
-            self._cache[key] = self._with_experts(layer, strategy, tp, micro_batch, ep) if ep > 1 else layer
+            # a block without experts (a dense layer of an MoE model) runs as it would without ep
+            sharded = ep > 1 and self._expert_arrays is not None
+            self._cache[key] = self._with_experts(layer, strategy, tp, micro_batch, ep) if sharded else layer
         return self._cache[key]
 
     def _with_experts(self, layer: LayerCost, strategy: LayerStrategy, tp: int, micro_batch: int, ep: int
@@ -184,17 +187,23 @@ class BlockCost:
         full recomputation runs the forward again. The ep ranks are consecutive data-parallel ranks: tp apart. With a
         routing imbalance f (``space.experts.ROUTING_IMBALANCE_META``) the busiest rank, which every other waits for,
         receives, computes and keeps f x the average rows: its expert products' work and kept tensors and the rows it
-        receives (the dispatched tokens, kept for the products' backward) grow by f."""
+        receives (the dispatched tokens, kept for the products' backward) grow by f. While the copy's backward runs it
+        also holds the exchange's buffers, the gradient rows it sends back and those it receives (two tokens x top-k
+        x hidden buffers beside the captured forward's, ``runtime.parallel.expert_parallel``), and it keeps two int64
+        row orders more than the captured forward (the regrouping of the rows it received and its inverse, which the
+        backward's gathers read)."""
         f = self.imbalance
         exchanges = 6 if strategy.recompute == "full" else 4
         exchange_s = exchanges * all_to_all_s(self.dispatch_bytes * micro_batch * f, ep, tp, self.cluster)
         forward_s, backward_s = self._expert_products_s(micro_batch, ep, f)
-        extra_kept = (f - 1) * micro_batch * (float(self._expert_arrays.saved_bytes.sum()) + self.dispatch_bytes)
+        extra_kept = (f - 1) * micro_batch * (float(self._expert_arrays.saved_bytes.sum()) + self.dispatch_bytes) + \
+            2 * 8 * self.dispatch_rows * micro_batch * f
         full = strategy.recompute == "full"
+        exchange_bytes = 2 * self.dispatch_bytes * micro_batch * f
         return replace(layer, forward_s=layer.forward_s + forward_s, backward_s=layer.backward_s + backward_s,
                        recompute_s=layer.recompute_s + (forward_s if full else 0.0),
                        activation_bytes=layer.activation_bytes + (0.0 if full else extra_kept),
-                       transient_bytes=layer.transient_bytes + (extra_kept if full else 0.0),
+                       transient_bytes=layer.transient_bytes + (extra_kept if full else 0.0) + exchange_bytes,
                        parameters=layer.parameters - self.expert_params * (1 - 1 / ep), ep_comm_s=exchange_s)
 
     def _expert_products_s(self, micro_batch: int, ep: int, imbalance: float) -> tuple[float, float]:

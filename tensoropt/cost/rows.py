@@ -102,7 +102,21 @@ def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanR
     assert len(names) == len(columns) and ints.shape[1] == _INTS
     values = dict(zip(names, columns))
     values["offload"], values["deepspeed"] = values["offload"].astype(bool), values["deepspeed"].astype(bool)
+    ep = table.ep[used]
+    if (ep > 1).any():          # a copy's FSDP2 unit holds its experts / ep (``largest_copy_parameters``)
+        triple = (tp * 4096 + branches) * 2**20 + ep
+        _, firsts, triple_at = np.unique(triple, return_index=True, return_inverse=True)
+        units = np.array([_unit_params(model, int(tp[r]), table.branch_sets[int(branches[r])], int(ep[r]))
+                          for r in firsts.tolist()])
+        values["unit_params"] = units[triple_at][at]
     return PlanRows(**values)
+
+
+def _unit_params(model: ModelCost, tp: int, branches: tuple[str, ...], ep: int) -> float:
+    key = ("copy", tp, branches) + ((ep,) if ep > 1 else ())
+    if key not in model.row_cache:
+        model.row_cache[key] = largest_copy_parameters(model, tp, branches, ep)
+    return model.row_cache[key]
 
 
 def _state(model: ModelCost, kind: tuple, zero: int) -> tuple[int, tuple]:

@@ -46,10 +46,11 @@ import numpy as np
 from ..space.plan import LayerStrategy
 
 
-def largest_copy_parameters(model, tp: int, tp_branches: tuple[str, ...]) -> float:
-    """Elements of the largest block copy's parameters on one device (after tensor parallelism): one FSDP2 unit
-    (``model`` a ``cost.model.ModelCost``)."""
-    return max((cost.layer(LayerStrategy(), tp, tp_branches, 1).parameters for _, cost in model.blocks),
+def largest_copy_parameters(model, tp: int, tp_branches: tuple[str, ...], ep: int = 1) -> float:
+    """Elements of the largest block copy's parameters on one device (after tensor parallelism, its experts / ep
+    under expert parallelism, whose FSDP2 unit gathers a rank's experts over the dp / ep ranks holding them beside the
+    block's unit over dp): one FSDP2 unit (``model`` a ``cost.model.ModelCost``)."""
+    return max((cost.layer(LayerStrategy(), tp, tp_branches, 1, 1, ep).parameters for _, cost in model.blocks),
                default=0.0)
 
 
@@ -148,7 +149,7 @@ def unit_backward_bytes(zero, gathered, grad, unit_params):
 
 def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
                     micro_batches, data_parallel, activations, head_acts, copy_peak, tail_params,
-                    largest_parameter=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    largest_parameter=0.0, unbucketed=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameter bytes, gradient bytes, working-set bytes, activation bytes) beside the sharded states at the
     largest of the backward's peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``: bytes per
     parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements; ``root_params``:
@@ -157,7 +158,9 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
     gradient bytes ZeRO leaves on the device once the step's backward is done; ``activations``: the kept
     activations of the step's micro-batch in flight; ``head_acts``: those of the loose ops before the blocks;
     ``copy_peak``: ``one_copy_peak_bytes``; ``tail_params``: the elements of the loose ops after the blocks;
-    ``largest_parameter``: the model's largest parameter's elements.
+    ``largest_parameter``: the model's largest parameter's elements; ``unbucketed``: the gradient bytes DDP leaves
+    out of its buckets (an expert-parallel rank's experts', reduced over their own ranks:
+    ``runtime.parallel.expert_parallel``), held once.
 
     - the loss's backward: its gradients, and under ZeRO 3 the flat all-gather output of the last unit, which
       the root's pre-backward prefetches. FSDP2's gradients (ZeRO 1-3) do not exist yet in a step of one
@@ -184,7 +187,7 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
     The root's gathered parameters (ZeRO 3) are held through all."""
     zero3, ddp = zero == 3, (zero == 0) & (data_parallel > 1)
     unit = gathered * unit_params
-    gradients = gradients * np.where(ddp & (micro_batches > 1), 2, 1)
+    gradients = np.where(ddp & (micro_batches > 1), 2 * gradients - unbucketed, gradients)
     at_loss = loss_grads + np.where(zero3, unit, 0.0)
     one_micro_batch = ~ddp & (micro_batches == 1)
     grads_at_loss = np.where(one_micro_batch, 0.0, gradients)

@@ -71,12 +71,25 @@ class _Record:
     input_views: tuple[tuple[int, ...], ...]
 
 
+# torch's own entry point: ``graph.precision.cuda_attention_policy`` puts a wrapper at
+# ``F.scaled_dot_product_attention`` during bf16-mixed captures, which calls this one. There the CPU's own kernel
+# choice stands (its flash kernel, as routed here, for equal head sizes), but for values narrower than the queries,
+# where the CPU would decompose the attention into its S x S scores: those are routed as below
+_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def _narrow_values(args: tuple, kwargs: dict) -> bool:
+    q = args[0] if args else kwargs.get("query")
+    v = args[2] if len(args) > 2 else kwargs.get("value")
+    return isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and v.shape[-1] != q.shape[-1]
+
+
 class _GpuKernels(TorchFunctionMode):
     """Route attention and dropout to the kernels a GPU would run (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention or (func is _SDPA and _narrow_values(args, kwargs)):
             return self._attention(args, kwargs)
         if func is F.dropout:
             return self._dropout(*args, **kwargs)

@@ -107,6 +107,8 @@ def _unsupported(plan: Plan, engine: str) -> list[str]:
         ("context parallelism with pipeline stages", plan.cp > 1 and plan.pp > 1),
         ("expert parallelism with pipeline stages", plan.ep > 1 and plan.pp > 1),
         ("expert parallelism with context parallelism", plan.ep > 1 and plan.cp > 1),
+        # the experts would see each tp rank's share of the tokens (runtime.parallel.expert_parallel.check_plan)
+        ("expert parallelism with sequence parallelism", plan.ep > 1 and _sequence_parallel(plan)),
     ] if needed]
 
 

@@ -61,9 +61,6 @@ def unsimulated(plan: Plan, engine: str) -> str | None:
     if plan.compile:    # priced with the eager plan's memory (cost.model: compiling is a time fact)
         return ("compiled blocks are not simulated: dynamo and inductor would trace and compile the fake step; "
                 "check the same plan without --compile, whose memory the compiled plan is priced with")
-    if plan.ep > 1:     # runtime.parallel.expert_parallel reads its all-to-all splits from the routing's counts
-        return ("expert parallelism is not simulated: its all-to-all splits are the routing's token counts, which fake "
-                "tensors do not have; measure a real run with TENSOROPT_MEMORY_OUT")
     return None
 
 
@@ -223,8 +220,9 @@ class _BucketedGradients(nn.Module):
         super().__init__()
         self.module, self.require_backward_grad_sync = module, True
         groups: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in module.parameters():
-            if p.requires_grad:
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))   # as DDP: an expert's own .grad
+        for name, p in module.named_parameters():
+            if p.requires_grad and name not in ignored:
                 groups.setdefault(p.dtype, []).append(p)
         self.buckets = []
         for dtype, params in groups.items():

@@ -40,8 +40,9 @@ would divide twice), the rest over all ``dp`` ranks.
 
 Checkpoints (``checkpoint.sharded``) need nothing more: torch.distributed.checkpoint stores each expert DTensor by
 name as the whole (E, ...) tensor, so a run resumes under another ep or none (tests/test_expert_parallel.py: ep4
-ZeRO 2 to ep2 ZeRO 0). The memory check's simulation (``memory.check``) skips ep plans: the splits are the routing's
-counts, which fake tensors do not have.
+ZeRO 2 to ep2 ZeRO 0). The memory check's simulation (``memory.check``) runs on fake tensors, which carry no routing
+counts to split by: there every rank's rows are spread evenly over the experts (``ExpertParallel._balanced``), the
+routing the planner prices.
 
 What a rank holds (against torchtitan's EP): expert weights, gradients and optimizer states ``/ ep`` (and ``/ edp``
 more under ZeRO 3), as torchtitan; per layer in flight: the sorted rows (T k x H), the received rows, their
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import TensorOptError
 from ...space.plan import Plan
@@ -111,11 +113,13 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
 
 
-def regroup_order(counts: torch.Tensor) -> torch.Tensor:
+def regroup_order(counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """For rows that arrived grouped (source rank, local expert), ``counts`` (ranks, local experts) rows each: the
-    row order grouped (local expert, source rank) instead, each block's rows in their order."""
+    row order grouped (local expert, source rank) instead, each block's rows in their order. ``rows``: their number,
+    where known (fake tensors carry no counts to size the result by)."""
     ranks, local = counts.shape
-    block = torch.repeat_interleave(torch.arange(ranks * local, device=counts.device), counts.reshape(-1))
+    block = torch.repeat_interleave(torch.arange(ranks * local, device=counts.device), counts.reshape(-1),
+                                    output_size=rows)
     return torch.sort((block % local) * ranks + block // local, stable=True).indices
 
 
@@ -132,6 +136,17 @@ class ExpertParallel:
         self.module, self.group, self.ep, self.rank = module, group, ep, rank
         self.local = module.num_experts // ep
 
+    def _balanced(self, rows: int, device: torch.device) -> tuple[torch.Tensor, tuple[list[int], list[int]]]:
+        """(rows received per (source rank, local expert), (rows received, rows sent) per rank) under balanced
+        routing, which ``memory.check`` simulates as the planner prices it (``cost.layer``): each rank's ``rows``
+        (tokens x top-k) spread evenly over the experts, the first ``rows % E`` experts one more."""
+        experts = self.module.num_experts
+        per_expert = [rows // experts + (e < rows % experts) for e in range(experts)]
+        mine = per_expert[self.rank * self.local:(self.rank + 1) * self.local]
+        sent = [sum(per_expert[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
+        received = torch.tensor([mine] * self.ep, device=device)
+        return received, ([sum(mine)] * self.ep, sent)
+
     def _linear(self, rows: torch.Tensor, weight: str, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         from transformers.integrations.moe import _grouped_linear
         m = self.module
@@ -145,16 +160,20 @@ class ExpertParallel:
         experts = top_k_index.reshape(-1)
         order = torch.sort(experts, stable=True).indices                      # 1. rows by expert, so by rank
         rows = hidden[order // k]
-        counts = torch.bincount(experts, minlength=m.num_experts)
-        received_counts = torch.empty_like(counts)                            # 2. (source rank, local expert)
-        dist.all_to_all_single(received_counts, counts, group=self.group)
-        received_counts = received_counts.view(ep, local)
-        splits = received_counts.sum(1).tolist(), counts.view(ep, local).sum(1).tolist()
+        if is_fake(experts):             # the memory check's simulation: no counts, the planner's balanced routing
+            received_counts, splits = self._balanced(tokens * k, hidden.device)
+        else:
+            counts = torch.bincount(experts, minlength=m.num_experts)
+            received_counts = torch.empty_like(counts)                        # 2. (source rank, local expert)
+            dist.all_to_all_single(received_counts, counts, group=self.group)
+            received_counts = received_counts.view(ep, local)
+            splits = received_counts.sum(1).tolist(), counts.view(ep, local).sum(1).tolist()
         received = _AllToAll.apply(rows, *splits, self.group)                 # 3. rows to their experts' ranks
-        regroup = regroup_order(received_counts)                              # 4. (local expert, source rank)
+        total = sum(splits[0])
+        regroup = regroup_order(received_counts, total)                       # 4. (local expert, source rank)
         per_expert = received_counts.sum(0)
         offsets = torch.cumsum(per_expert, 0, dtype=torch.int32)
-        expert = torch.repeat_interleave(torch.arange(local, device=hidden.device), per_expert)
+        expert = torch.repeat_interleave(torch.arange(local, device=hidden.device), per_expert, output_size=total)
         x = received[regroup]
         if m.has_gate:
             x = m._apply_gate(self._linear(x, "gate_up_proj", offsets, expert))
@@ -196,9 +215,10 @@ def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
 def ignore_in_ddp(model: nn.Module, modules: list[nn.Module]) -> None:
     """Keep DDP (ZeRO 0) away from the experts' parameters: their gradients are reduced over ``edp`` only
     (``reduce_expert_gradients``)."""
-    ids = {id(p) for p in expert_parameters(modules)}
+    from torch.nn.parallel.distributed import DistributedDataParallel  # the class itself (the memory check stands
+    ids = {id(p) for p in expert_parameters(modules)}                    # another in for nn.parallel's name)
     names = [n for n, p in model.named_parameters() if id(p) in ids]
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 def reduce_expert_gradients(params: list[nn.Parameter], edp_group, dp: int) -> None:
