@@ -222,38 +222,36 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
 def _check_context_parallel(graph: OpGraph, limits: Limits, engines: Sequence[str] | None, devices: list[int],
                             compile: bool) -> None:
     """One line naming what to change where ``limits`` name a context-parallel degree nothing here runs: a model
-    that refuses it or a sequence 2 cp does not divide (``space.context_parallel.graph_refusal``), no torch engine
-    among ``engines``, compiled blocks, a degree dividing none of the device counts. (Without ``--cp`` the search
-    tries only the degrees that run.)"""
-    for cp in [c for c in limits.context_parallel or () if c > 1]:
-        why = graph_refusal(graph, cp) or None
-        if why is None and engines is not None and "torch" not in engines:
-            why = "context parallelism runs in the torch engine only: drop --engine deepspeed or --cp"
-        if why is None and compile:
-            why = "context parallelism runs eager kernels only: drop --compile or --cp"
-        if why is None and all(n % cp for n in devices):
-            why = f"it divides none of the device counts {devices}: give a --cp that divides --gpus"
-        if why:
-            raise TensorOptError(f"--cp {cp}: {why}")
+    that refuses it or a sequence 2 cp does not divide (``space.context_parallel.graph_refusal``), or what
+    ``_check_degrees`` names. (Without ``--cp`` the search tries only the degrees that run.)"""
+    _check_degrees("--cp", "context parallelism", limits.context_parallel, lambda cp: graph_refusal(graph, cp),
+                   engines, devices, compile)
 
 
 def _check_expert_parallel(graph: OpGraph, limits: Limits, engines: Sequence[str] | None, devices: list[int],
                            compile: bool) -> None:
     """One line naming what to change where ``limits`` name an expert-parallel degree nothing here runs: a model
-    without experts or whose experts it does not divide (``space.experts``), no torch engine among ``engines``,
-    compiled blocks, a degree dividing none of the device counts. (Without ``--ep`` the search tries the degrees
-    that run.)"""
-    experts = Experts.of(graph)
-    for ep in [e for e in limits.expert_parallel or () if e > 1]:
-        why = experts.refusal(ep) or None
+    without experts or whose experts it does not divide (``space.experts``), or what ``_check_degrees`` names.
+    (Without ``--ep`` the search tries the degrees that run.)"""
+    _check_degrees("--ep", "expert parallelism", limits.expert_parallel, Experts.of(graph).refusal, engines, devices,
+                   compile)
+
+
+def _check_degrees(flag: str, what: str, degrees: tuple[int, ...] | None, refusal: Callable[[int], str],
+                   engines: Sequence[str] | None, devices: list[int], compile: bool) -> None:
+    """The first degree > 1 of ``degrees`` (a limit given by ``flag``) nothing here runs, in one line: the model's
+    ``refusal``, no torch engine among ``engines`` (only it runs ``what``), compiled blocks (it runs eager), a degree
+    dividing none of the device counts."""
+    for degree in [d for d in degrees or () if d > 1]:
+        why = refusal(degree) or None
         if why is None and engines is not None and "torch" not in engines:
-            why = "expert parallelism runs in the torch engine only: drop --engine deepspeed or --ep"
+            why = f"{what} runs in the torch engine only: drop --engine deepspeed or {flag}"
         if why is None and compile:
-            why = "expert parallelism runs eager kernels only: drop --compile or --ep"
-        if why is None and all(n % ep for n in devices):
-            why = f"it divides none of the device counts {devices}: give an --ep that divides --gpus"
+            why = f"{what} runs eager kernels only: drop --compile or {flag}"
+        if why is None and all(n % degree for n in devices):
+            why = f"it divides none of the device counts {devices}: give a {flag} that divides --gpus"
         if why:
-            raise TensorOptError(f"--ep {ep}: {why}")
+            raise TensorOptError(f"{flag} {degree}: {why}")
 
 
 def _runs_on(engine: str, staged: bool = True, staged_tp: bool = True) -> Callable[[Plan], str | None]:
