@@ -224,3 +224,9 @@ def test_dense_layers_of_an_moe_model_run_as_without_ep(write_json):
     plan = Plan(devices=4, dp=4, tp=1, pp=1, micro_batch=2, global_batch=8, ep=2,
                 blocks=tuple(BlockPlan(b.name, ((LayerStrategy(), b.repeats),)) for b, _ in model.blocks))
     assert estimate(model, plan).time_breakdown["expert_parallel_comm_s"] > 0
+
+
+def test_a_top_k_above_the_experts_is_one_line(write_json):
+    code, out = run("inspect", "--model", write_json("bad.json", {**MIXTRAL, "num_experts_per_tok": 6}), "--no-cache")
+    assert code != 0 and out.count("\n") == 1
+    assert "model.layers.0.mlp.experts routes each token to 6 experts and has 4: give num_experts_per_tok" in out

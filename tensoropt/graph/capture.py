@@ -17,6 +17,7 @@ one op that saves O(s) state instead of the O(s^2) score matrix, and ``F.dropout
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -29,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import CaptureError
-from .experts import EXPERTS_META, experts_metadata
+from .experts import EXPERTS_META, check_experts, experts_metadata
 from .grouped_mm_meta import install_grouped_mm_meta
 from .ir import CONTEXT_PARALLEL_META, CROSS_ENTROPY_CALLS, OUTPUT_KEY, Op, OpGraph, Ref, TensorMeta
 from .loss import check_loss, counting_cross_entropy, describe, loss_tensor
@@ -260,9 +261,10 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
     ``CaptureError`` (``loss``); the graph records what it returned either way.
     """
     install_grouped_mm_meta()        # a float32 MoE layer's grouped products (graph.grouped_mm_meta)
+    check_experts(model)
     model.train()
     calls = [0]
-    with cuda_autocast_on_cpu(), counting_cross_entropy(calls):
+    with cuda_autocast_on_cpu(), counting_cross_entropy(calls), _quiet_fake_tensors():
         dtype = active_autocast()
         graph, output, autocast_inside = _trace(model, example_inputs, name, dtype)
         if dtype is None and autocast_inside:          # the forward enters autocast itself: trace where it acts
@@ -280,6 +282,19 @@ def trace_module(model: nn.Module, example_inputs: tuple | Mapping, name: str = 
 
 _SHARD_NOT_READ = ("its forward does not read its sequence shard (tensoropt.models.sequence): context parallelism "
                    "runs the built-in models, whose positions, causal mask and attention follow the shard")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Within: torch's fake tensors do not log the traceback of an op that fails on them (an ERROR record with the
+    stack): the capture turns the failure into its one line (``_translate_error``)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def context_parallel_refusal(model: nn.Module) -> str:

@@ -15,6 +15,8 @@ import json
 
 from torch import nn
 
+from ..errors import CaptureError
+
 EXPERTS_META = "experts"       # graph metadata: JSON {module path: {"experts": E, "top_k": k, "params": [names]}}
 
 
@@ -47,10 +49,19 @@ def experts_modules(model: nn.Module) -> dict[str, dict]:
     return out
 
 
+def check_experts(model: nn.Module) -> None:
+    """A one-line ``CaptureError`` for a layer routing each token to more experts than it has (its router's top-k
+    would fail on the meta device with torch's own words)."""
+    for path, found in experts_modules(model).items():
+        if found["top_k"] > found["experts"]:
+            raise CaptureError(f"{path} routes each token to {found['top_k']} experts and has {found['experts']}: "
+                               f"give num_experts_per_tok (top-k) <= {found['experts']}")
+
+
 def experts_metadata(model: nn.Module) -> str:
     """The ``experts`` metadata of ``model``: "" for a dense model."""
     found = experts_modules(model)
     return json.dumps(found, sort_keys=True) if found else ""
 
 
-__all__ = ["EXPERTS_META", "experts_metadata", "experts_modules"]
+__all__ = ["EXPERTS_META", "check_experts", "experts_metadata", "experts_modules"]
