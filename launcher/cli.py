@@ -22,6 +22,8 @@ from tensoropt.search.engines import (
     tp_in_stages,
 )
 from tensoropt.search.ft import FrontierPoint
+from tensoropt.space.context_parallel import graph_refusal
+from tensoropt.space.experts import Experts
 from tensoropt.space.plan import PRECISIONS
 from tensoropt.space.run_plan import RunPlan
 from tensoropt.space.tp_layout import not_offered
@@ -225,6 +227,9 @@ def _load_plan(data: dict, source: str, graph, devices: L.Devices, per_node: int
         raise TensorOptError(f"{source} has {plan.pp} pipeline stages, which this model does not run in: {refused}")
     if tp_in_stages(plan) and (refused := staged_tp_refused(graph)):
         raise TensorOptError(f"{source} runs tp {plan.tp} inside {plan.pp} pipeline stages: {refused}")
+    for refused in (graph_refusal(graph, plan.cp), Experts.of(graph).refusal(plan.ep)):
+        if refused:             # before any worker starts: the runtime would refuse it in every rank
+            raise TensorOptError(f"{source}: {refused}")
     try:
         engine = choose_engine(L.planned_precision(plan, "torch", precision), engine or written.engine or None)
     except TensorOptError as exc:

@@ -219,3 +219,16 @@ def test_the_memory_check_simulates_an_ep_plan_within_its_prediction(tmp_path):
     assert check["plan"] == plan.summary() and check["simulated"]["simulated"] is True
     ratio = check["simulated"]["peak_bytes"] / check["predicted"]["tensor_bytes"]
     assert 0.95 <= ratio <= 1.0, ratio
+
+
+def test_a_given_plan_whose_ep_does_not_split_the_experts_is_one_line_before_any_worker(tmp_path):
+    """``launch --plan`` with ep 3 for Mixtral's 4 experts: refused by the launcher in one line (the planner's words,
+    ``space.experts``), no worker started (the runtime would refuse it in every rank)."""
+    plan = dataclasses.replace(_plan(3, 1), devices=3, dp=3, global_batch=3, micro_batch=1)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    result = tensoropt_cli("launch", HF_SCRIPT, "--device", "cpu", "--gpus", 3, "--plan", path, "--run-dir",
+                           tmp_path / "run", "--", "--arch", "mixtral", "--global-batch", 3, cwd=LAUNCH_CWD, env=ENV)
+    assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
+    assert "4 experts do not divide by 3: pick an --ep dividing 4" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
