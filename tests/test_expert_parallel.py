@@ -232,3 +232,21 @@ def test_a_given_plan_whose_ep_does_not_split_the_experts_is_one_line_before_any
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "4 experts do not divide by 3: pick an --ep dividing 4" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.parametrize("arch, engine, zero, pp", [("mixtral", "deepspeed", 1, 1), ("qwen3_moe", "deepspeed", 3, 1),
+                                                    ("mixtral", "torch", 0, 2)])
+def test_moe_models_train_under_the_launchers_plans_without_ep(arch, engine, zero, pp, tmp_path, tmp_path_factory):
+    """The rest of what the launcher offers a Hugging Face MoE model on 2 workers: DeepSpeed (ZeRO 1, ZeRO 3: its
+    partitioned (E, ...) expert stacks gathered per module) and two pipeline stages (the grouped products traced
+    into the stages), to the losses and weights of the script alone."""
+    want_losses, want_params = _alone(arch, tmp_path_factory)
+    plan = Plan(devices=2, dp=2 // pp, tp=1, pp=pp, micro_batch=4 if pp == 1 else 2, global_batch=8, zero=zero,
+                precision="32-true", dtype="float32", master_weights=False,
+                blocks=(BlockPlan("model.layers.*", ((LayerStrategy("none"), 4 // pp),)),))
+    got = launched_with_plan(plan, tmp_path, 2, HF_SCRIPT, "--arch", arch, "--steps", STEPS[arch], engine=engine,
+                             params=True)
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=LOSS_RTOL)
+    assert_weights_alike(got["params"], want_params, STEPS[arch])
