@@ -55,6 +55,11 @@ CONFIGS = {
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                       decoder_sparse_step=1, mlp_only_layers=[], vocab_size=128, pad_token_id=0, bos_token_id=1,
                       eos_token_id=2, attention_dropout=0.0),
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                        first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                        n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0),
 }
 
 
