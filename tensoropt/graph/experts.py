@@ -16,8 +16,7 @@ import json
 from torch import nn
 
 from ..errors import CaptureError
-
-EXPERTS_META = "experts"       # graph metadata: JSON {module path: {"experts": E, "top_k": k, "params": [names]}}
+from .ir import EXPERTS_META
 
 
 def _top_k(model: nn.Module, path: str) -> int:

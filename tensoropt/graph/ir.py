@@ -168,6 +168,9 @@ CROSS_ENTROPY_CALLS = "cross_entropy_calls"    # graph metadata: calls of torch'
 OUTPUT_KEY = "output"       # graph metadata: what the forward returned (graph.capture.output_kind)
 # graph metadata: "" when the model runs context-parallel, else why not (graph.capture.context_parallel_refusal)
 CONTEXT_PARALLEL_META = "context_parallel"
+# graph metadata: JSON {module path: {"experts": E, "top_k": k, "params": [names]}} of a Mixture-of-Experts model's
+# experts modules (graph.experts), absent for a dense model
+EXPERTS_META = "experts"
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ import json
 from dataclasses import dataclass, replace
 
 from ..graph.bf16_meta import bf16_weights_graph, with_bf16_weights
-from ..graph.experts import EXPERTS_META
-from ..graph.ir import Op, OpGraph
+from ..graph.ir import EXPERTS_META, Op, OpGraph
 
 # graph metadata: how many times the average token rows the busiest expert-parallel rank gets (>= 1; 1: balanced
 # routing, what the capture prices), set by the planning commands' --routing-imbalance
