@@ -63,10 +63,10 @@ from ...space.plan import Plan
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The Hugging Face experts modules of ``model`` (classes decorated by ``use_experts_implementation``, which sets
-    these attributes), in model order."""
-    marks = ("num_experts", "has_gate", "is_transposed", "_is_expert_parallel", "down_proj")
-    return [(n, m) for n, m in model.named_modules() if all(hasattr(m, a) for a in marks)]
+    """The Hugging Face experts modules of ``model``, in model order: those the capture records for the planner
+    (``graph.experts.experts_modules``), so that the plans it is offered shard what is found here."""
+    from ...graph.experts import experts_modules as recorded
+    return [(path, model.get_submodule(path)) for path in recorded(model)]
 
 
 def check_plan(plan: Plan, engine: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -197,11 +197,7 @@ def shard_experts(model: nn.Module, plan: Plan, ep_mesh, engine: str = "torch") 
     found = check_plan(plan, engine, model)
     group, rank = ep_mesh.get_group(), ep_mesh.get_local_rank()
     for _, module in found:
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.shape[0] != module.num_experts:
-                raise TensorOptError(f"{type(module).__name__}.{name} has shape {tuple(param.shape)}, not one "
-                                     f"slice per expert ({module.num_experts}): expert parallelism cannot shard it; "
-                                     "plan ep 1")
+        for name, param in list(module.named_parameters(recurse=False)):   # one slice per expert (graph.experts)
             shard = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
         module.forward = ExpertParallel(module, group, plan.ep, rank).forward
