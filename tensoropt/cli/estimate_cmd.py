@@ -204,8 +204,7 @@ def estimate(model, gpus, gpus_per_node, device, seq_len, routing_imbalance, tp,
     # precision is captured as the launcher captures a script in it
     loaded = load(model, device, seq_len, DTYPES[dtype] if dtype == "fp32" and not precision else None,
                   precision if precision else None)
-    if routing_imbalance != 1.0:
-        loaded.graph = with_routing_imbalance(loaded.graph, routing_imbalance)
+    loaded.graph = with_routing_imbalance(loaded.graph, routing_imbalance)
     cost = loaded.model_cost(gpus, gpus_per_node)
     plan = build_plan(cost, gpus, cost.cluster.devices_per_node, tp, pp, virtual_stages, zero, micro_batch,
                       global_batch, recompute, sequence_parallel, dtype, master_weights, precision or "", compile_,

@@ -41,8 +41,7 @@ def run_search(model: str, gpus: list[int], per_node: int, device: str, global_b
     profile = load_profile(device)
     from ..api import capture  # torch: imported when a model is captured, not when the CLI starts
     captured = capture(model, seq_len=seq_len, precision=precision)
-    if routing_imbalance != 1.0:
-        captured = dataclasses.replace(captured, graph=with_routing_imbalance(captured.graph, routing_imbalance))
+    captured = dataclasses.replace(captured, graph=with_routing_imbalance(captured.graph, routing_imbalance))
     # the graph lives as long as this command: keep the collector from walking its ~10^5 objects during the
     # search (a full collection there cost gpt3-175b's search ~70 ms, a third of it)
     gc.freeze()

@@ -68,16 +68,20 @@ def stage_copy_backward_bytes(r: PlanRows) -> np.ndarray:
     return np.where(r.piped, np.where(accumulating, r.copy_back_fresh, r.copy_back), 0.0)
 
 
+def dp_sharded_elements(model: ModelCost, r: PlanRows, params) -> np.ndarray:
+    """The elements whose states ZeRO divides by dp, from ``params``, the elements a rank holds: under expert
+    parallelism a rank holds experts / ep of the expert weights, and ZeRO shards those over the dp / ep ranks holding
+    the same experts: experts / ep / (dp / ep) = the whole model's / dp, as without expert parallelism."""
+    return params + model.expert_parameters * (1 - 1 / r.ep)
+
+
 def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes, params: np.ndarray
                 ) -> dict[str, np.ndarray]:
     """Peak bytes per device and its parts (``parameters``, ``gradients``, ``optimizer``, ``activations``,
     ``other``) of each plan; ``params``: the elements of the device's stage (copies and loose ops)."""
     prof = model.cluster.profile
     activation_bytes, transient = np.asarray(activation_bytes, dtype=float), np.asarray(transient_bytes, dtype=float)
-    # expert parallelism: ``params`` holds a rank's experts / ep of the expert weights; where ZeRO shards a state over
-    # dp, the experts' shards are over the dp / ep ranks holding the same experts: experts / ep / (dp / ep) = the
-    # whole model's / dp, as without expert parallelism (``sharded`` below: the elements ZeRO divides by dp)
-    sharded = params + model.expert_parameters * (1 - 1 / r.ep)
+    sharded = dp_sharded_elements(model, r, params)
     weights = r.weight * np.where(r.zero == 3, sharded / r.dp, params)
     divisor = gradients_divisor(r.pp, r.zero, r.dp)
     grads = r.grad * np.where(divisor > 1, sharded, params) / divisor
@@ -115,4 +119,4 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
             "other_bytes": other}
 
 
-__all__ = ["activations_bytes", "memory_rows", "stage_copy_backward_bytes"]
+__all__ = ["activations_bytes", "dp_sharded_elements", "memory_rows", "stage_copy_backward_bytes"]

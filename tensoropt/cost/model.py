@@ -54,7 +54,7 @@ from .context import Context, ContextTable
 from .data_parallel import data_parallel_s
 from .deepspeed_memory import largest_tied_parameter, overlaps_comm
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
-from .memory import memory_rows
+from .memory import dp_sharded_elements, memory_rows
 from .offload import gradient_copies_s, offload_step_s
 from .pipeline_memory import in_flight
 from .profile import Cluster
@@ -244,8 +244,8 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context] | ContextTable, which: n
     dp_comm, exposed = data_parallel_s(r.dp, r.tp, r.zero, r.m, r.gathered * params, r.reduced * params, stage_s,
                                         backward, cluster, model.units_per_stage(r.pp),
                                         serial=r.deepspeed & ~overlaps_comm(r.zero))
-    # the optimizer steps a rank's share: over dp under ZeRO (the experts' too, ``cost.memory.memory_rows``)
-    opt_params = np.where(r.zero >= 1, (params + model.expert_parameters * (1 - 1 / r.ep)) / r.dp, params)
+    # the optimizer steps a rank's share: over dp under ZeRO (the experts' too)
+    opt_params = np.where(r.zero >= 1, dp_sharded_elements(model, r, params) / r.dp, params)
     offloaded_s = offload_step_s(opt_params, r.weight, prof) + gradient_copies_s(r.zero, r.m, opt_params, r.grad, prof)
     optimizer_s = np.where(r.offload, offloaded_s, opt_params * r.adam_moved / prof.memory_bytes_per_s)
     time_s = pipeline_s + exposed + optimizer_s

@@ -113,7 +113,8 @@ def plan_rows(model: ModelCost, table: ContextTable, which: np.ndarray) -> PlanR
 
 
 def _unit_params(model: ModelCost, tp: int, branches: tuple[str, ...], ep: int) -> float:
-    key = ("copy", tp, branches) + ((ep,) if ep > 1 else ())
+    """``largest_copy_parameters``, kept in the model's ``row_cache``."""
+    key = ("copy", tp, branches, ep)
     if key not in model.row_cache:
         model.row_cache[key] = largest_copy_parameters(model, tp, branches, ep)
     return model.row_cache[key]
@@ -140,10 +141,7 @@ def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: in
     if shape_key in cache:
         return cache[shape_key]
     share = mb / cp if cp > 1 else mb       # samples' worth of tokens a rank computes
-    copy_key, loss_key, back_key = ("copy", tp, branches), ("loss", tp, branches, mb, cp), ("back", tp, branches,
-                                                                                            share, grad_bytes)
-    if copy_key not in cache:
-        cache[copy_key] = largest_copy_parameters(model, tp, branches)
+    loss_key, back_key = ("loss", tp, branches, mb, cp), ("back", tp, branches, share, grad_bytes)
     if loss_key not in cache:
         logits = logits_elements(model)
         cache[loss_key] = (loss_gradient_bytes(model, tp, share, logits), loss_forward_bytes(model, tp, share, logits),
@@ -154,7 +152,8 @@ def _shape(model: ModelCost, tp: int, branches: tuple[str, ...], mb: int, pp: in
     head, tail = model.loose(tp, share, 2)     # the ops before the blocks, and after them
     cache[shape_key] = (max(first.time_s, last.time_s), max(first.parameters, last.parameters),
                         first.activation_bytes, last.activation_bytes, first.backward_bytes, last.backward_bytes,
-                        cache[copy_key], *cache[loss_key], head.activation_bytes, tail.parameters, *cache[back_key])
+                        _unit_params(model, tp, branches, 1), *cache[loss_key], head.activation_bytes, tail.parameters,
+                        *cache[back_key])
     return cache[shape_key]
 
 

@@ -198,24 +198,31 @@ def contexts(model: ModelCost, devices: int, space: SearchSpace):
     # context parallelism: a (dp, cp, tp) mesh, tp inside a node, pp 1, no offload (runtime.parallel.context_parallel)
     plain = tuple((1, z, False, g) for z in space.zero_stages for g in space.grad_dtypes if z >= 1 or not g)
     for cp in cp_degrees(model, devices, space):
-        for dp, tp, _ in meshes(devices // cp, cluster.devices_per_node, max_tp, 1):
-            if not model.tp_allowed(tp) or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
-                continue
-            for branches in _branch_sets(names, tp):
-                for mb in space.micro_batches:
-                    if not space.global_batch % (dp * mb):
-                        yield dp, tp, 1, branches, mb, plain, cp, 1
+        for dp, tp in _unpiped_meshes(model, devices // cp, space, max_tp):
+            for branches, mb in _batches(names, dp, tp, space):
+                yield dp, tp, 1, branches, mb, plain, cp, 1
     # expert parallelism: ep of the dp ranks share the experts, pp 1, no offload (runtime.parallel.expert_parallel)
-    for dp, tp, _ in meshes(devices, cluster.devices_per_node, max_tp, 1) if ep_searched(model, space) else ():
-        if not model.tp_allowed(tp) or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
-            continue
+    for dp, tp in _unpiped_meshes(model, devices, space, max_tp) if ep_searched(model, space) else ():
         for ep in model.experts.degrees(dp):
-            if space.expert_parallel is not None and ep not in space.expert_parallel:
-                continue
-            for branches in _branch_sets(names, tp):
-                for mb in space.micro_batches:
-                    if not space.global_batch % (dp * mb):
-                        yield dp, tp, 1, branches, mb, plain, 1, ep
+            if space.expert_parallel is None or ep in space.expert_parallel:
+                for branches, mb in _batches(names, dp, tp, space):
+                    yield dp, tp, 1, branches, mb, plain, 1, ep
+
+
+def _unpiped_meshes(model: ModelCost, devices: int, space: SearchSpace, max_tp: int):
+    """(dp, tp) meshes of ``devices`` without pipeline stages, tp inside a node, that the model and the space allow
+    (what context and expert parallelism run beside)."""
+    for dp, tp, _ in meshes(devices, model.cluster.devices_per_node, max_tp, 1):
+        if model.tp_allowed(tp) and (space.tensor_parallel is None or tp in space.tensor_parallel):
+            yield dp, tp
+
+
+def _batches(names: tuple[str, ...], dp: int, tp: int, space: SearchSpace):
+    """(branches tp shards, micro-batch) pairs of a (dp, tp) mesh whose micro-batches divide the global batch."""
+    for branches in _branch_sets(names, tp):
+        for mb in space.micro_batches:
+            if not space.global_batch % (dp * mb):
+                yield branches, mb
 
 
 def search(model: ModelCost, devices: int, space: SearchSpace, doubling: bool = True,

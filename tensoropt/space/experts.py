@@ -23,9 +23,12 @@ ROUTING_IMBALANCE_META = "routing_imbalance"
 
 def with_routing_imbalance(graph: OpGraph, factor: float) -> OpGraph:
     """``graph`` priced with its busiest expert-parallel rank getting ``factor`` x the average token rows (the graph
-    it carries with bf16 weights too, which prices the engines that compute with them: ``search.engines``)."""
+    it carries with bf16 weights too, which prices the engines that compute with them: ``search.engines``);
+    ``graph`` itself at 1, balanced routing, what the capture prices."""
     if factor < 1:
         raise ValueError(f"--routing-imbalance {factor}: the busiest rank gets at least the average rows: give >= 1")
+    if factor == 1:
+        return graph
     meta = dict(graph.metadata) | {ROUTING_IMBALANCE_META: repr(float(factor))}
     out = replace(graph, metadata=tuple(sorted(meta.items())))
     bf16 = bf16_weights_graph(graph)
