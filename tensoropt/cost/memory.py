@@ -75,6 +75,21 @@ def dp_sharded_elements(model: ModelCost, r: PlanRows, params) -> np.ndarray:
     return params + model.expert_parameters * (1 - 1 / r.ep)
 
 
+def uncast_parameter_elements(ops, indices, dtypes: dict[str, str]) -> float:
+    """Elements of the parameters the ops at ``indices`` read that no op of ``ops`` reads in another dtype than the
+    parameter's own (``dtypes``: name -> dtype): under autocast the capture records a product reading its weight's
+    16-bit copy as reading the parameter in 16 bits (``graph.capture``), so a parameter read only in its own dtype
+    has no copy."""
+    read = {(r.name, meta.dtype) for op in ops for meta, r in zip(op.inputs, op.sources) if r.kind == "param"}
+    cast = {name for name, dtype in read if dtype != dtypes.get(name, dtype)}
+    seen: dict[str, int] = {}
+    for i in indices:
+        for meta, r in zip(ops[i].inputs, ops[i].sources):
+            if r.kind == "param" and r.name not in cast:
+                seen.setdefault(r.name, meta.numel)
+    return float(sum(seen.values()))
+
+
 def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes, params: np.ndarray
                 ) -> dict[str, np.ndarray]:
     """Peak bytes per device and its parts (``parameters``, ``gradients``, ``optimizer``, ``activations``,
@@ -111,12 +126,18 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
                              r.master, r.moment, r.partition_copy, grads, activations, model.largest_parameter,
                              transient, np.where(r.piped, 0.0, r.loss_grads), model.largest_tied_parameter,
                              np.where(r.piped, 0.0, r.loss_forward))
+    # autocast's 16-bit copies of the float32 weights (``cost.states.torch_mixed``, ZeRO 0): of the weights its
+    # products read, so not of the experts' that Hugging Face's grouped experts read through ``_grouped_mm``, which no
+    # autocast op list casts (torch's dispatcher has no Autocast kernel for it): they compute in float32 and nothing
+    # holds a 16-bit copy of them (``ModelCost.uncast_expert_parameters``); a rank holds experts / ep of them, a
+    # pipeline stage 1 / pp
+    cast = r.cast_copy * (params - model.uncast_expert_parameters / (r.ep * r.pp))
     # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
-    other = working + held_params + prof.runtime_overhead_bytes + r.cast_copy * params + model.buffer_bytes + \
-        deepspeed_bytes
+    other = working + held_params + prof.runtime_overhead_bytes + cast + model.buffer_bytes + deepspeed_bytes
     return {"peak_memory_bytes": weights + grads + optimizer + activations + other, "parameters_bytes": weights,
             "gradients_bytes": grads, "optimizer_bytes": optimizer, "activations_bytes": activations,
             "other_bytes": other}
 
 
-__all__ = ["activations_bytes", "dp_sharded_elements", "memory_rows", "stage_copy_backward_bytes"]
+__all__ = ["activations_bytes", "dp_sharded_elements", "memory_rows", "stage_copy_backward_bytes",
+           "uncast_parameter_elements"]

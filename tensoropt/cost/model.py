@@ -45,7 +45,7 @@ import numpy as np
 from ..graph.fold import Block, FoldedGraph
 from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
-from ..space.experts import Experts
+from ..space.experts import Experts, expert_ops
 from ..space.plan import LayerStrategy, Plan
 from ..space.tp_meta import tp_checks
 from ..space.vocab import VocabLayout, vocab_layout
@@ -54,7 +54,7 @@ from .context import Context, ContextTable
 from .data_parallel import data_parallel_s
 from .deepspeed_memory import largest_tied_parameter, overlaps_comm
 from .layer import BlockCost, LooseCost, LooseOps, tp_comm_hidden_s
-from .memory import dp_sharded_elements, memory_rows
+from .memory import dp_sharded_elements, memory_rows, uncast_parameter_elements
 from .offload import gradient_copies_s, offload_step_s
 from .pipeline_memory import in_flight
 from .profile import Cluster
@@ -113,6 +113,11 @@ class ModelCost:
             for b in folded.blocks]
         # the model's expert weights, elements (sharded over ep ranks by expert parallelism: ``BlockCost.layer``)
         self.expert_parameters = float(sum(b.repeats * cost.expert_params for b, cost in self.blocks))
+        # those of them no product reads through autocast's 16-bit copy (``cost.memory``: no copy of them is held)
+        dtypes = {name: meta.dtype for name, meta in graph.params}
+        self.uncast_expert_parameters = float(sum(
+            b.repeats * uncast_parameter_elements(b.ops, expert_ops(b.ops, self.experts), dtypes)
+            for b, _ in self.blocks)) if self.experts.params else 0.0
         first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
         last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
