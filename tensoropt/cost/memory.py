@@ -52,7 +52,12 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     back_first = np.maximum(r.first_back - transient_bytes, 0.0)
     back_last = np.maximum(r.last_acts + np.maximum(r.last_back, r.stage_loss) + at_loss_bytes - transient_bytes, 0.0)
     messages_first, messages_last = message_bytes(r.pp, r.v, r.m, r.mb, carried)
-    acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts) + np.where(
+    # the tensors the copies read from outside their stream that only a recomputation keeps
+    # (``ModelCost.checkpoint_inputs_bytes``, a micro-batch's): priced as held for the step whatever the copies'
+    # recomputation, since a plan's per-copy sums (the search's) cannot say whether it recomputes any: an upper bound by
+    # their size for a plan that recomputes none, whose forward frees them
+    held = model.checkpoint_inputs_bytes * r.mb
+    acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts + held) + np.where(
         r.piped, messages_first + back_first, 0.0)
     acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + messages_last + back_last,
                          acts_first)
@@ -116,7 +121,8 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     flat_torch = ~r.deepspeed & ~r.piped
     held_params, torch_grads, torch_working, torch_acts = _only(
         flat_torch, 4, fsdp_held_bytes, r.zero, r.gathered, r.reduced, r.unit_params, r.loose_params, r.loss_grads,
-        transient, grads, r.m, r.dp, activations, r.head_acts, r.copy_peak, r.tail_params, model.largest_parameter,
+        transient, grads, r.m, r.dp, activations,
+        r.head_acts + model.checkpoint_inputs_bytes * r.mb, r.copy_peak, r.tail_params, model.largest_parameter,
         r.grad * np.where(r.ep > 1, model.expert_parameters / r.ep, 0.0))
     grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
     working = np.where(flat_torch, torch_working,

@@ -67,6 +67,18 @@ def _carried_bytes(block: Block) -> int:
     return sum(block.ops[j].outputs[s].nbytes for j, s in refs)
 
 
+def _unsaved_block_inputs_bytes(graph: OpGraph, blocks) -> float:
+    """Bytes per sample of the tensors the block copies read from outside their stream (made once by the ops before
+    them and read by every copy: a materialised attention mask) that no op of the captured forward saves: a copy's
+    recomputation holds them (``torch.utils.checkpoint`` keeps the inputs of the forward it runs again, the selective
+    core's tape the tensors it reads) from the forward to that copy's backward, once for all copies, as Megatron-LM's
+    ``CheckpointFunction`` does with the attention mask. Those the forward saves (the rotary tables, read by products)
+    are priced with the ops that make them."""
+    refs = {(r.index, r.slot) for b in blocks for op in b.ops for r in op.sources if r.kind == "op"}
+    return float(sum(graph.ops[i].outputs[s].nbytes for i, s in refs
+                     if graph.ops[i].saved_bytes < graph.ops[i].outputs[s].nbytes))
+
+
 @dataclass(frozen=True)
 class GraphFacts:
     """What the cost model reads of the whole graph rather than of its folded blocks: a scan of every op and
@@ -120,6 +132,7 @@ class ModelCost:
             for b, _ in self.blocks)) if self.experts.params else 0.0
         first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
         last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
+        self.checkpoint_inputs_bytes = _unsaved_block_inputs_bytes(graph, folded.blocks)
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
         self.tail_ops = tuple(op for op in folded.loose_ops if op.index >= last_block and folded.blocks)
         self.middle_ops = tuple(op for op in folded.loose_ops if first_block <= op.index < last_block)
