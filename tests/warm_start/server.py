@@ -16,7 +16,8 @@ the test (or torchrun) started stays the one it waits for and signals:
 
 What the child does not get from a fresh interpreter: a hash seed of its own (all children share the server's), and
 imports made before its environment was set (torch reads none that the suite sets; ``OMP_NUM_THREADS`` is applied
-with ``torch.set_num_threads``). A test that looks at the process tree switches the server off for itself, or on for
+with ``torch.set_num_threads``; transformers reads ``HF_HUB_OFFLINE``, which the server sets as the suite's scripts
+do). A test that looks at the process tree switches the server off for itself, or on for
 scripts only (``COLD_MODULES`` in ``tests/conftest.py``).
 """
 
@@ -35,6 +36,12 @@ import sys
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.run", "tensoropt.cli", "launcher.cli",
            "numpy", "tensoropt.runtime.entry", "tensoropt.runtime.engines.torch_engine", "tensoropt.runtime.run")
+# Hugging Face: ~3.4 CPU-s of imports (transformers and a model family's modeling module; building a small model from
+# its config then takes ~0.03 s) in every process that runs a Hugging Face script (examples/train_hf.py's workers,
+# the script alone, the launcher's capture of it); the families the suite's scripts build
+HF_FAMILIES = ("gpt2", "phi3", "falcon", "llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+HF_PRELOAD = ("transformers", "transformers.integrations.moe",
+              *(f"transformers.models.{family}.modeling_{family}" for family in HF_FAMILIES))
 HEADER = struct.Struct("!I")
 
 
@@ -62,6 +69,11 @@ def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def serve(path: str) -> None:
     for name in PRELOAD:
+        __import__(name)
+    # the suite never reaches the Hugging Face Hub (CI sets this too; the scripts set it before importing
+    # transformers, which reads it at import, as the children's imports are made here)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for name in HF_PRELOAD:
         __import__(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
