@@ -54,7 +54,8 @@ if WARM:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_DIR), os.environ.get("PYTHONPATH", "")) if p)
 # modules whose tests look at the process tree or signal it: their processes start cold ("cold"), or all but the
 # scripts ("scripts": the launcher and torchrun cold, so a test finds the workers it kills under the launcher; the
-# process it kills is the one torchrun started, and the script under the server dies with it)
+# process it kills is the one torchrun started, and the script under the server dies with it); a test of such a
+# module that looks only at output and exit statuses says so with @pytest.mark.warm_start("warm")
 COLD_MODULES = {"test_launch_proc.py": "cold", "test_elastic.py": "scripts"}
 
 
@@ -79,7 +80,9 @@ def _warm_server_started():
 @pytest.fixture(autouse=True)
 def _warm_start(request, _warm_server_started):
     """Cold starts (all, or all but the scripts) for the tests of COLD_MODULES."""
-    mode = COLD_MODULES.get(request.path.name) if _warm_server is not None else None
+    marker = request.node.get_closest_marker("warm_start")
+    mode = (marker.args[0] if marker else COLD_MODULES.get(request.path.name)) if _warm_server is not None else None
+    mode = None if mode == "warm" else mode
     if mode:
         _tell_warm_server(mode)
     yield

@@ -74,6 +74,7 @@ def test_ctrl_c_while_the_launcher_captures_the_model(tmp_path):
 
 
 @pytest.mark.xdist_group("multiprocess")
+@pytest.mark.warm_start("warm")          # reads the launcher's output and exit status, not its process tree
 def test_a_crash_in_one_worker_shows_its_traceback_once(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH.format(script=GPT_SCRIPT))
@@ -90,6 +91,7 @@ def test_a_crash_in_one_worker_shows_its_traceback_once(tmp_path):
     assert (tmp_path / "run" / "torchrun.log").read_text().count("ChildFailedError") >= 1     # kept, not shown
 
 
+@pytest.mark.warm_start("warm")          # reads the launcher's output and exit status, not its process tree
 def test_a_rendezvous_no_other_node_comes_to_stops_in_one_line(tmp_path):
     from test_launch import _two_free_ports
     port = _two_free_ports()
