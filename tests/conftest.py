@@ -66,8 +66,12 @@ def _start_warm_server():
     env = {k: v for k, v in os.environ.items() if k != "TENSOROPT_TEST_WARM_SOCKET"}
     _warm_server = subprocess.Popen([sys.executable, str(WARM_DIR / "server.py"), _WARM_SOCKET], env=env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
-    if _warm_server.stdout.readline().strip() != "ready":
-        _warm_server = None
+    first = _warm_server.stdout.readline().strip()
+    if first != "ready":
+        # the processes the tests start would still find its socket (the environment says where): stop here, loudly
+        _warm_server.kill()
+        pytest.exit(f"the warm-start server did not start (its first line: {first!r}); TENSOROPT_TEST_WARM=0 runs "
+                    "the suite without it", returncode=3)
 
 
 @pytest.fixture(scope="session", autouse=True)

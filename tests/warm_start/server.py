@@ -70,14 +70,28 @@ def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), list(fds)
 
 
+def preload(names: tuple[str, ...]) -> None:
+    """Import ``names`` with what they print to standard output sent to standard error: the server's standard output
+    is its protocol with pytest ("ready", "ok"), and DeepSpeed logs its accelerator to it at import. Only the file
+    descriptor moves for the while: ``sys.stdout`` (which DeepSpeed's log handler keeps) still writes to fd 1, the
+    client's standard output in each child."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        for name in names:
+            __import__(name)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def serve(path: str) -> None:
-    for name in PRELOAD:
-        __import__(name)
     # the suite never reaches the Hugging Face Hub (CI sets this too; the scripts set it before importing
     # transformers, which reads it at import, as the children's imports are made here)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for name in (*HF_PRELOAD, *DEEPSPEED_PRELOAD):
-        __import__(name)
+    preload((*PRELOAD, *HF_PRELOAD, *DEEPSPEED_PRELOAD))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
