@@ -85,12 +85,12 @@ def _warm_server_started():
 def _warm_start(request, _warm_server_started):
     """Cold starts (all, or all but the scripts) for the tests of COLD_MODULES."""
     marker = request.node.get_closest_marker("warm_start")
-    mode = (marker.args[0] if marker else COLD_MODULES.get(request.path.name)) if _warm_server is not None else None
-    mode = None if mode == "warm" else mode
-    if mode:
+    mode = marker.args[0] if marker else COLD_MODULES.get(request.path.name)
+    switched = _warm_server is not None and mode in ("cold", "scripts")
+    if switched:
         _tell_warm_server(mode)
     yield
-    if mode:
+    if switched:
         _tell_warm_server("warm")
 
 

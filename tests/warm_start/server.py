@@ -40,11 +40,11 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.ten
 # its config then takes ~0.03 s) in every process that runs a Hugging Face script (examples/train_hf.py's workers,
 # the script alone, the launcher's capture of it); the families the suite's scripts build
 HF_FAMILIES = ("gpt2", "phi3", "falcon", "llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+HF_PRELOAD = ("transformers", "transformers.integrations.moe",
+              *(f"transformers.models.{family}.modeling_{family}" for family in HF_FAMILIES))
 # DeepSpeed: ~1.7 CPU-s in each DeepSpeed worker (its engine's optimizer check imports its Muon optimizer, which
 # imports torch._inductor); its accelerator is detected here once (the suite's are CPUs)
 DEEPSPEED_PRELOAD = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
-HF_PRELOAD = ("transformers", "transformers.integrations.moe",
-              *(f"transformers.models.{family}.modeling_{family}" for family in HF_FAMILIES))
 HEADER = struct.Struct("!I")
 
 
