@@ -135,9 +135,10 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     # autocast's 16-bit copies of the float32 weights (``cost.states.torch_mixed``, ZeRO 0): of the weights its
     # products read, so not of the experts' that Hugging Face's grouped experts read through ``_grouped_mm``, which no
     # autocast op list casts (torch's dispatcher has no Autocast kernel for it): they compute in float32 and nothing
-    # holds a 16-bit copy of them (``ModelCost.uncast_expert_parameters``); a rank holds experts / ep of them, a
-    # pipeline stage 1 / pp
-    cast = r.cast_copy * (params - model.uncast_expert_parameters / (r.ep * r.pp))
+    # holds a 16-bit copy of them (``ModelCost.uncast_expert_parameters``); a rank holds experts / ep of them. A
+    # pipeline stage's share of them is not in these rows (stages may hold unequal expert layers: DeepSeek-V3's first
+    # layers are dense), so a pipelined plan keeps their copies priced: an upper bound
+    cast = r.cast_copy * (params - np.where(r.pp > 1, 0.0, model.uncast_expert_parameters / r.ep))
     # the gathered copies FSDP2 holds are working memory (``other``); ``parameters_bytes`` stays the model states
     other = working + held_params + prof.runtime_overhead_bytes + cast + model.buffer_bytes + deepspeed_bytes
     return {"peak_memory_bytes": weights + grads + optimizer + activations + other, "parameters_bytes": weights,
