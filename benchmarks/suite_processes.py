@@ -51,7 +51,8 @@ def _note():
 if os.environ.get("{LOG_ENV}"):
     atexit.register(_note)
 '''
-TORCHRUN, LAUNCHER = "torch/distributed/run.py", "tensoropt/__main__.py launch"
+TORCHRUNS = ("torch/distributed/run.py", "launcher/torchrun.py")     # torch's, and the launcher's (launcher.torchrun)
+LAUNCHER = "tensoropt/__main__.py launch"
 PYTEST = "pytest/__main__.py"                 # the controlling process (xdist's own exit without the hook)
 KINDS = ("worker", "torchrun", "launcher", "launcher's capture or simulation", "script alone / helper", "CLI")
 
@@ -59,13 +60,13 @@ KINDS = ("worker", "torchrun", "launcher", "launcher's capture or simulation", "
 def kind(record: dict, by_pid: dict[int, dict]) -> str:
     """Which of ``KINDS`` a logged process is, from its command line and its parent's."""
     argv, parent = record["argv"], by_pid.get(record["ppid"], {}).get("argv", "")
-    if TORCHRUN in argv:
+    if any(t in argv for t in TORCHRUNS):
         return "torchrun"
     if LAUNCHER in argv:
         return "launcher"
     if "tensoropt/__main__.py" in argv:
         return "CLI"
-    if TORCHRUN in parent:
+    if any(t in parent for t in TORCHRUNS):
         return "worker"
     if LAUNCHER in parent:
         return "launcher's capture or simulation"

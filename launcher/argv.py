@@ -9,11 +9,12 @@ from collections.abc import Sequence
 def torchrun_argv(script: str, script_args: Sequence[str], nproc_per_node: int, nnodes: int = 1,
                   node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
                   log_dir: str | None = None, rendezvous_timeout_s: int | None = None) -> list[str]:
-    """``python -m torch.distributed.run`` for one node of the job: a standalone rendezvous on one
+    """torchrun (``python -m launcher.torchrun``: ``torch.distributed.run`` less a cost of its rendezvous, see
+    ``launcher.torchrun``) for one node of the job: a standalone rendezvous on one
     node, the static master address and port across nodes, where a node waits for the others at most
     ``rendezvous_timeout_s`` (torch's default is 600 s). With ``log_dir`` each worker's stderr is also written
     there and echoed with its rank (``launcher.workers``)."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
+    argv = [sys.executable, "-m", "launcher.torchrun", "--nproc-per-node", str(nproc_per_node)]
     if nnodes == 1 and master_addr is None:
         argv.append("--standalone")
     else:

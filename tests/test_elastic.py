@@ -57,7 +57,7 @@ def test_killed_worker_resumes_from_the_last_checkpoint(reference, tmp_path):
     proc = start(tmp_path)
     wait_for_checkpoint(tmp_path, 4, proc)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if SCRIPT in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+               if SCRIPT in p.cmdline() and "launcher.torchrun" not in p.cmdline()]
     assert len(workers) == 2
     workers[1].send_signal(signal.SIGKILL)
     log = finish(proc)

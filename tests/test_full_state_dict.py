@@ -71,7 +71,7 @@ def test_full_state_dict_copies_one_gathered_parameter_at_a_time(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--standalone", "--nproc-per-node", "2",
                              str(script), str(out)], capture_output=True, text=True, env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     torch.manual_seed(0)

@@ -75,7 +75,7 @@ def test_a_wrong_layout_is_caught_before_training(tmp_path):
             del branch["segments"]
     (tmp_path / "run" / "plan.json").write_text(json.dumps(written))
     env = {**ENV, "TENSOROPT_PLAN": str(tmp_path / "run" / "plan.json")}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--nproc-per-node", "2", "--standalone",
                              FUSED, *args, "--out", tmp_path / "out.json"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode != 0

@@ -26,7 +26,7 @@ def chosen(tmp_path_factory):
     result = tensoropt_cli("launch", SCRIPT, "--device", "cpu", "--gpus", 2, "--run-dir", run_dir, "--dry-run", "--",
                        "--steps", 3, "--out", run_dir / "never.json", cwd=LAUNCH_CWD)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "chosen: " in result.stdout and "torch.distributed.run --nproc-per-node 2" in result.stdout
+    assert "chosen: " in result.stdout and "launcher.torchrun --nproc-per-node 2" in result.stdout
     assert "predicted: " in result.stdout and ("torch: " in result.stdout or "deepspeed config: " in result.stdout)
     assert not (run_dir / "never.json").exists()                     # nothing trained
     plan = Plan.from_json(json.loads((run_dir / "plan.json").read_text()))

@@ -27,7 +27,7 @@ EPS = {"float32": torch.finfo(torch.float32).eps, "bfloat16": torch.finfo(torch.
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("vocab_loss") / "out"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--standalone", "--nproc-per-node", "2",
                              str(PROBE), str(out)], capture_output=True, text=True, env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(out.with_name(f"out.{rank}.json").read_text()) for rank in (0, 1)]

@@ -72,7 +72,7 @@ def probe_under_torchrun(script: str, tmp_path) -> dict:
     """What rank 0 of ``tests/SCRIPT`` wrote (JSON, to the file its first argument names) when run by torchrun on two
     CPU workers in ``tmp_path``: the probes that check a runtime mechanism on real process groups."""
     out = tmp_path / "probe.json"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--nproc-per-node", "2", "--standalone",
                              str(REPO / "tests" / script), out], env=ENV, cwd=tmp_path, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

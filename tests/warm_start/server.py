@@ -34,7 +34,7 @@ import struct
 import sys
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-           "torch.distributed.run", "tensoropt.cli", "launcher.cli",
+           "torch.distributed.run", "launcher.torchrun", "tensoropt.cli", "launcher.cli",
            "numpy", "tensoropt.runtime.entry", "tensoropt.runtime.engines.torch_engine", "tensoropt.runtime.run")
 # Hugging Face: ~3.4 CPU-s of imports (transformers and a model family's modeling module; building a small model from
 # its config then takes ~0.03 s) in every process that runs a Hugging Face script (examples/train_hf.py's workers,

@@ -8,7 +8,7 @@ import os
 import sys
 
 SOCKET_ENV = "TENSOROPT_TEST_WARM_SOCKET"
-MODULES = ("tensoropt.runtime.capture_run", "torch.distributed.run", "tensoropt")
+MODULES = ("tensoropt.runtime.capture_run", "torch.distributed.run", "launcher.torchrun", "tensoropt")
 
 
 def _request():
