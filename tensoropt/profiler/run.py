@@ -48,6 +48,10 @@ GPU_MATMUL = {"quick": [1024, 4096, 8192], "full": [256, 512, 1024, 2048, 4096, 
 # float32 elements a bandwidth copy moves on a GPU: 1 and 2 GiB, far beyond an H100's 50 MB L2 (a 16 MiB copy
 # stays in it); the CPU sizes above (16 and 128 MiB) are beyond a CPU's caches and fit a 24 GiB machine
 GPU_MEMORY = {"quick": [1 << 28], "full": [1 << 28, 1 << 29]}
+# a CPU without bf16 matrix units (AVX2) multiplies bf16 ~100x slower than float32: a 1024^3 product took 2.55 s a
+# call on one thread of an AMD EPYC (0.84 GFLOP/s, against 92 in float32), 13 s of a quick profile's five calls;
+# a quick CPU profile stops its bf16 products at 512^3 (0.22 s a call), a full one measures them all
+QUICK_CPU_BF16_MAX_N = 512
 # the CUDA context, NCCL's buffers and the allocator's slack: no benchmark here measures them, so a GPU's
 # profile keeps its datasheet profile's figure (3 GiB for an H100); this where there is none
 DEFAULT_RUNTIME_OVERHEAD_BYTES = 512 * 2**20
@@ -74,8 +78,16 @@ class Settings:
                                                                                             torch.bfloat16]
 
 
+def matmul_sizes(s: Settings, dtype: torch.dtype) -> list[int]:
+    """The n of the n x n x n products timed in ``dtype`` (see QUICK_CPU_BF16_MAX_N)."""
+    sizes = s.plan["matmul"]
+    if s.quick and s.device == "cpu" and dtype == torch.bfloat16:
+        return [n for n in sizes if n <= QUICK_CPU_BF16_MAX_N]
+    return sizes
+
+
 def total_steps(s: Settings) -> int:
-    return (len(s.plan["matmul"]) * len(s.dtypes) + len(s.plan["memory"]) + 3
+    return (sum(len(matmul_sizes(s, dtype)) for dtype in s.dtypes) + len(s.plan["memory"]) + 3
             + collectives.steps(s.nproc, s.plan["messages"]))
 
 
@@ -157,7 +169,7 @@ def run(name: str, settings: Settings, advance) -> dict:
     torch.set_num_threads(threads_per_worker(settings.nproc))
     products = []
     for dtype in settings.dtypes:
-        for n in plan["matmul"]:
+        for n in matmul_sizes(settings, dtype):
             products.append(bench.matmul(n, dtype, dev, plan["repeats"]))
             advance(f"matmul {n}^3 {products[-1]['dtype']}")
     memory = []
