@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import REPO
 
 from launcher.devices import Devices
@@ -52,7 +51,7 @@ def _probe_group(rank: int, port: int, backend: str, queue) -> None:
 
 
 def _probe(backend: str) -> list[tuple]:
-    context = mp.get_context("spawn")
+    context = collectives.worker_context()     # the profiler's own (a fork server)
     queue = context.Queue()
     port = collectives.free_port()
     procs = [context.Process(target=_probe_group, args=(r, port, backend, queue)) for r in range(2)]

@@ -2,7 +2,7 @@
 (gloo on CPU, nccl on CUDA): all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point
 over message sizes, for every group size from 2 to the number of workers.
 
-Workers are spawned on a free local port; rank 0 reports each timing (the maximum over ranks of
+Workers are started (``worker_context``) on a free local port; rank 0 reports each timing (the maximum over ranks of
 the median over repeats, since a collective ends when its slowest rank does).
 
 Every tensor a collective runs on, the timings' own reduction included, sits on the device the group's
@@ -109,9 +109,21 @@ def _worker(rank: int, world: int, port: int, device: str, sizes: list[int], rep
     dist.destroy_process_group()
 
 
+def worker_context():
+    """Where the workers start: a fork server that imports torch and this module once and forks each worker from
+    itself (Linux, macOS), instead of spawning workers that each import them (~2.5 CPU-s a worker, on the cores the
+    other workers are already measuring with). The server never initialises CUDA, so its children may."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", __name__])   # read when the server first starts
+    return context
+
+
 def measure(nproc: int, device: str, sizes: list[int], repeats: int, on_step=None) -> list[dict]:
-    """Spawn ``nproc`` workers and return every measurement; ``on_step`` is called per timing."""
-    context = mp.get_context("spawn")
+    """Start ``nproc`` workers (``worker_context``) and return every measurement; ``on_step`` is called per
+    timing."""
+    context = worker_context()
     queue = context.SimpleQueue()
     port = free_port()
     procs = [context.Process(target=_worker, args=(r, nproc, port, device, sizes, repeats, queue), daemon=True)

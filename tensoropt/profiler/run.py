@@ -245,7 +245,7 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
             "host_link": "pinned host<->device copies, the slower direction" if host_copies else
                          "no host link on a CPU: the memory bandwidth",
             "method": "medians of timed samples after a warm-up (back-to-back calls between CUDA events on a GPU, "
-                      "perf_counter on a CPU); collectives in spawned worker processes "
+                      "perf_counter on a CPU); collectives in worker processes of their own "
                       f"({'nccl' if settings.device == 'cuda' else 'gloo'}); links {links_from}",
         },
         "measurements": {"matmul": products, "memory": memory, "op_overhead_s": overhead,
