@@ -95,7 +95,7 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    children: dict[int, tuple[int, socket.socket]] = {}          # pidfd -> (pid, connection)
+    children: dict[int, tuple[int, socket.socket, dict]] = {}    # pidfd -> (pid, connection, request)
     from sitecustomize import namespaces  # this folder's (first on the path of ``python server.py``)
     own_namespaces = namespaces()
     mode = "warm"
@@ -126,19 +126,31 @@ def serve(path: str) -> None:
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
-                    for _, other in children.values():
+                    for _, other, _ in children.values():
                         other.close()
                     _child(conn, request, fds)          # never returns
                 for fd in fds:
                     os.close(fd)
-                children[os.pidfd_open(pid)] = (pid, conn)
+                children[os.pidfd_open(pid)] = (pid, conn, request)
             else:
-                pid, conn = children.pop(ready)
-                _, status = os.waitpid(pid, 0)
+                pid, conn, request = children.pop(ready)
+                _, status, usage = os.wait4(pid, 0)
+                _log_usage(request, usage)
                 os.close(ready)
                 with contextlib.suppress(OSError):
                     conn.sendall(b"X" + struct.pack("!i", status))
                 conn.close()
+
+
+def _log_usage(request: dict, usage) -> None:
+    """With ``TENSOROPT_TEST_WARM_LOG`` set (a file), append one JSON line per finished child: what it ran and the
+    CPU seconds it and the processes it waited for took (``wait4``; a forked child's count starts at zero), which
+    tells where a suite's CPU time goes (processes by kind: workers, torchrun, captures...)."""
+    if path := os.environ.get("TENSOROPT_TEST_WARM_LOG"):
+        record = {"module": request.get("module"), "argv": request.get("argv", [])[:16],
+                  "cpu_s": usage.ru_utime + usage.ru_stime}
+        with open(path, "a") as log:
+            log.write(json.dumps(record) + "\n")
 
 
 def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
