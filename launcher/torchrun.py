@@ -6,8 +6,10 @@ after its caller, found with ``inspect.stack()`` (``dynamic_rendezvous.get_metho
 twice): that builds the source context of every frame of the stack, ~0.16 s a name on this project's 2-core CPU, nine
 names in a 2-worker launch (cProfile of torchrun: most before the first worker starts, two at the end). With no event
 handler configured (torch's default) the events are then dropped. Here the caller's name is read from its frame,
-which gives the same name (``sys._getframe`` at the same depth) without reading any source: a warm 2-worker launch of
-a 2-layer GPT (tests/warm_start) started its workers 1.2 s sooner and ended 0.3 s sooner (4.3 -> 3.0 s).
+which gives the same name (``sys._getframe`` at the same depth) without reading any source. A 2-worker start took
+4.18 s with torch's torchrun and 3.79 s with this one (``benchmarks/results/torchrun_start.md``); in the test suite's
+warm-started processes (tests/warm_start: deeper stacks, thousands of modules for ``inspect`` to search) a 2-layer
+GPT's launch went from 4.3 to 3.0 s.
 """
 
 from __future__ import annotations
