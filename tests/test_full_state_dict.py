@@ -7,13 +7,12 @@ whole parameter on the device), and check that the values returned are copies of
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from torch import nn
-from workers import ENV
+from workers import ENV, torchrun_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 
@@ -71,8 +70,8 @@ def test_full_state_dict_copies_one_gathered_parameter_at_a_time(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--standalone", "--nproc-per-node", "2",
-                             str(script), str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    result = subprocess.run(torchrun_argv(str(script), [str(out)], 2), capture_output=True, text=True, env=ENV,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     torch.manual_seed(0)
     expected = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8)).state_dict()

@@ -7,12 +7,11 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 from conftest import EXAMPLES, LAUNCH_CWD, REPO
-from workers import ENV, LOSS_RTOL, dry_run_plan, losses_alone, tensoropt_cli, tp2
+from workers import ENV, LOSS_RTOL, dry_run_plan, losses_alone, tensoropt_cli, torchrun_argv, tp2
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
 FUSED, HF = str(REPO / "tests" / "train_fused.py"), str(EXAMPLES / "train_hf.py")
@@ -75,9 +74,8 @@ def test_a_wrong_layout_is_caught_before_training(tmp_path):
             del branch["segments"]
     (tmp_path / "run" / "plan.json").write_text(json.dumps(written))
     env = {**ENV, "TENSOROPT_PLAN": str(tmp_path / "run" / "plan.json")}
-    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--nproc-per-node", "2", "--standalone",
-                             FUSED, *args, "--out", tmp_path / "out.json"], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
+    argv = torchrun_argv(FUSED, [*map(str, args), "--out", str(tmp_path / "out.json")], 2)
+    result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     assert ("tensor parallelism over 2 devices changes what h.0 computes: the sharded layout of mlp "
             "(mlp.gate_up_proj -> mlp.down_proj) does not match") in result.stderr

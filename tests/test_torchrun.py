@@ -2,6 +2,7 @@
 one ``inspect.stack()`` gave (torch's ``get_method_name``), at every depth torch asks for and past the stack's end;
 tests/test_launch*.py and the probes run every worker under it."""
 
+import inspect
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
@@ -24,5 +25,5 @@ def test_the_frame_walk_names_the_same_caller_as_inspect_stack():
     for depth in (1, 2, 3):
         assert rendezvous_step(_method_name, depth) == rendezvous_step(TORCH_GET_METHOD_NAME, depth)
     assert rendezvous_step(_method_name) == "rendezvous_step"
-    too_deep = len(__import__("inspect").stack()) + 5
+    too_deep = len(inspect.stack()) + 5
     assert _method_name(too_deep) == TORCH_GET_METHOD_NAME(too_deep) == "no_method_name"

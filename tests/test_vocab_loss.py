@@ -6,14 +6,13 @@ cast to the logits' dtype; the capture telling a loss that comes through ``F.cro
 import dataclasses
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO
 from test_vocab_parallel import capture, gpt
-from workers import ENV
+from workers import ENV, torchrun_argv
 
 from tensoropt.cost.torch_memory import FLOAT32, loss_gradient_bytes
 from tensoropt.models.transformer import DecoderLM
@@ -27,8 +26,8 @@ EPS = {"float32": torch.finfo(torch.float32).eps, "bfloat16": torch.finfo(torch.
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("vocab_loss") / "out"
-    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--standalone", "--nproc-per-node", "2",
-                             str(PROBE), str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    result = subprocess.run(torchrun_argv(str(PROBE), [str(out)], 2), capture_output=True, text=True, env=ENV,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(out.with_name(f"out.{rank}.json").read_text()) for rank in (0, 1)]
 

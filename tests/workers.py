@@ -10,6 +10,7 @@ import sys
 import numpy as np
 from conftest import EXAMPLES, LAUNCH_CWD, REPO
 
+from launcher.argv import torchrun_argv
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 GPT_SCRIPT = str(EXAMPLES / "train_gpt.py")
@@ -72,9 +73,8 @@ def probe_under_torchrun(script: str, tmp_path) -> dict:
     """What rank 0 of ``tests/SCRIPT`` wrote (JSON, to the file its first argument names) when run by torchrun on two
     CPU workers in ``tmp_path``: the probes that check a runtime mechanism on real process groups."""
     out = tmp_path / "probe.json"
-    result = subprocess.run([sys.executable, "-m", "launcher.torchrun", "--nproc-per-node", "2", "--standalone",
-                             str(REPO / "tests" / script), out], env=ENV, cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(torchrun_argv(str(REPO / "tests" / script), [str(out)], 2), env=ENV, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
