@@ -148,3 +148,45 @@ def test_the_row_style_sums_in_place_into_a_tensor_of_its_own(one_rank):
     torch.testing.assert_close(y, want)
     for (name, got), (_, ref) in zip(sharded.named_parameters(), whole.named_parameters(), strict=True):
         torch.testing.assert_close(got.grad.full_tensor(), ref.grad, msg=name)
+
+
+class TwoBranches(nn.Module):
+    """Two MLP branches in a row; the second adds the stream into its row linear's output in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.up1, self.down1 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+        self.up2, self.down2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.down1(F.gelu(self.up1(self.ln1(x))))
+        y = self.down2(F.gelu(self.up2(self.ln2(h))))
+        y += h
+        return y
+
+
+def test_branches_run_together_first_and_alone_where_that_fails(monkeypatch):
+    """The probe runs a block's branches sharded at once at each degree and each alone only where that fails
+    (``_branches_failing``): the branch that fails is refused with its own error, the other keeps every degree."""
+    monkeypatch.setattr(tp_styles.Rows, "_prepare_output_fn", staticmethod(RowwiseParallel._prepare_output_fn))
+    with torch.device("meta"):
+        model = nn.Sequential(*(TwoBranches() for _ in range(3)))
+    inputs = (torch.empty(2, SEQ, HIDDEN, device="meta"),)
+
+    class Loss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x).pow(2).mean()
+
+    whole = Loss()
+    graph = trace_module(whole, inputs, "two", {"seq_len": str(SEQ), "batch_size": "2"}, require_loss=True)
+    graph = with_tp_checks(graph, check_tensor_parallel(whole, inputs, graph))
+    graph = with_tp_checks(graph, probe_layouts(whole, inputs, graph))
+    space = block_space(graph)
+    assert [b.name for b in space.branches] == ["up1+down1"] and space.branches[0].max_tp >= 8
+    ((name, why),) = space.refused
+    assert name == "up2+down2" and "is a view and is being modified inplace" in why

@@ -131,7 +131,7 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     under the script's own bf16 autocast, the graph also carries the model traced with bf16 weights, as FSDP2
     and DeepSpeed compute (``graph.precision.with_bf16_weights``)."""
     from ..graph.bf16_meta import with_bf16_weights
-    from ..graph.cache import write_json_atomic
+    from ..graph.cache import default_cache_dir, write_json_atomic
     from ..graph.precision import active_autocast, weights_in_bf16
     from ..models import example_shape
     from ..space.tp_check import check_tensor_parallel, with_tp_checks
@@ -144,7 +144,9 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
     cast_model(model, precision)
     graph = _traced(model, inputs, meta, precision)
     tp = check_tensor_parallel(model, inputs, graph)     # and the runtime's own sharding of each layout it allows
-    checks = probe_layouts(model, inputs, with_tp_checks(graph, tp)), check_vocab_modules(model, graph)
+    probes = default_cache_dir() / "probes"                 # verdicts of blocks seen before (probe_cache)
+    checks = probe_layouts(model, inputs, with_tp_checks(graph, tp), probes, [p for p, _, _ in json.loads(
+        meta["sources"])]), check_vocab_modules(model, graph)
     graph = with_vocab_check(with_tp_checks(graph, checks[0]), checks[1])
     if precision == "bf16-mixed" or (precision is None and active_autocast() == torch.bfloat16):
         with weights_in_bf16(model):        # as FSDP2 and DeepSpeed compute (graph.precision)

@@ -28,8 +28,9 @@ import contextlib
 import copy as copying
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,13 +46,18 @@ from ...space.sp_check import SP_CHECK_KEY
 from ...space.tp_check import MAX_CHECKED_TP, first_copy_inputs
 from ...space.tp_layout import tp_layout
 from ...space.tp_meta import TP_CHECKS_META, tp_checks
+from . import probe_cache
 from .tp_styles import shard_copy
 
 
-def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph) -> dict:
+def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph, cache_dir: Path | None = None,
+                  sources: Iterable[str] = ()) -> dict:
     """``graph``'s tensor-parallel checks (``space.tp_check``, recorded in it) with the runtime's own runs added
     (module doc): {block: {branch: {"max_tp": m} | {"refused": why}, SP_CHECK_KEY: {"max_tp": m} | {"refused":
-    why}}}. Unchanged where a process group already exists (the probe needs its own fake one)."""
+    why}}}. Unchanged where a process group already exists (the probe needs its own fake one). With ``cache_dir``
+    a block whose verdict is stored there under its key (``probe_cache``: its ops, layout, parameters, and the code
+    of ``sources`` and of its classes) is not run again; the launcher's capture passes it, in-process callers that
+    patch the runtime do not."""
     install_grouped_mm_meta()        # a float32 MoE layer's grouped products run on these fakes (graph.grouped_mm_meta)
     import torch.distributed as dist
     checks = json.loads(graph.meta(TP_CHECKS_META) or "{}")
@@ -60,7 +66,8 @@ def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph) -> dict:
     seq_len = int(graph.meta("seq_len") or 0) or None
     layout = tp_layout(graph)
     cases: dict[str, tuple[str, tuple[TPBranch, ...], bool]] = {}   # block -> (scope, branches, SP analysed ok)
-    for block in fold(graph).blocks:
+    blocks = fold(graph).blocks
+    for block in blocks:
         space = analyse_block(block.ops, seq_len, checks=tp_checks(graph, block.name))
         branches = tuple(TPBranch.from_json(b, block.name) for b in layout.get(block.name, []))
         sp_ok = not space.sequence_refused and bool(seq_len)
@@ -68,11 +75,30 @@ def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph) -> dict:
             cases[block.name] = (block.occurrences[0].scope, branches, sp_ok)
     modules = dict(model.named_modules())
     cases = {b: c for b, c in cases.items() if c[0] in modules}
-    if not cases:
-        return checks
-    with _outside_capture():
-        _probe_cases(model, example_inputs, cases, checks, seq_len)
+    keys = _cached(cases, checks, cache_dir, {b.name: b.ops for b in blocks}, modules, seq_len, tuple(sources)) \
+        if cache_dir is not None else {}
+    if cases:
+        with _outside_capture():
+            _probe_cases(model, example_inputs, cases, checks, seq_len)
+    for name, key in keys.items():
+        if name in checks:
+            probe_cache.store(cache_dir, key, checks[name])
     return checks
+
+
+def _cached(cases: dict, checks: dict, cache_dir: Path, ops: dict, modules: dict, seq_len: int | None,
+            sources: tuple[str, ...]) -> dict[str, str]:
+    """Take the blocks whose verdicts ``cache_dir`` holds out of ``cases`` (their entries into ``checks``); the
+    keys of the others, to store their verdicts under once run."""
+    keys = {}
+    for name, (scope, branches, sp_ok) in list(cases.items()):
+        key = probe_cache.block_key(modules[scope], ops[name], branches, sp_ok, seq_len, checks.get(name), sources)
+        if (entry := probe_cache.load(cache_dir, key)) is not None:
+            checks[name] = entry
+            del cases[name]
+        else:
+            keys[name] = key
+    return keys
 
 
 def _probe_cases(model: nn.Module, example_inputs, cases: dict, checks: dict, seq_len: int | None) -> None:
@@ -93,8 +119,10 @@ def _probe_block(copy: nn.Module, inputs: tuple, scope: str, branches: tuple[TPB
     # the space plans a block at degrees dividing every branch's ``max_tp`` (``BlockSpace.tp_allowed``): no other
     # degree is offered, so none other is run
     offered = math.gcd(*(b.max_tp for b in branches)) if branches else 0
+    failed = _branches_failing(offered, branches, partial(_fails, copy, inputs, layout=None, fake_mode=fake_mode,
+                                                           scope=scope))
     for branch in branches:
-        result = _degrees_passing(offered, partial(_fails, copy, inputs, (branch,), None, fake_mode, scope))
+        result = _verdict(_degrees(offered), failed[branch.branch])
         if result and (result.get("max_tp") or 0) < _largest(offered):     # a degree failed: kept with its limit
             entry[branch.branch] = _stricter(entry.get(branch.branch), result)
     usable = tuple(b for b in branches if "refused" not in entry.get(b.branch, {}))
@@ -117,14 +145,40 @@ def _sp_fails(copy, inputs, usable, layout, fake_mode, scope: str, tp: int) -> s
     return ""
 
 
+def _branches_failing(limit: int, branches: tuple[TPBranch, ...], fails) -> dict[str, dict[int, str]]:
+    """{branch: {degree: why}}: the degrees dividing ``limit`` at which each branch, sharded alone, fails (none run
+    at a multiple of one that failed). Each degree first runs every branch still in play sharded at once, and each
+    alone only if that fails: without sequence parallelism a row linear hands the next branch a whole local tensor
+    (``use_local_output``), as the unsharded model does, so branches sharded together run as each does alone."""
+    failed: dict[str, dict[int, str]] = {b.branch: {} for b in branches}
+    for tp in _degrees(limit):
+        live = tuple(b for b in branches if not any(tp % bad == 0 for bad in failed[b.branch]))
+        if len(live) > 1 and not fails(live, tp=tp):
+            continue
+        for branch in live:
+            if why := fails((branch,), tp=tp):
+                failed[branch.branch][tp] = why
+    return failed
+
+
+def _degrees(limit: int) -> list[int]:
+    """The degrees above 1 dividing ``limit``, up to ``MAX_CHECKED_TP``, ascending."""
+    return [d for d in range(2, min(limit, MAX_CHECKED_TP) + 1) if limit % d == 0]
+
+
 def _degrees_passing(limit: int, fails, what: str = "") -> dict | None:
     """{"max_tp": m}: the largest degree dividing ``limit`` (up to ``MAX_CHECKED_TP``) all of whose divisors pass;
     {"refused": why} where none does; None where no degree above 1 divides ``limit`` (nothing to run)."""
     failed: dict[int, str] = {}
-    degrees = [d for d in range(2, min(limit, MAX_CHECKED_TP) + 1) if limit % d == 0]
+    degrees = _degrees(limit)
     for tp in degrees:
         if not any(tp % bad == 0 for bad in failed) and (why := fails(tp)):
             failed[tp] = why
+    return _verdict(degrees, failed, what)
+
+
+def _verdict(degrees: list[int], failed: dict[int, str], what: str = "") -> dict | None:
+    """``_degrees_passing``'s answer from the degrees run and those that failed, with why."""
     if not degrees:
         return None
     good = [d for d in degrees if not any(d % bad == 0 for bad in failed)]
@@ -135,7 +189,7 @@ def _degrees_passing(limit: int, fails, what: str = "") -> dict | None:
 
 
 def _largest(limit: int) -> int:
-    return max((d for d in range(2, min(limit, MAX_CHECKED_TP) + 1) if limit % d == 0), default=1)
+    return max(_degrees(limit), default=1)
 
 
 def _stricter(tp_checked: dict | None, probed: dict) -> dict:

@@ -1,0 +1,87 @@
+"""The layout probe's verdicts kept on disk (``runtime.parallel.layout_probe``), so that capturing a model again with
+other depth, batch count or script options does not run its blocks' sharded copies again.
+
+A block's verdict is a function of what its first copy runs, and the key holds all of it:
+
+- the block's template ops as captured (targets, shapes, dtypes, attributes, module paths): what the copy computes
+  on what inputs, in which precision;
+- its branches (the layout the runtime shards), whether the analysis allows sequence parallelism, the sequence
+  length, and the block's entry of the static checks (``space.tp_check``) that the probe's findings join;
+- the copy's parameters and buffers (names, shapes, dtypes, whether trained);
+- the code: the contents (not the paths) of the files defining each of the copy's module classes (a Hugging Face
+  model's code sits in site-packages), of every source the capture read from outside the Python installation (the
+  script and its modules, ``entry._user_sources``), and of this package (the runtime's sharding code); torch's
+  version.
+
+A file that changes makes a new key; an old entry is never read again (``tensoropt cache`` style clean-up is the
+cache folder's). Entries are JSON with a ``schema_version``, written atomically (``graph.cache.write_json_atomic``);
+one that cannot be read is a miss. In-process callers that patch the runtime (tests) pass no cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...graph.cache import fingerprint, write_json_atomic
+
+SCHEMA_VERSION = 1
+PACKAGE_DIR = Path(__file__).resolve().parents[2]          # tensoropt/
+
+
+def block_key(copy: nn.Module, ops: tuple, branches: tuple, sp_ok: bool, seq_len: int | None, entry: dict | None,
+              sources: Iterable[str]) -> str:
+    """The key of one block's probe (module doc)."""
+    classes = sorted({_class_file(type(m)) for m in copy.modules()} - {""})
+    tensors = [[name, list(t.shape), str(t.dtype), bool(t.requires_grad)]
+               for name, t in (*copy.named_parameters(), *copy.named_buffers())]
+    return fingerprint({"schema_version": SCHEMA_VERSION, "torch": torch.__version__, "ops": repr(ops),
+                        "branches": [repr(b) for b in branches], "sp": sp_ok, "seq_len": seq_len,
+                        "entry": entry, "tensors": tensors, "module_classes": [type(m).__qualname__ for m in
+                                                                                copy.modules()],
+                        "code": _files_digest(tuple(sorted({*classes, *sources, *_package_files()})))})
+
+
+def load(folder: Path, key: str) -> dict | None:
+    """The block's entry stored under ``key`` (None: a miss)."""
+    try:
+        data = json.loads((folder / f"{key}.json").read_text())
+        return data["entry"] if data.get("schema_version") == SCHEMA_VERSION else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(folder: Path, key: str, entry: dict) -> None:
+    write_json_atomic(folder / f"{key}.json", {"schema_version": SCHEMA_VERSION, "entry": entry})
+
+
+def _class_file(cls: type) -> str:
+    try:
+        return str(Path(inspect.getfile(cls)).resolve())
+    except (TypeError, OSError):          # a built-in class: its code is torch's, in the key by version
+        return ""
+
+
+@cache
+def _package_files() -> tuple[str, ...]:
+    return tuple(str(p) for p in sorted(PACKAGE_DIR.rglob("*.py")))
+
+
+@cache
+def _files_digest(paths: tuple[str, ...]) -> str:
+    """One hash of the files' contents, whatever their paths (a copy of a script elsewhere keys alike; a file that
+    cannot be read counts as its path)."""
+    each = []
+    for path in paths:
+        try:
+            each.append(hashlib.sha256(Path(path).read_bytes()).hexdigest())
+        except OSError:
+            each.append("unreadable " + path)
+    return hashlib.sha256("\n".join(sorted(each)).encode()).hexdigest()

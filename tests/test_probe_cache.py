@@ -1,0 +1,63 @@
+"""The layout probe's verdicts on disk (``runtime.parallel.probe_cache``): a block seen before is not run again, and
+anything its run depends on (its code, its shapes, the runtime's sharding) makes a new key. Small blocks captured on
+meta, in this process."""
+
+import json
+
+import pytest
+import torch
+from test_layout_probe import HIDDEN, SEQ, Model, captured
+from torch import nn
+
+from tensoropt.runtime.parallel import layout_probe, probe_cache
+
+
+def probed(tmp_path, shape="plain", sources=()):
+    graph = captured(shape, probe=False)
+    with torch.device("meta"):
+        model = Model(shape)
+    inputs = (torch.empty(2, SEQ, HIDDEN, device="meta"),)
+    return layout_probe.probe_layouts(model, inputs, graph, tmp_path / "probes", sources)
+
+
+def test_a_block_seen_before_is_not_run_again(tmp_path, monkeypatch):
+    first = probed(tmp_path)
+    (stored,) = (tmp_path / "probes").iterdir()
+    assert json.loads(stored.read_text()) == {"schema_version": 1, "entry": first["layers.*"]}
+
+    def never(*args, **kwargs):
+        raise AssertionError("the probe ran a block whose verdict was stored")
+    monkeypatch.setattr(layout_probe, "_fails", never)
+    assert probed(tmp_path) == first
+
+
+def test_what_the_run_depends_on_makes_a_new_key(tmp_path):
+    """The block's code, given by a source file's contents (not its path), and the block itself."""
+    graph = captured("plain", probe=False)
+    with torch.device("meta"):
+        model = Model("plain")
+    source = tmp_path / "model_code.py"
+    source.write_text("x = 1\n")
+    (block,) = layout_probe.fold(graph).blocks
+
+    def key(copy=model.layers[0], ops=block.ops, sources=(str(source),)):
+        return probe_cache.block_key(copy, ops, (), True, SEQ, None, sources)
+    before = key()
+    copy = tmp_path / "elsewhere.py"
+    copy.write_text(source.read_text())
+    assert key(sources=(str(copy),)) == before                 # the same code elsewhere
+    source.write_text("x = 2\n")
+    probe_cache._files_digest.cache_clear()
+    assert key() != before
+    with torch.device("meta"):
+        assert key(copy=nn.Sequential(nn.Linear(HIDDEN, HIDDEN))) != key()
+    assert key(ops=block.ops[:-1]) != key()
+
+
+@pytest.mark.parametrize("content", ["not json", '{"schema_version": 0, "entry": {}}'])
+def test_an_unreadable_or_old_entry_is_a_miss(tmp_path, content):
+    first = probed(tmp_path)
+    (stored,) = (tmp_path / "probes").iterdir()
+    stored.write_text(content)
+    assert probed(tmp_path) == first
+    assert json.loads(stored.read_text())["entry"] == first["layers.*"]
