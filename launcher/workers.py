@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LINE_PREFIX = "tensoropt-rank${rank}|"          # torchrun substitutes the global rank
-_WORKER_LINE = re.compile(r"tensoropt-rank(\d+)\|(.*)", re.S)
+_PREFIXED = re.compile(r"tensoropt-rank(\d+)\|")
 _OWN_PREFIX = re.compile(r"^\[rank\d+\]: ?")     # torch's excepthook prefixes a worker's traceback lines itself
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 # torchrun's own exception when the nodes never met (the static rendezvous' TCPStore: the master timed out
@@ -46,13 +46,31 @@ class WorkerOutput:
     order: list[int] = field(default_factory=list)                # ranks in the order their tracebacks began
     last: dict[int, str] = field(default_factory=dict)            # each rank's last non-empty line
     torchrun: list[str] = field(default_factory=list)
+    partial: dict[int, str] = field(default_factory=dict)         # a rank's line not ended yet
 
     def take(self, line: str, out) -> None:
-        match = _WORKER_LINE.match(line)
-        if not match:
-            self.torchrun.append(line)
-            return
-        rank, text = int(match.group(1)), match.group(2)
+        """One line of torchrun's stderr: its own, or workers' pieces. torchrun's tee copies what a worker's log
+        file holds when it looks, so a line the worker wrote in two writes (``print`` under ``python -u``: the text,
+        then the newline) arrives as two pieces, each with the rank's prefix, maybe with another rank's between:
+        ``tensoropt-rank0|text`` ``tensoropt-rank1|...`` ``tensoropt-rank0|\n``. A rank's pieces are joined into
+        its line before it is read."""
+        own, *pieces = _PREFIXED.split(line)
+        if own or not pieces:
+            self.torchrun.append(own if pieces else line)
+        for rank, text in zip(pieces[::2], pieces[1::2]):
+            text = self.partial.pop(int(rank), "") + text
+            if text.endswith("\n"):
+                self._worker_line(int(rank), text, out)
+            else:
+                self.partial[int(rank)] = text
+
+    def finish(self, out) -> None:
+        """The ranks' last lines that ended without a newline."""
+        for rank, text in list(self.partial.items()):
+            del self.partial[rank]
+            self._worker_line(rank, text, out)
+
+    def _worker_line(self, rank: int, text: str, out) -> None:
         plain = _OWN_PREFIX.sub("", text, count=1)
         if plain.strip():
             self.last[rank] = plain.rstrip("\n")
@@ -145,6 +163,7 @@ def run(argv: list[str], env: dict, log_path: Path, out=None) -> Outcome:
 def _relay(stream, output: WorkerOutput, out) -> None:
     for line in stream:
         output.take(line, out)
+    output.finish(out)
 
 
 FAILURE_NOTES = "failure-rank*.json"      # what a worker notes before it stops (tensoropt.runtime.run)

@@ -44,3 +44,16 @@ def test_the_first_failing_ranks_traceback_is_shown_once_without_its_prefix():
     assert header.getvalue() == ("--- rank 1 failed first (exit status 1); its traceback: ---\n"
                                  "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
                                  "ValueError: bad batch\n")
+
+
+def test_a_line_teed_in_pieces_is_shown_whole():
+    """torchrun's tee copies a worker's log file as far as it is written: a line printed under ``python -u`` (the
+    text, then the newline: two writes) may come as two prefixed pieces, another rank's line between them (seen in
+    the suite: ``checkpoint: ... step-00000002)tensoropt-rank0|``)."""
+    output, shown = _read(["tensoropt-rank0|checkpoint: resuming from step 2tensoropt-rank1|step 3 loss 4.1\n",
+                           "tensoropt-rank0|\n", "tensoropt-rank1|progress 10%\r", "tensoropt-rank1|progress 20%\n",
+                           "I1130 torchrun's own line\n", "tensoropt-rank0|last words"])
+    assert shown == "step 3 loss 4.1\ncheckpoint: resuming from step 2\nprogress 10%\rprogress 20%\n"
+    assert output.torchrun == ["I1130 torchrun's own line\n"] and output.partial == {0: "last words"}
+    output.finish(io.StringIO())
+    assert output.last == {0: "last words", 1: "progress 10%\rprogress 20%"} and output.partial == {}
