@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+from conftest import LAUNCH_CWD
 from workers import ENV, GPT_SCRIPT, ctrl_c_reaches_it
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
@@ -25,10 +26,10 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def _launcher(tmp_path, script, *args) -> subprocess.Popen:
+def _launcher(tmp_path, script, *args, cwd=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tensoropt", "launch", str(script), "--device", "cpu", "--gpus",
                              "2", "--engine", "torch", "--run-dir", str(tmp_path / "run"), *map(str, args)],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd or tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=ctrl_c_reaches_it)
 
 
@@ -43,10 +44,15 @@ def _interrupt(proc: subprocess.Popen) -> tuple[str, list, list[str]]:
 
 
 @pytest.mark.xdist_group("multiprocess")
+# the launcher and torchrun start cold, so the processes under the launcher are the real torchrun and what it
+# started; the workers start warm as test_elastic's do (the process torchrun started dies, and the script under the
+# warm-start server with it: tests/test_warm_start.py). From the session's launch folder (every path absolute) the
+# launcher finds the script's capture in the cache.
+@pytest.mark.warm_start("scripts")
 @pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
 def test_ctrl_c_during_a_training_launch_stops_every_worker(tmp_path, elastic):
     supervised = ["--elastic", "--checkpoint-dir", tmp_path / "ckpt"] if elastic else []
-    proc = _launcher(tmp_path, GPT_SCRIPT, *supervised, "--", "--steps", 1000, "--pause-s", 0.05)
+    proc = _launcher(tmp_path, GPT_SCRIPT, *supervised, "--", "--steps", 1000, "--pause-s", 0.05, cwd=LAUNCH_CWD)
     for line in proc.stdout:                         # rank 0 has trained a step: both workers are running
         if line.startswith("step 0 loss"):
             break
