@@ -97,6 +97,9 @@ CAPTURE = textwrap.dedent("""
 """)
 
 
+# cold: a warm-started capture would be forked by the suite's warm-start server (tests/conftest.py), and the fresh
+# process would measure the stub that waits for it, not the capture
+@pytest.mark.warm_start("cold")
 @pytest.mark.parametrize("build", [[], ["--no-meta"]], ids=["meta_init", "built-for-real"])
 def test_capturing_a_70b_script_allocates_no_weights(tmp_path, build):
     """The capture run alone (a fresh process measures its only child): far under 2 GB, whether the script builds
