@@ -143,10 +143,12 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
         {"meta_built": "1"} if has_meta_tensors(model) else {})      # informational (runtime.pipeline.trace)
     cast_model(model, precision)
     graph = _traced(model, inputs, meta, precision)
-    tp = check_tensor_parallel(model, inputs, graph)     # and the runtime's own sharding of each layout it allows
-    probes = default_cache_dir() / "probes"                 # verdicts of blocks seen before (probe_cache)
-    checks = probe_layouts(model, inputs, with_tp_checks(graph, tp), probes, [p for p, _, _ in json.loads(
-        meta["sources"])]), check_vocab_modules(model, graph)
+    # verdicts of blocks seen before are read from the cache folder (graph.block_verdicts)
+    verdicts, sources = default_cache_dir() / "block-verdicts", [path for path, _, _ in json.loads(meta["sources"])]
+    tp = check_tensor_parallel(model, inputs, graph, verdicts, sources)
+    # and the runtime's own sharding of each layout it allows
+    probed = probe_layouts(model, inputs, with_tp_checks(graph, tp), verdicts, sources)
+    checks = probed, check_vocab_modules(model, graph)
     graph = with_vocab_check(with_tp_checks(graph, checks[0]), checks[1])
     if precision == "bf16-mixed" or (precision is None and active_autocast() == torch.bfloat16):
         with weights_in_bf16(model):        # as FSDP2 and DeepSpeed compute (graph.precision)

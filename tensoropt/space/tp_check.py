@@ -20,12 +20,14 @@ against the unsharded block's on a small real input.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..graph import block_verdicts
 from ..graph.fold import fold
 from ..graph.grouped_mm_meta import install_grouped_mm_meta
 from ..graph.ir import Op, OpGraph
@@ -43,9 +45,12 @@ class _WrongWidth(Exception):
     pass
 
 
-def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, graph: OpGraph) -> dict:
+def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, graph: OpGraph,
+                          cache_dir: Path | None = None, sources: Iterable[str] = ()) -> dict:
     """{block: {branch: {"max_tp": m} | {"refused": why}}} for every branch of every unique block of ``graph``
-    (``model``'s captured graph, run on ``example_inputs``); {} when no block has a branch."""
+    (``model``'s captured graph, run on ``example_inputs``); {} when no block has a branch. With ``cache_dir``, a
+    block whose verdicts are stored there (``graph.block_verdicts``, keyed by its ops, branches, tensors and the
+    code of ``sources`` and of its classes) is not run again."""
     install_grouped_mm_meta()        # a float32 MoE layer's grouped products run on these fakes (graph.grouped_mm_meta)
     seq_len = int(graph.meta("seq_len") or 0) or None
     targets = {}
@@ -56,10 +61,28 @@ def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, gra
     if not targets:
         return {}
     modules = dict(model.named_modules())
+    out: dict[str, dict] = {}
+    order = list(targets)
+    keys = {name: block_verdicts.block_key("tp_check", modules[scope], ops, tuple(sources), branches=[
+        repr(b) for b in branches]) for name, (scope, ops, branches) in targets.items() if scope in modules} \
+        if cache_dir is not None else {}
+    for name, key in keys.items():
+        if (entry := block_verdicts.load(cache_dir, key)) is not None:
+            out[name] = entry
+            del targets[name]
+    if targets:
+        _check_blocks(model, example_inputs, targets, modules, out)
+    for name, key in keys.items():
+        if name in targets:
+            block_verdicts.store(cache_dir, key, out[name])
+    return {name: out[name] for name in order}
+
+
+def _check_blocks(model: nn.Module, example_inputs, targets: dict, modules: dict, out: dict) -> None:
+    """Run each branch of ``targets``' blocks as one rank's share, its verdicts into ``out``."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     scopes = {scope for scope, _, _ in targets.values() if scope in modules}
     inputs = first_copy_inputs(model, example_inputs, scopes, fake_mode)
-    out: dict[str, dict] = {}
     for name, (scope, ops, branches) in targets.items():
         out[name] = {}
         for branch in branches:
@@ -69,7 +92,6 @@ def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, gra
                 continue
             result = _check_branch(modules[scope], inputs[scope], ops, scope, branch, fake_mode)
             out[name][branch.name] = _stricter(out[name].get(branch.name), result)
-    return out
 
 
 def _stricter(a: dict | None, b: dict) -> dict:

@@ -37,6 +37,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
+from ...graph import block_verdicts
 from ...graph.fold import fold
 from ...graph.grouped_mm_meta import install_grouped_mm_meta
 from ...graph.ir import OpGraph
@@ -46,7 +47,6 @@ from ...space.sp_check import SP_CHECK_KEY
 from ...space.tp_check import MAX_CHECKED_TP, first_copy_inputs
 from ...space.tp_layout import tp_layout
 from ...space.tp_meta import TP_CHECKS_META, tp_checks
-from . import probe_cache
 from .tp_styles import shard_copy
 
 
@@ -55,9 +55,9 @@ def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph, cache_dir: P
     """``graph``'s tensor-parallel checks (``space.tp_check``, recorded in it) with the runtime's own runs added
     (module doc): {block: {branch: {"max_tp": m} | {"refused": why}, SP_CHECK_KEY: {"max_tp": m} | {"refused":
     why}}}. Unchanged where a process group already exists (the probe needs its own fake one). With ``cache_dir``
-    a block whose verdict is stored there under its key (``probe_cache``: its ops, layout, parameters, and the code
-    of ``sources`` and of its classes) is not run again; the launcher's capture passes it, in-process callers that
-    patch the runtime do not."""
+    a block whose verdict is stored there under its key (``graph.block_verdicts``: its ops, layout, parameters, and
+    the code of ``sources`` and of its classes) is not run again; the launcher's capture passes it, in-process
+    callers that patch the runtime do not."""
     install_grouped_mm_meta()        # a float32 MoE layer's grouped products run on these fakes (graph.grouped_mm_meta)
     import torch.distributed as dist
     checks = json.loads(graph.meta(TP_CHECKS_META) or "{}")
@@ -82,7 +82,7 @@ def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph, cache_dir: P
             _probe_cases(model, example_inputs, cases, checks, seq_len)
     for name, key in keys.items():
         if name in checks:
-            probe_cache.store(cache_dir, key, checks[name])
+            block_verdicts.store(cache_dir, key, checks[name])
     return checks
 
 
@@ -92,8 +92,9 @@ def _cached(cases: dict, checks: dict, cache_dir: Path, ops: dict, modules: dict
     keys of the others, to store their verdicts under once run."""
     keys = {}
     for name, (scope, branches, sp_ok) in list(cases.items()):
-        key = probe_cache.block_key(modules[scope], ops[name], branches, sp_ok, seq_len, checks.get(name), sources)
-        if (entry := probe_cache.load(cache_dir, key)) is not None:
+        key = block_verdicts.block_key("layout_probe", modules[scope], ops[name], sources, branches=[repr(b) for b in
+                                       branches], sp=sp_ok, seq_len=seq_len, entry=checks.get(name))
+        if (entry := block_verdicts.load(cache_dir, key)) is not None:
             checks[name] = entry
             del cases[name]
         else:

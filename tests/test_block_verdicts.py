@@ -1,6 +1,6 @@
-"""The layout probe's verdicts on disk (``runtime.parallel.probe_cache``): a block seen before is not run again, and
-anything its run depends on (its code, its shapes, the runtime's sharding) makes a new key. Small blocks captured on
-meta, in this process."""
+"""The capture's block checks kept on disk (``graph.block_verdicts``): a block seen before is not run again by the
+layout probe nor by the static tensor-parallel check, and anything a run depends on (its code, its shapes, the
+runtime's sharding) makes a new key. Small blocks captured on meta, in this process."""
 
 import json
 
@@ -9,7 +9,9 @@ import torch
 from test_layout_probe import HIDDEN, SEQ, Model, captured
 from torch import nn
 
-from tensoropt.runtime.parallel import layout_probe, probe_cache
+from tensoropt.graph import block_verdicts
+from tensoropt.runtime.parallel import layout_probe
+from tensoropt.space import tp_check
 
 
 def probed(tmp_path, shape="plain", sources=()):
@@ -41,13 +43,13 @@ def test_what_the_run_depends_on_makes_a_new_key(tmp_path):
     (block,) = layout_probe.fold(graph).blocks
 
     def key(copy=model.layers[0], ops=block.ops, sources=(str(source),)):
-        return probe_cache.block_key(copy, ops, (), True, SEQ, None, sources)
+        return block_verdicts.block_key("layout_probe", copy, ops, sources, sp=True, seq_len=SEQ)
     before = key()
     copy = tmp_path / "elsewhere.py"
     copy.write_text(source.read_text())
     assert key(sources=(str(copy),)) == before                 # the same code elsewhere
     source.write_text("x = 2\n")
-    probe_cache._files_digest.cache_clear()
+    block_verdicts._files_digest.cache_clear()
     assert key() != before
     with torch.device("meta"):
         assert key(copy=nn.Sequential(nn.Linear(HIDDEN, HIDDEN))) != key()
@@ -61,3 +63,17 @@ def test_an_unreadable_or_old_entry_is_a_miss(tmp_path, content):
     stored.write_text(content)
     assert probed(tmp_path) == first
     assert json.loads(stored.read_text())["entry"] == first["layers.*"]
+
+
+def test_the_static_check_of_a_block_seen_before_is_not_run_again(tmp_path, monkeypatch):
+    graph = captured("plain", probe=False)
+    with torch.device("meta"):
+        model = Model("plain")
+    inputs = (torch.empty(2, SEQ, HIDDEN, device="meta"),)
+    first = tp_check.check_tensor_parallel(model, inputs, graph, tmp_path, ())
+    assert first == tp_check.check_tensor_parallel(model, inputs, graph) == {"layers.*": {"up+down": {"max_tp": 64}}}
+
+    def never(*args, **kwargs):
+        raise AssertionError("the check ran a block whose verdicts were stored")
+    monkeypatch.setattr(tp_check, "_check_branch", never)
+    assert tp_check.check_tensor_parallel(model, inputs, graph, tmp_path, ()) == first

@@ -1,21 +1,23 @@
-"""The layout probe's verdicts kept on disk (``runtime.parallel.layout_probe``), so that capturing a model again with
-other depth, batch count or script options does not run its blocks' sharded copies again.
+"""Verdicts of the capture's checks of a block's first copy kept on disk, so that capturing a model again with other
+depth, batch count or script options does not run its blocks again: the static tensor-parallel check
+(``space.tp_check``: each branch run as one rank's share) and the runtime's layout probe
+(``runtime.parallel.layout_probe``: the copy sharded as the workers shard it, on fake tensors).
 
 A block's verdict is a function of what its first copy runs, and the key holds all of it:
 
+- which check, and what it was given: the block's branches (the layout), whether the analysis allows sequence
+  parallelism, the sequence length, the verdicts of the checks before it that its findings join;
 - the block's template ops as captured (targets, shapes, dtypes, attributes, module paths): what the copy computes
   on what inputs, in which precision;
-- its branches (the layout the runtime shards), whether the analysis allows sequence parallelism, the sequence
-  length, and the block's entry of the static checks (``space.tp_check``) that the probe's findings join;
-- the copy's parameters and buffers (names, shapes, dtypes, whether trained);
+- the copy's parameters and buffers (names, shapes, dtypes, whether trained) and module classes;
 - the code: the contents (not the paths) of the files defining each of the copy's module classes (a Hugging Face
   model's code sits in site-packages), of every source the capture read from outside the Python installation (the
-  script and its modules, ``entry._user_sources``), and of this package (the runtime's sharding code); torch's
-  version.
+  script and its modules, ``runtime.entry._user_sources``), and of this package (the checks' and the runtime's
+  sharding code); torch's version.
 
-A file that changes makes a new key; an old entry is never read again (``tensoropt cache`` style clean-up is the
-cache folder's). Entries are JSON with a ``schema_version``, written atomically (``graph.cache.write_json_atomic``);
-one that cannot be read is a miss. In-process callers that patch the runtime (tests) pass no cache folder.
+A file that changes makes a new key; an old entry is never read again. Entries are JSON with a ``schema_version``,
+written atomically (``cache.write_json_atomic``); one that cannot be read is a miss. In-process callers that patch
+the runtime (tests) pass no cache folder.
 """
 
 from __future__ import annotations
@@ -30,22 +32,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...graph.cache import fingerprint, write_json_atomic
+from .cache import fingerprint, write_json_atomic
 
 SCHEMA_VERSION = 1
-PACKAGE_DIR = Path(__file__).resolve().parents[2]          # tensoropt/
+PACKAGE_DIR = Path(__file__).resolve().parents[1]          # tensoropt/
 
 
-def block_key(copy: nn.Module, ops: tuple, branches: tuple, sp_ok: bool, seq_len: int | None, entry: dict | None,
-              sources: Iterable[str]) -> str:
-    """The key of one block's probe (module doc)."""
+def block_key(check: str, copy: nn.Module, ops: tuple, sources: Iterable[str], **given) -> str:
+    """The key of one check (``check``) of a block, given ``given`` (JSON-able: its layout, the verdicts before it)
+    (module doc)."""
     classes = sorted({_class_file(type(m)) for m in copy.modules()} - {""})
     tensors = [[name, list(t.shape), str(t.dtype), bool(t.requires_grad)]
                for name, t in (*copy.named_parameters(), *copy.named_buffers())]
-    return fingerprint({"schema_version": SCHEMA_VERSION, "torch": torch.__version__, "ops": repr(ops),
-                        "branches": [repr(b) for b in branches], "sp": sp_ok, "seq_len": seq_len,
-                        "entry": entry, "tensors": tensors, "module_classes": [type(m).__qualname__ for m in
-                                                                                copy.modules()],
+    return fingerprint({"schema_version": SCHEMA_VERSION, "check": check, "torch": torch.__version__,
+                        "ops": repr(ops), "given": given, "tensors": tensors,
+                        "module_classes": [type(m).__qualname__ for m in copy.modules()],
                         "code": _files_digest(tuple(sorted({*classes, *sources, *_package_files()})))})
 
 
