@@ -23,7 +23,7 @@ from pathlib import Path
 from tensoropt.errors import TensorOptError, last_line
 from tensoropt.graph.cache import CAPTURE_VERSION, GraphCache, fingerprint
 from tensoropt.graph.ir import OpGraph
-from tensoropt.runtime import CAPTURE_ENV, PLAN_ENV, PRECISION_ENV
+from tensoropt.runtime import CAPTURE_ENV, CAPTURE_FRESH_ENV, PLAN_ENV, PRECISION_ENV
 from tensoropt.runtime.capture_args import read_report
 
 from .argv import capture_argv
@@ -86,16 +86,16 @@ def _cached(cache: GraphCache, key: str) -> OpGraph | None:
 
 
 def run_capture(script: str, args: list[str], timeout_s: float, precision: str | None = None) -> OpGraph:
-    """The script's graph, captured now (no cache)."""
-    return _captured(script, args, timeout_s, precision)[0]
+    """The script's graph, captured now (no cache: neither a cached graph nor its blocks' cached verdicts)."""
+    return _captured(script, args, timeout_s, precision, fresh=True)[0]
 
 
-def _captured(script: str, args: list[str], timeout_s: float,
-              precision: str | None = None) -> tuple[OpGraph, list[list] | None]:
+def _captured(script: str, args: list[str], timeout_s: float, precision: str | None = None,
+              fresh: bool = False) -> tuple[OpGraph, list[list] | None]:
     """The graph the script's capture run wrote, and the options it did not read (None: unknown)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "graph.json"
-        env = {**os.environ, CAPTURE_ENV: str(out)}
+        env = {**os.environ, CAPTURE_ENV: str(out)} | ({CAPTURE_FRESH_ENV: "1"} if fresh else {})
         env.pop(PLAN_ENV, None)
         env.pop(PRECISION_ENV, None)
         if precision:

@@ -34,6 +34,7 @@ import importlib
 # the variables the launcher sets for a script's process: named here, with nothing heavy imported, so that the
 # launcher plans and starts workers without importing torch (``parallelize`` and the engines load on first use)
 CAPTURE_ENV, PLAN_ENV = "TENSOROPT_CAPTURE_OUT", "TENSOROPT_PLAN"
+CAPTURE_FRESH_ENV = "TENSOROPT_CAPTURE_FRESH"     # a capture that reads no cached block verdicts (launch --no-cache)
 CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV = "TENSOROPT_CHECKPOINT_DIR", "TENSOROPT_CHECKPOINT_EVERY"
 CHECKPOINT_KEEP_ENV = "TENSOROPT_CHECKPOINT_KEEP"
 RUN_DIR_ENV, SIMULATED_MEMORY_ENV = "TENSOROPT_RUN_DIR", "TENSOROPT_SIMULATED_MEMORY_BYTES"

@@ -14,7 +14,15 @@ from torch import nn
 from ..errors import TensorOptError
 from ..search.engines import CHECKPOINTS, choose_engine
 from ..space.run_plan import RunPlan
-from . import CAPTURE_ENV, CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV, CHECKPOINT_KEEP_ENV, PLAN_ENV, capture_args
+from . import (
+    CAPTURE_ENV,
+    CAPTURE_FRESH_ENV,
+    CHECKPOINT_DIR_ENV,
+    CHECKPOINT_EVERY_ENV,
+    CHECKPOINT_KEEP_ENV,
+    PLAN_ENV,
+    capture_args,
+)
 from .device import worker_device
 from .engines.param_groups import build_optimizer
 from .engines.precision import autocast_forward, cast_model
@@ -143,8 +151,11 @@ def _write_capture(model: nn.Module, inputs: tuple | Mapping, global_batch: int,
         {"meta_built": "1"} if has_meta_tensors(model) else {})      # informational (runtime.pipeline.trace)
     cast_model(model, precision)
     graph = _traced(model, inputs, meta, precision)
-    # verdicts of blocks seen before are read from the cache folder (graph.block_verdicts)
+    # verdicts of blocks seen before are read from the cache folder (graph.block_verdicts), unless the launch said
+    # --no-cache: then every block runs again
     verdicts, sources = default_cache_dir() / "block-verdicts", [path for path, _, _ in json.loads(meta["sources"])]
+    if os.environ.get(CAPTURE_FRESH_ENV):
+        verdicts = None
     tp = check_tensor_parallel(model, inputs, graph, verdicts, sources)
     # and the runtime's own sharding of each layout it allows
     probed = probe_layouts(model, inputs, with_tp_checks(graph, tp), verdicts, sources)
