@@ -48,15 +48,15 @@ def test_what_the_run_depends_on_makes_a_new_key(tmp_path):
     copy = tmp_path / "elsewhere.py"
     copy.write_text(source.read_text())
     assert key(sources=(str(copy),)) == before                 # the same code elsewhere
-    source.write_text("x = 2\n")
-    block_verdicts._files_digest.cache_clear()
+    source.write_text("x = 22\n")                               # another size: a new digest on any file system
     assert key() != before
     with torch.device("meta"):
         assert key(copy=nn.Sequential(nn.Linear(HIDDEN, HIDDEN))) != key()
     assert key(ops=block.ops[:-1]) != key()
 
 
-@pytest.mark.parametrize("content", ["not json", '{"schema_version": 0, "entry": {}}'])
+@pytest.mark.parametrize("content", ["not json", '{"schema_version": 0, "entry": {}}',
+                                     '{"schema_version": 1, "entry": []}'])
 def test_an_unreadable_or_old_entry_is_a_miss(tmp_path, content):
     first = probed(tmp_path)
     (stored,) = (tmp_path / "probes").iterdir()

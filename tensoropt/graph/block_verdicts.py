@@ -54,9 +54,10 @@ def load(folder: Path, key: str) -> dict | None:
     """The block's entry stored under ``key`` (None: a miss)."""
     try:
         data = json.loads((folder / f"{key}.json").read_text())
-        return data["entry"] if data.get("schema_version") == SCHEMA_VERSION else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
+    entry = data.get("entry") if isinstance(data, dict) and data.get("schema_version") == SCHEMA_VERSION else None
+    return entry if isinstance(entry, dict) else None
 
 
 def store(folder: Path, key: str, entry: dict) -> None:
@@ -75,14 +76,19 @@ def _package_files() -> tuple[str, ...]:
     return tuple(str(p) for p in sorted(PACKAGE_DIR.rglob("*.py")))
 
 
-@cache
 def _files_digest(paths: tuple[str, ...]) -> str:
     """One hash of the files' contents, whatever their paths (a copy of a script elsewhere keys alike; a file that
-    cannot be read counts as its path)."""
+    cannot be read counts as its path). Each file is read once per process while its size and time are unchanged."""
     each = []
     for path in paths:
         try:
-            each.append(hashlib.sha256(Path(path).read_bytes()).hexdigest())
+            stat = Path(path).stat()
+            each.append(_file_digest(path, stat.st_size, stat.st_mtime_ns))
         except OSError:
             each.append("unreadable " + path)
     return hashlib.sha256("\n".join(sorted(each)).encode()).hexdigest()
+
+
+@cache
+def _file_digest(path: str, _size: int, _mtime_ns: int) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -165,20 +165,22 @@ def _without_caches(kwargs: dict) -> dict:
 def _check_branch(copy: nn.Module, inputs: tuple, ops: tuple[Op, ...], scope: str, branch, fake_mode) -> dict:
     """The largest degree m dividing the branch's ``max_tp`` whose divisors all run as one rank's share."""
     failed: dict[int, str] = {}
-    for tp in _degrees(branch.max_tp):
+    for tp in checked_degrees(branch.max_tp):
         if any(tp % bad == 0 for bad in failed):
             continue
         problem = _run_share(copy, inputs, ops, scope, branch, tp, fake_mode)
         if problem:
             failed[tp] = problem
-    good = [m for m in _degrees(branch.max_tp) if not any(m % bad == 0 for bad in failed)]
+    good = [m for m in checked_degrees(branch.max_tp) if not any(m % bad == 0 for bad in failed)]
     if not good:
         tp, why = min(failed.items())
         return {"refused": f"on one of {tp} tensor-parallel ranks {why}"}
     return {"max_tp": max(good)}
 
 
-def _degrees(max_tp: int) -> list[int]:
+def checked_degrees(max_tp: int) -> list[int]:
+    """The tensor-parallel degrees above 1 dividing ``max_tp``, up to ``MAX_CHECKED_TP``, ascending: the ones the
+    capture's checks run."""
     return [d for d in range(2, min(max_tp, MAX_CHECKED_TP) + 1) if max_tp % d == 0]
 
 
@@ -241,4 +243,5 @@ def _run_share(copy: nn.Module, inputs: tuple, ops: tuple[Op, ...], scope: str, 
     return None
 
 
-__all__ = ["MAX_CHECKED_TP", "TP_CHECKS_META", "check_tensor_parallel", "linear_kind", "tp_checks", "with_tp_checks"]
+__all__ = ["MAX_CHECKED_TP", "TP_CHECKS_META", "check_tensor_parallel", "checked_degrees", "linear_kind", "tp_checks",
+           "with_tp_checks"]

@@ -12,8 +12,9 @@ chosen. So while the model is captured, the first copy of each block is sharded 
 (``tp_styles.shard_copy``), on a fake process group of each degree (``torch.testing``'s ``fake`` backend:
 collectives return at once) and run forward and backward on fake tensors (nothing allocated):
 
-- each branch alone, at each degree the space may offer the block (dividing every branch's checked ``max_tp``, up
-  to 64): a branch that fails is refused at that degree and its multiples, as ``tp_check`` refuses one;
+- the branches, at each degree the space may offer the block (dividing every branch's checked ``max_tp``, up to
+  64): all sharded at once first, each alone only where that fails (``_branches_failing``); a branch that fails
+  alone is refused at that degree and its multiples, as ``tp_check`` refuses one;
 - the copy sequence-parallel with no branch and with every branch sharded, at each such degree that divides the
   sequence: a block that fails is not offered sequence parallelism at that degree and its multiples.
 
@@ -44,7 +45,7 @@ from ...graph.ir import OpGraph
 from ...space.block import analyse_block
 from ...space.run_plan import TPBranch
 from ...space.sp_check import SP_CHECK_KEY
-from ...space.tp_check import MAX_CHECKED_TP, first_copy_inputs
+from ...space.tp_check import checked_degrees, first_copy_inputs
 from ...space.tp_layout import tp_layout
 from ...space.tp_meta import TP_CHECKS_META, tp_checks
 from .tp_styles import shard_copy
@@ -123,7 +124,7 @@ def _probe_block(copy: nn.Module, inputs: tuple, scope: str, branches: tuple[TPB
     failed = _branches_failing(offered, branches, partial(_fails, copy, inputs, layout=None, fake_mode=fake_mode,
                                                            scope=scope))
     for branch in branches:
-        result = _verdict(_degrees(offered), failed[branch.branch])
+        result = _verdict(checked_degrees(offered), failed[branch.branch])
         if result and (result.get("max_tp") or 0) < _largest(offered):     # a degree failed: kept with its limit
             entry[branch.branch] = _stricter(entry.get(branch.branch), result)
     usable = tuple(b for b in branches if "refused" not in entry.get(b.branch, {}))
@@ -152,7 +153,7 @@ def _branches_failing(limit: int, branches: tuple[TPBranch, ...], fails) -> dict
     alone only if that fails: without sequence parallelism a row linear hands the next branch a whole local tensor
     (``use_local_output``), as the unsharded model does, so branches sharded together run as each does alone."""
     failed: dict[str, dict[int, str]] = {b.branch: {} for b in branches}
-    for tp in _degrees(limit):
+    for tp in checked_degrees(limit):
         live = tuple(b for b in branches if not any(tp % bad == 0 for bad in failed[b.branch]))
         if len(live) > 1 and not fails(live, tp=tp):
             continue
@@ -162,16 +163,11 @@ def _branches_failing(limit: int, branches: tuple[TPBranch, ...], fails) -> dict
     return failed
 
 
-def _degrees(limit: int) -> list[int]:
-    """The degrees above 1 dividing ``limit``, up to ``MAX_CHECKED_TP``, ascending."""
-    return [d for d in range(2, min(limit, MAX_CHECKED_TP) + 1) if limit % d == 0]
-
-
 def _degrees_passing(limit: int, fails, what: str = "") -> dict | None:
     """{"max_tp": m}: the largest degree dividing ``limit`` (up to ``MAX_CHECKED_TP``) all of whose divisors pass;
     {"refused": why} where none does; None where no degree above 1 divides ``limit`` (nothing to run)."""
     failed: dict[int, str] = {}
-    degrees = _degrees(limit)
+    degrees = checked_degrees(limit)
     for tp in degrees:
         if not any(tp % bad == 0 for bad in failed) and (why := fails(tp)):
             failed[tp] = why
@@ -190,7 +186,7 @@ def _verdict(degrees: list[int], failed: dict[int, str], what: str = "") -> dict
 
 
 def _largest(limit: int) -> int:
-    return max(_degrees(limit), default=1)
+    return max(checked_degrees(limit), default=1)
 
 
 def _stricter(tp_checked: dict | None, probed: dict) -> dict:
