@@ -19,7 +19,9 @@ from tensoropt.runtime.parallel.context_parallel import install, shard_batch
 
 SEQ, LAYERS = 64, 2
 GATHERS = [0]
-_all_gather = dist.all_gather_into_tensor
+# the function tensoropt.collective_api calls on this torch (2.13 renamed it), counted by wrapping it
+GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_all_gather = getattr(dist, GATHER_NAME)
 
 
 def counted_all_gather(*args, **kwargs):
@@ -48,7 +50,7 @@ def step(model: DecoderLM, batch, shard) -> dict:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    dist.all_gather_into_tensor = counted_all_gather
+    setattr(dist, GATHER_NAME, counted_all_gather)
     rank, out = dist.get_rank(), {}
     for attention in ("eager", "flash"):
         torch.manual_seed(0)

@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..collective_api import all_gather_single, reduce_scatter_single
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def free_port() -> int:
@@ -53,10 +52,10 @@ def _run_op(op: str, x: torch.Tensor, group, group_size: int, rank: int) -> None
     if op == "all_reduce":
         dist.all_reduce(x, group=group)
     elif op == "all_gather":
-        _all_gather(torch.empty(x.numel() * group_size, dtype=x.dtype, device=x.device), x,
+        all_gather_single(torch.empty(x.numel() * group_size, dtype=x.dtype, device=x.device), x,
                                     group=group)
     elif op == "reduce_scatter":
-        _reduce_scatter(torch.empty(x.numel() // group_size, dtype=x.dtype, device=x.device), x,
+        reduce_scatter_single(torch.empty(x.numel() // group_size, dtype=x.dtype, device=x.device), x,
                                    group=group)
     elif op == "all_to_all":
         dist.all_to_all_single(torch.empty_like(x), x, group=group)

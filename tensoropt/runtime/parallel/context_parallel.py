@@ -8,9 +8,9 @@ micro-batch so (token ids and labels alike: a label stays with its token, so a m
 shifted, as ``DecoderLM``'s are, computes the same per-token losses).
 
 Attention: the model reads the shard (``models.sequence``) and calls ``gather`` on its keys and values after the
-rotary embedding: one all-gather of each over the cp ranks (``all_gather_into_tensor``), synchronous, then the
+rotary embedding: one all-gather of each over the cp ranks (``all_gather_single``), synchronous, then the
 rank's queries attend to all S keys under the causal mask's rows of their positions. Its backward reduce-scatters
-the gradients of the gathered keys and values (``reduce_scatter_tensor``, summed: every rank's queries read every
+the gradients of the gathered keys and values (``reduce_scatter_single``, summed: every rank's queries read every
 rank's keys) back to their owners. This is the all-gather form of CP (Megatron-LM's ``--cp-comm-type allgather``,
 torchtitan's ``context_parallel_rotate_method="allgather"``) without their overlap of the gather with the first
 chunk's attention: what ``cost`` prices (a ring that overlaps would be a later change of both).
@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ... import collective_api
 from ...errors import TensorOptError
 from ...models.sequence import SequenceShard, use_shard
 
@@ -67,10 +68,9 @@ def _gathered_order(cp: int) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, group, cp: int) -> torch.Tensor:
     """Every cp rank's ``x`` (its chunks along ``dim``) as the whole sequence in order, one all-gather; the same
     layout (strides) every call, which ``_Shares`` relies on."""
-    import torch.distributed as dist
     local = x.movedim(dim, 0).contiguous()
     gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    collective_api.all_gather_single(gathered, local, group=group)
     order = _gathered_order(cp).to(x.device)
     pieces = gathered.view(2 * cp, local.shape[0] // 2, *local.shape[1:]).index_select(0, order)
     return pieces.reshape(gathered.shape).movedim(0, dim)
@@ -88,14 +88,13 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        import torch.distributed as dist
         cp = ctx.cp
         ctx.share.release()              # every reader's backward has run: the tensor gathered again is done
         whole = grad.movedim(ctx.dim, 0)                  # a view: splitting its first dim below is one too
         inverse = torch.argsort(_gathered_order(cp)).to(grad.device)
         rank_major = whole.unflatten(0, (2 * cp, -1)).index_select(0, inverse).flatten(0, 1)   # the one copy
         mine = rank_major.new_empty((whole.shape[0] // cp, *whole.shape[1:]))
-        dist.reduce_scatter_tensor(mine, rank_major, group=ctx.group)
+        collective_api.reduce_scatter_single(mine, rank_major, group=ctx.group)
         return mine.movedim(0, ctx.dim), None, None, None, None
 
 
