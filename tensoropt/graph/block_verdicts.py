@@ -64,6 +64,26 @@ def store(folder: Path, key: str, entry: dict) -> None:
     write_json_atomic(folder / f"{key}.json", {"schema_version": SCHEMA_VERSION, "entry": entry})
 
 
+def reuse(folder: Path, keys: dict[str, str], pending: dict, verdicts: dict) -> dict[str, str]:
+    """Each block of ``keys`` (block -> key) whose entry ``folder`` holds: its entry into ``verdicts``, the block out
+    of ``pending`` (the blocks to run). The keys of the others, for ``keep`` once they ran."""
+    missed = {}
+    for name, key in keys.items():
+        if (entry := load(folder, key)) is not None:
+            verdicts[name] = entry
+            pending.pop(name, None)
+        else:
+            missed[name] = key
+    return missed
+
+
+def keep(folder: Path, missed: dict[str, str], verdicts: dict) -> None:
+    """Store the entries the blocks ``reuse`` missed got once run."""
+    for name, key in missed.items():
+        if name in verdicts:
+            store(folder, key, verdicts[name])
+
+
 def _class_file(cls: type) -> str:
     try:
         return str(Path(inspect.getfile(cls)).resolve())

@@ -52,11 +52,9 @@ def _run_op(op: str, x: torch.Tensor, group, group_size: int, rank: int) -> None
     if op == "all_reduce":
         dist.all_reduce(x, group=group)
     elif op == "all_gather":
-        all_gather_single(torch.empty(x.numel() * group_size, dtype=x.dtype, device=x.device), x,
-                                    group=group)
+        all_gather_single(torch.empty(x.numel() * group_size, dtype=x.dtype, device=x.device), x, group=group)
     elif op == "reduce_scatter":
-        reduce_scatter_single(torch.empty(x.numel() // group_size, dtype=x.dtype, device=x.device), x,
-                                   group=group)
+        reduce_scatter_single(torch.empty(x.numel() // group_size, dtype=x.dtype, device=x.device), x, group=group)
     elif op == "all_to_all":
         dist.all_to_all_single(torch.empty_like(x), x, group=group)
     elif rank == 0:

@@ -63,18 +63,14 @@ def check_tensor_parallel(model: nn.Module, example_inputs: tuple | Mapping, gra
     modules = dict(model.named_modules())
     out: dict[str, dict] = {}
     order = list(targets)
-    keys = {name: block_verdicts.block_key("tp_check", modules[scope], ops, tuple(sources), branches=[
-        repr(b) for b in branches]) for name, (scope, ops, branches) in targets.items() if scope in modules} \
-        if cache_dir is not None else {}
-    for name, key in keys.items():
-        if (entry := block_verdicts.load(cache_dir, key)) is not None:
-            out[name] = entry
-            del targets[name]
+    missed = {}
+    if cache_dir is not None:
+        keys = {name: block_verdicts.block_key("tp_check", modules[scope], ops, tuple(sources), branches=[
+            repr(b) for b in branches]) for name, (scope, ops, branches) in targets.items() if scope in modules}
+        missed = block_verdicts.reuse(cache_dir, keys, targets, out)
     if targets:
         _check_blocks(model, example_inputs, targets, modules, out)
-    for name, key in keys.items():
-        if name in targets:
-            block_verdicts.store(cache_dir, key, out[name])
+    block_verdicts.keep(cache_dir, missed, out)
     return {name: out[name] for name in order}
 
 

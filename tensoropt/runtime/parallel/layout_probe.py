@@ -76,31 +76,18 @@ def probe_layouts(model: nn.Module, example_inputs, graph: OpGraph, cache_dir: P
             cases[block.name] = (block.occurrences[0].scope, branches, sp_ok)
     modules = dict(model.named_modules())
     cases = {b: c for b, c in cases.items() if c[0] in modules}
-    keys = _cached(cases, checks, cache_dir, {b.name: b.ops for b in blocks}, modules, seq_len, tuple(sources)) \
-        if cache_dir is not None else {}
+    missed = {}
+    if cache_dir is not None:
+        ops = {b.name: b.ops for b in blocks}
+        keys = {name: block_verdicts.block_key("layout_probe", modules[scope], ops[name], tuple(sources), branches=[
+            repr(b) for b in branches], sp=sp_ok, seq_len=seq_len, entry=checks.get(name))
+            for name, (scope, branches, sp_ok) in cases.items()}
+        missed = block_verdicts.reuse(cache_dir, keys, cases, checks)
     if cases:
         with _outside_capture():
             _probe_cases(model, example_inputs, cases, checks, seq_len)
-    for name, key in keys.items():
-        if name in checks:
-            block_verdicts.store(cache_dir, key, checks[name])
+    block_verdicts.keep(cache_dir, missed, checks)
     return checks
-
-
-def _cached(cases: dict, checks: dict, cache_dir: Path, ops: dict, modules: dict, seq_len: int | None,
-            sources: tuple[str, ...]) -> dict[str, str]:
-    """Take the blocks whose verdicts ``cache_dir`` holds out of ``cases`` (their entries into ``checks``); the
-    keys of the others, to store their verdicts under once run."""
-    keys = {}
-    for name, (scope, branches, sp_ok) in list(cases.items()):
-        key = block_verdicts.block_key("layout_probe", modules[scope], ops[name], sources, branches=[repr(b) for b in
-                                       branches], sp=sp_ok, seq_len=seq_len, entry=checks.get(name))
-        if (entry := block_verdicts.load(cache_dir, key)) is not None:
-            checks[name] = entry
-            del cases[name]
-        else:
-            keys[name] = key
-    return keys
 
 
 def _probe_cases(model: nn.Module, example_inputs, cases: dict, checks: dict, seq_len: int | None) -> None:
