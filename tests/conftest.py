@@ -56,7 +56,7 @@ if WARM:
 # scripts ("scripts": the launcher and torchrun cold, so a test finds the workers it kills under the launcher; the
 # process it kills is the one torchrun started, and the script under the server dies with it); a test of such a
 # module that looks only at output and exit statuses says so with @pytest.mark.warm_start("warm")
-COLD_MODULES = {"test_launch_proc.py": "cold", "test_elastic.py": "scripts"}
+COLD_MODULES = {"test_launch_proc.py": "cold"}
 
 
 def _start_warm_server():

@@ -52,12 +52,24 @@ def finish(proc):
     return [line for line in out.splitlines() if line.startswith("elastic:")]
 
 
+def workers_of(tmp_path) -> list[psutil.Process]:
+    """The processes that run this test's script as a worker (``python SCRIPT ...``, the run's own output path among
+    their arguments). Found among every process, not under the launcher's: under the suite's warm starts the launcher
+    and torchrun run as children of the warm-start server, and each process torchrun starts is a stand-in whose death
+    (SIGKILL) kills the script it stands for (tests/warm_start)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = [arg for arg in (proc.info["cmdline"] or []) if arg != "-u"]
+        if len(argv) > 1 and argv[1] == SCRIPT and str(tmp_path / "out.npy") in argv:
+            found.append(proc)
+    return found
+
+
 @pytest.mark.xdist_group("multiprocess")
 def test_killed_worker_resumes_from_the_last_checkpoint(reference, tmp_path):
     proc = start(tmp_path)
     wait_for_checkpoint(tmp_path, 4, proc)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if SCRIPT in p.cmdline() and "launcher.torchrun" not in p.cmdline()]
+    workers = workers_of(tmp_path)
     assert len(workers) == 2
     workers[1].send_signal(signal.SIGKILL)
     log = finish(proc)
