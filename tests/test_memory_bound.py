@@ -43,10 +43,18 @@ CASES = {
     "tp2-zero3-mixed-sp": (_plan(((NONE_SP, 1), (FULL_SP, 3)), dp=1, tp=2, zero=3, micro_batch=4), ()),
     # FSDP2 computes bf16-mixed with bf16 weights: priced with the capture that has them (search.engines.priced_graph)
     "fsdp2-zero3-bf16-mixed": (_plan(((NONE, 4),), zero=3, micro_batch=4, precision="bf16-mixed"), WIDER),
+    # a vocabulary small beside the MLP: the loss's backward is no longer the peak, a copy's is (its largest op's
+    # gradients, the MLP's hidden-by-ffn ones, beside the copies' kept activations, the loss's saved ones freed);
+    # priced below the simulated peak before 2026-11-30 (-0.9% DDP, -2.6% ZeRO 1)
+    "ddp-accumulation-small-vocab": (_plan(((NONE, 4),), micro_batch=2), WIDER[:-1] + (64,)),
+    "fsdp2-zero1-accumulation-small-vocab": (_plan(((NONE, 4),), zero=1, micro_batch=2), WIDER[:-1] + (64,)),
 }
+# what the prediction still leaves out: 3084 bytes (0.005%) of what ZeRO 1's copy backward holds, not identified yet
+GAPS = {"fsdp2-zero1-accumulation-small-vocab": "3 KB (0.005%) of ZeRO 1's copy backward is not priced"}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=GAPS[c])) if c in GAPS
+                                  else c for c in CASES])
 def test_prediction_is_at_least_the_simulated_peak(tmp_path, case):
     """The predicted tensor bytes are never below the simulated peak (and at most 25% above on this tiny model,
     whose loose ops and buffers weigh more than at scale)."""

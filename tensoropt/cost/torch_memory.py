@@ -149,7 +149,8 @@ def unit_backward_bytes(zero, gathered, grad, unit_params):
 
 def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
                     micro_batches, data_parallel, activations, head_acts, copy_peak, tail_params,
-                    largest_parameter=0.0, unbucketed=0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    largest_parameter=0.0, unbucketed=0.0, copy_op_backward=0.0, tail_acts=0.0
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameter bytes, gradient bytes, working-set bytes, activation bytes) beside the sharded states at the
     largest of the backward's peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``: bytes per
     parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements; ``root_params``:
@@ -160,19 +161,23 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
     ``copy_peak``: ``one_copy_peak_bytes``; ``tail_params``: the elements of the loose ops after the blocks;
     ``largest_parameter``: the model's largest parameter's elements; ``unbucketed``: the gradient bytes DDP leaves
     out of its buckets (an expert-parallel rank's experts', reduced over their own ranks:
-    ``runtime.parallel.expert_parallel``), held once.
+    ``runtime.parallel.expert_parallel``), held once; ``copy_op_backward``: the gradients the largest op of a copy's
+    backward holds at once (``pipeline_memory.copy_backward_bytes``: a gated MLP's product makes two hidden-by-ffn
+    gradients from one); ``tail_acts``: the kept activations of the loose ops after the blocks (the final norm's,
+    the head's and the loss's saved tensors), which their backward frees before any copy's runs.
 
     - the loss's backward: its gradients, and under ZeRO 3 the flat all-gather output of the last unit, which
       the root's pre-backward prefetches. FSDP2's gradients (ZeRO 1-3) do not exist yet in a step of one
       micro-batch: the optimizer's ``zero_grad`` sets them to None (torch's default) and FSDP2 makes each unit's
       in its post-backward. DDP's bucket is allocated with the wrapper and kept.
-    - a block copy's backward: its recomputed activations, and under ZeRO 3 the unit gathered, the next unit's
-      flat all-gather output and two units' gradients (unsharded as autograd makes them, in the gathered dtype,
-      and the reduce-scatter input in the reduce dtype: ``MixedPrecisionPolicy``), under ZeRO 2 the two units'
-      gradients. Under ZeRO 2-3 the root's gradients made by the loss's backward (the final norm's and head's,
-      unsharded, in the gathered dtype) wait for the root's post-backward at the end of the backward, beside
-      every copy's. DDP makes a parameter's fresh gradient before it copies it into its bucket (or, under
-      ``no_sync``, adds it to ``.grad``), beside all the others: at most the largest parameter's (the embedding's,
+    - a block copy's backward: its recomputed activations, its largest op's gradients (without the kept activations
+      of the ops after the blocks, which the loss's and head's backward freed), and under ZeRO 3 the unit
+      gathered, the next unit's flat all-gather output and two units' gradients (unsharded as autograd makes them,
+      in the gathered dtype, and the reduce-scatter input in the reduce dtype: ``MixedPrecisionPolicy``), under
+      ZeRO 2 the two units' gradients. Under ZeRO 1-3 the root's gradients made by the loss's backward (the final
+      norm's and head's, unsharded, in the gathered dtype) wait for the root's post-backward at the end of the
+      backward, beside every copy's. DDP makes a parameter's fresh gradient before it copies it into its bucket (or,
+      under ``no_sync``, adds it to ``.grad``), beside all the others: at most the largest parameter's (the embedding's,
       made last, when the activations are freed), priced with each copy's backward. Without a wrapper (ZeRO 0, one
       replica) a copy's backward holds the gradients made so far beyond those of earlier micro-batches: the loss
       backward's (the loose ops after the blocks) and the copy's own.
@@ -193,17 +198,17 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
     grads_at_loss = np.where(one_micro_batch, 0.0, gradients)
     unwrapped = np.where(one_micro_batch, grad * (tail_params + unit_params), grad * largest_parameter)
     units = unit_backward_bytes(zero, gathered, grad, unit_params) + \
-        np.where(zero >= 2, gathered * tail_params, 0.0) + \
+        np.where(zero >= 1, gathered * tail_params, 0.0) + \
         np.where(ddp, grad * largest_parameter, np.where(zero == 0, unwrapped, 0.0))
-    in_block = layer_transient + units
+    in_block = layer_transient + copy_op_backward + units
     at_end = head_acts + copy_peak + units
     moments = np.stack([activations + at_loss + grads_at_loss,           # the loss's backward
-                        activations + in_block + grads_at_loss,          # the last copy's backward
+                        activations - tail_acts + in_block + grads_at_loss,        # the last copy's
                         np.where(one_micro_batch, at_end + gradients, 0.0)])    # the first copy's (one micro-batch)
     which = np.argmax(moments, axis=0)
     pick = lambda *options: np.choose(which, options)  # noqa: E731
     return (np.where(zero3, gathered * root_params, 0.0), pick(grads_at_loss, grads_at_loss, gradients),
-            pick(at_loss, in_block, units), pick(activations, activations, head_acts + copy_peak))
+            pick(at_loss, in_block, units), pick(activations, activations - tail_acts, head_acts + copy_peak))
 
 
 __all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_forward_bytes", "loss_gradient_bytes",
