@@ -18,7 +18,7 @@ from .pipeline_memory import (
     message_bytes,
 )
 from .rows import PlanRows
-from .torch_memory import fsdp_held_bytes
+from .torch_memory import fsdp_held_bytes, targets_bytes
 
 if TYPE_CHECKING:
     from .model import ModelCost
@@ -123,7 +123,8 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
         flat_torch, 4, fsdp_held_bytes, r.zero, r.gathered, r.reduced, r.unit_params, r.loose_params, r.loss_grads,
         transient, grads, r.m, r.dp, activations,
         r.head_acts + model.checkpoint_inputs_bytes * r.mb, r.copy_peak, r.tail_params, model.largest_parameter,
-        r.grad * np.where(r.ep > 1, model.expert_parameters / r.ep, 0.0), r.copy_back, r.first_acts - r.head_acts)
+        r.grad * np.where(r.ep > 1, model.expert_parameters / r.ep, 0.0), r.copy_back,
+        np.maximum(r.first_acts - r.head_acts - targets_bytes(model, r.mb / r.cp), 0.0))
     grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
     working = np.where(flat_torch, torch_working,
                        np.where(r.piped, stage_working, np.maximum(transient, r.loss_grads)))

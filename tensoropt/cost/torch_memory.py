@@ -120,6 +120,13 @@ def stage_loss_bytes(model, tp: int, micro_batch: int, logits: float | None = No
     return max(loss_forward_bytes(model, tp, micro_batch, logits), cast + _targets_bytes(model, micro_batch, logits))
 
 
+def targets_bytes(model, micro_batch, logits: float | None = None):
+    """The token ids and targets (int64, one per token) and the loss's scalars of one micro-batch (``micro_batch``
+    samples, a number or an array): the step holds them whole (the batch's), so they outlive the loss's backward,
+    where the capture counts the targets among what the loss saves."""
+    return _targets_bytes(model, micro_batch, logits_elements(model) if logits is None else logits)
+
+
 def _targets_bytes(model, micro_batch: int, logits: float) -> float:
     """The token ids and targets (int64, one per token) and the loss's scalars of one micro-batch."""
     tokens = logits / model.vocab.vocab if model.vocab.vocab else 0.0
@@ -212,4 +219,4 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
 
 
 __all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_forward_bytes", "loss_gradient_bytes",
-           "one_copy_peak_bytes", "stage_loss_bytes", "unit_backward_bytes"]
+           "one_copy_peak_bytes", "stage_loss_bytes", "targets_bytes", "unit_backward_bytes"]
