@@ -34,6 +34,10 @@ _OWN_PREFIX = re.compile(r"^\[rank\d+\]: ?")     # torch's excepthook prefixes a
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 # torchrun's own exception when the nodes never met (the static rendezvous' TCPStore: the master timed out
 # waiting for the other nodes, or a node could not reach the master)
+# each failure of torchrun's report: its time (to the second), rank and exit code
+_FAILURE = re.compile(r"time\s*:\s*(\S+)\s*\n\s*host\s*:[^\n]*\n\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+# a worker's error that says a peer went first (gloo's, NCCL's, a socket's): not the root cause beside one that is not
+_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|remote process exited|Broken pipe", re.I)
 _RENDEZVOUS = re.compile(r"(?:DistStoreError|DistNetworkError|RendezvousTimeoutError|RendezvousError)\b:?[ \t]*(.*)")
 STOP_WAIT_S = 30
 
@@ -84,10 +88,21 @@ class WorkerOutput:
             out.flush()
 
     def first_failure(self) -> tuple[int | None, int | None]:
-        """(rank, exit code) of the first failure torchrun observed, else the first rank that printed a traceback."""
-        if match := _ROOT_CAUSE.search("".join(self.torchrun)):
-            return int(match.group(1)), int(match.group(2))
-        return (self.order[0] if self.order else None), None
+        """(rank, exit code) of the first failure torchrun observed, else the first rank that printed a traceback.
+        torchrun times failures to the second and, among those it saw in one poll, names the lowest rank
+        (``ChildFailedError.get_first_failure``: ``min`` over ranks by an integer timestamp): a rank that died of a
+        peer's death (gloo's "Connection closed by peer") ties with that peer whenever both exit between two of its
+        polls. Among the ranks tied with torchrun's choice, the first whose traceback does not blame a peer is it."""
+        text = "".join(self.torchrun)
+        if not (match := _ROOT_CAUSE.search(text)):
+            return (self.order[0] if self.order else None), None
+        rank, code = int(match.group(1)), int(match.group(2))
+        failures = {int(r): (when, int(c)) for when, r, c in _FAILURE.findall(text)}
+        tied = {r for r, (when, _) in failures.items() if rank in failures and when == failures[rank][0]}
+        if len(tied) > 1 and _PEER_GONE.search(self.last.get(rank, "")):
+            cause = next((r for r in self.order if r in tied and not _PEER_GONE.search(self.last.get(r, ""))), rank)
+            return cause, failures[cause][1]
+        return rank, code
 
     def rendezvous_failure(self) -> str | None:
         """torchrun's reason, when it stopped because the nodes never met (no worker started)."""
