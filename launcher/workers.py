@@ -32,12 +32,12 @@ LINE_PREFIX = "tensoropt-rank${rank}|"          # torchrun substitutes the globa
 _PREFIXED = re.compile(r"tensoropt-rank(\d+)\|")
 _OWN_PREFIX = re.compile(r"^\[rank\d+\]: ?")     # torch's excepthook prefixes a worker's traceback lines itself
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
-# torchrun's own exception when the nodes never met (the static rendezvous' TCPStore: the master timed out
-# waiting for the other nodes, or a node could not reach the master)
 # each failure of torchrun's report: its time (to the second), rank and exit code
 _FAILURE = re.compile(r"time\s*:\s*(\S+)\s*\n\s*host\s*:[^\n]*\n\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 # a worker's error that says a peer went first (gloo's, NCCL's, a socket's): not the root cause beside one that is not
 _PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|remote process exited|Broken pipe", re.I)
+# torchrun's own exception when the nodes never met (the static rendezvous' TCPStore: the master timed out
+# waiting for the other nodes, or a node could not reach the master)
 _RENDEZVOUS = re.compile(r"(?:DistStoreError|DistNetworkError|RendezvousTimeoutError|RendezvousError)\b:?[ \t]*(.*)")
 STOP_WAIT_S = 30
 
@@ -97,8 +97,8 @@ class WorkerOutput:
         if not (match := _ROOT_CAUSE.search(text)):
             return (self.order[0] if self.order else None), None
         rank, code = int(match.group(1)), int(match.group(2))
-        failures = {int(r): (when, int(c)) for when, r, c in _FAILURE.findall(text)}
-        tied = {r for r, (when, _) in failures.items() if rank in failures and when == failures[rank][0]}
+        failures = {int(r): (when, int(c)) for when, r, c in _FAILURE.findall(text)}     # the root cause's among them
+        tied = {r for r, (when, _) in failures.items() if when == failures.get(rank, (None,))[0]}
         if len(tied) > 1 and _PEER_GONE.search(self.last.get(rank, "")):
             cause = next((r for r in self.order if r in tied and not _PEER_GONE.search(self.last.get(r, ""))), rank)
             return cause, failures[cause][1]

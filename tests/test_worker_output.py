@@ -5,14 +5,13 @@ import io
 
 from launcher.workers import Outcome, WorkerOutput, report
 
-ROOT_CAUSE = """Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-25_18:45:03
+FAILURE = """  time      : 2026-11-25_18:45:03
   host      : localhost
   rank      : {rank} (local_rank: {rank})
   exitcode  : {code} (pid: 28689)
   error_file: <N/A>
 """
+ROOT_CAUSE = "Root Cause (first observed failure):\n[0]:\n" + FAILURE
 
 
 def _read(lines: list[str]) -> tuple[WorkerOutput, str]:
@@ -59,29 +58,23 @@ def test_a_line_teed_in_pieces_is_shown_whole():
     assert output.last == {0: "last words", 1: "progress 10%\rprogress 20%"} and output.partial == {}
 
 
+def _failed_together(root_cause_time: str) -> list[str]:
+    """torchrun's report of rank 1 failing at 07:51:08 and its root cause, rank 0, at ``root_cause_time``."""
+    rank1 = FAILURE.format(rank=1, code=1).replace("2026-11-25_18:45:03", "2026-11-30_07:51:08")
+    root = ROOT_CAUSE.format(rank=0, code=1).replace("2026-11-25_18:45:03", root_cause_time)
+    return ["Failures:\n", "[1]:\n", *rank1.splitlines(keepends=True), *root.splitlines(keepends=True)]
+
+
 def test_a_rank_that_died_of_its_peers_death_in_the_same_second_is_not_named_first():
     """torchrun times failures to the second and names the lowest rank among those it saw in one poll: here rank 0,
     which died of rank 1's exit (gloo's "Connection closed by peer") in the same second as rank 1's own error. The
     launcher names rank 1: among the tied ranks, the first whose traceback does not blame a peer."""
-    failures = "".join(f"""[{i}]:
-  time      : 2026-11-30_07:51:08
-  host      : localhost
-  rank      : {rank} (local_rank: {rank})
-  exitcode  : 1 (pid: 1840)
-  error_file: <N/A>
-""" for i, rank in enumerate((1,)))
-    report_lines = ["Failures:\n", *failures.splitlines(keepends=True),
-                    *ROOT_CAUSE.format(rank=0, code=1).replace("2026-11-25_18:45:03", "2026-11-30_07:51:08")
-                    .splitlines(keepends=True)]
     worker_lines = ["tensoropt-rank1|Traceback (most recent call last):\n",
                     "tensoropt-rank1|ValueError: rank 1 broke on purpose\n",
                     "tensoropt-rank0|Traceback (most recent call last):\n",
                     "tensoropt-rank0|RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:5853.\n"]
-    output, _ = _read(worker_lines + report_lines)
+    output, _ = _read(worker_lines + _failed_together("2026-11-30_07:51:08"))
     assert output.first_failure() == (1, 1)
     # a second apart, torchrun's order stands: rank 0 failed first, whatever its error says
-    root_first = [*report_lines[:-7], *ROOT_CAUSE.format(rank=0, code=1).replace("2026-11-25_18:45:03",
-                                                                                   "2026-11-30_07:51:07")
-                  .splitlines(keepends=True)]
-    apart, _ = _read(worker_lines + root_first)
+    apart, _ = _read(worker_lines + _failed_together("2026-11-30_07:51:07"))
     assert apart.first_failure() == (0, 1)

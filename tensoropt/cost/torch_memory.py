@@ -88,7 +88,7 @@ def loss_gradient_bytes(model, tp: int, micro_batch: int, logits: float | None =
     when the caller has it (the search prices thousands of contexts)."""
     vocab = model.vocab
     logits = logits_elements(model) if logits is None else logits
-    return logits * micro_batch * _loss_gradient_bytes_per_logit(vocab, tp) + _targets_bytes(model, micro_batch, logits)
+    return logits * micro_batch * _loss_gradient_bytes_per_logit(vocab, tp) + targets_bytes(model, micro_batch, logits)
 
 
 def _loss_gradient_bytes_per_logit(vocab, tp: int) -> float:
@@ -117,18 +117,15 @@ def stage_loss_bytes(model, tp: int, micro_batch: int, logits: float | None = No
         return loss_gradient_bytes(model, tp, micro_batch, logits)
     logits = logits_elements(model) if logits is None else logits
     cast = logits * micro_batch * _cast_bytes_per_logit(vocab) / tp
-    return max(loss_forward_bytes(model, tp, micro_batch, logits), cast + _targets_bytes(model, micro_batch, logits))
+    return max(loss_forward_bytes(model, tp, micro_batch, logits), cast + targets_bytes(model, micro_batch, logits))
 
 
 def targets_bytes(model, micro_batch, logits: float | None = None):
     """The token ids and targets (int64, one per token) and the loss's scalars of one micro-batch (``micro_batch``
-    samples, a number or an array): the step holds them whole (the batch's), so they outlive the loss's backward,
-    where the capture counts the targets among what the loss saves."""
-    return _targets_bytes(model, micro_batch, logits_elements(model) if logits is None else logits)
-
-
-def _targets_bytes(model, micro_batch: int, logits: float) -> float:
-    """The token ids and targets (int64, one per token) and the loss's scalars of one micro-batch."""
+    samples, a number or an array; ``logits``: ``logits_elements(model)`` when the caller has it). The step holds
+    them whole (the batch's), so they outlive the loss's backward, where the capture counts the targets among what
+    the loss saves."""
+    logits = logits_elements(model) if logits is None else logits
     tokens = logits / model.vocab.vocab if model.vocab.vocab else 0.0
     return (2 * tokens * micro_batch * INT64 + LOSS_SCALARS_BYTES) if logits else 0.0
 
@@ -141,7 +138,7 @@ def loss_forward_bytes(model, tp: int, micro_batch: int, logits: float | None = 
     backward (DeepSpeed ZeRO 3's prefetch: ``cost.deepspeed_memory.zero3_forward_bytes``)."""
     split = model.vocab.split(tp)
     logits = logits_elements(model) if logits is None else logits
-    return logits * micro_batch * FLOAT32 / (tp if split else 1) + _targets_bytes(model, micro_batch, logits)
+    return logits * micro_batch * FLOAT32 / (tp if split else 1) + targets_bytes(model, micro_batch, logits)
 
 
 def unit_backward_bytes(zero, gathered, grad, unit_params):
@@ -178,7 +175,8 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
       micro-batch: the optimizer's ``zero_grad`` sets them to None (torch's default) and FSDP2 makes each unit's
       in its post-backward. DDP's bucket is allocated with the wrapper and kept.
     - a block copy's backward: its recomputed activations, its largest op's gradients (without the kept activations
-      of the ops after the blocks, which the loss's and head's backward freed), and under ZeRO 3 the unit
+      of the ops after the blocks, which the loss's and head's backward freed, but for the batch's targets:
+      ``targets_bytes``), and under ZeRO 3 the unit
       gathered, the next unit's flat all-gather output and two units' gradients (unsharded as autograd makes them,
       in the gathered dtype, and the reduce-scatter input in the reduce dtype: ``MixedPrecisionPolicy``), under
       ZeRO 2 the two units' gradients. Under ZeRO 1-3 the root's gradients made by the loss's backward (the final
