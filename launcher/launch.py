@@ -242,18 +242,19 @@ def write_plan(run_dir: Path, point: FrontierPoint, engine: str, why: str, argv:
     """Write plan.json (and for DeepSpeed the exact config it trains with) into the run directory;
     the plan names the kind of device its workers train on (``cuda`` or ``cpu``), and a tensor-parallel
     plan carries which linears of each block are column- and row-parallel, and whether (and which modules) the
-    vocabulary is split."""
+    vocabulary is split; any plan, whether its loss runs on the runtime's lean cross-entropy (as it was priced)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     plan, config = point.plan, None
     if engine == "deepspeed":
         config_path = run_dir / "deepspeed.json"
         write_json_atomic(config_path, deepspeed_config(plan, graph.num_parameters))
         config = str(config_path.resolve())
-    tensor_parallel = plan.tp > 1
+    tensor_parallel, vocab = plan.tp > 1, vocab_layout(graph)
     run_plan = RunPlan(
         plan, engine=engine, device=device_kind,
         tp_layout=tp_layout_from_json(tp_layout(graph)) if tensor_parallel else None,
-        vocab_parallel=VocabSplit.from_json(vocab_layout(graph).for_tp(plan.tp)) if tensor_parallel else None,
+        vocab_parallel=VocabSplit.from_json(vocab.for_tp(plan.tp)) if tensor_parallel else None,
+        lean_loss=vocab.fused_loss,
         deepspeed_config=config,
         predicted=Prediction(point.iteration_time_s, int(point.peak_memory_bytes), precision(plan, graph), why),
         command=tuple(argv))

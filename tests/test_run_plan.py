@@ -62,6 +62,8 @@ def test_run_plan_round_trips_the_plan_json_the_launcher_writes(gpt_graph, tmp_p
     assert [b.branch for b in run_plan.layout_of("layers.*")] == ["attn", "mlp"]
     assert run_plan.vocab_parallel.vocab == 128 and run_plan.command == ("torchrun", "train.py")
     assert run_plan.predicted.why == "chosen by the test" and run_plan.deepspeed_config is None
+    # the GPT's loss is one F.cross_entropy on rows of logits: it runs on the runtime's lean loss, as it was priced
+    assert written["lean_loss"] is True and run_plan.lean_loss
 
 
 def test_fused_segments_and_a_deepspeed_config_round_trip(gpt_graph, tmp_path):
@@ -73,6 +75,9 @@ def test_fused_segments_and_a_deepspeed_config_round_trip(gpt_graph, tmp_path):
     deepspeed = _written(gpt_graph, tmp_path / "ds", tp=1, engine="deepspeed")
     assert "tp_layout" not in deepspeed and deepspeed["deepspeed_config"].endswith("deepspeed.json")
     assert RunPlan.from_json(deepspeed).to_json() == deepspeed
+    assert deepspeed["lean_loss"] is True and RunPlan.from_json(deepspeed).lean_loss      # whole logits, any engine
+    # a file without the key (written before it) runs torch's loss
+    assert not RunPlan.from_json({k: v for k, v in deepspeed.items() if k != "lean_loss"}).lean_loss
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -84,6 +89,7 @@ def test_fused_segments_and_a_deepspeed_config_round_trip(gpt_graph, tmp_path):
     ({"dp": 2}, 'dp 2 x tp 2 x pp 1 must equal "devices" 2'),
     ({"gradient_accumulation": 3}, 'micro_batch 1 x gradient_accumulation 3 x dp 1 must equal "global_batch" 4'),
     ({"vocab_parallel": {"enabled": "yes"}}, "field 'vocab_parallel.enabled' must be true or false"),
+    ({"lean_loss": 1}, "field 'lean_loss' must be true or false"),
     ({"predicted": {"iteration_time_s": "fast"}}, "field 'predicted.iteration_time_s' must be a number"),
 ])
 def test_a_bad_field_is_one_line_naming_it(gpt_graph, tmp_path, change, message):

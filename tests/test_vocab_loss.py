@@ -1,7 +1,8 @@
-"""The lean vocabulary-parallel cross-entropy (``runtime.parallel.vocab_loss``): the same loss and logit gradient as
-torch's ``F.cross_entropy`` on the whole logits, on 2 gloo workers; a backward that makes no logit-sized tensor but the
-cast to the logits' dtype; the capture telling a loss that comes through ``F.cross_entropy`` from one made of
-``log_softmax`` and ``nll_loss``; and the cost model pricing each as it runs."""
+"""The lean cross-entropy (``runtime.parallel.vocab_loss``): on vocabulary-split logits, the same loss and logit
+gradient as torch's ``F.cross_entropy`` on the whole logits, on 2 gloo workers; on whole logits
+(``fused_loss(whole=True)``), the same in one process, on real and fake tensors; either way a backward that makes no
+logit-sized tensor but the cast to the logits' dtype; the capture telling a loss that comes through ``F.cross_entropy``
+from one made of ``log_softmax`` and ``nll_loss``; and the cost model pricing each as it runs."""
 
 import dataclasses
 import json
@@ -12,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 from test_vocab_parallel import capture, gpt
+from vocab_loss_probe import IGNORE, ShareSizedOutputs
 from workers import ENV, torchrun_argv
 
 from tensoropt.cost.torch_memory import FLOAT32, loss_gradient_bytes
 from tensoropt.models.transformer import DecoderLM
+from tensoropt.runtime.parallel.vocab_loss import fused_loss
 from tensoropt.space.vocab import vocab_layout
 
 PROBE = REPO / "tests" / "vocab_loss_probe.py"
@@ -62,6 +65,64 @@ def test_the_lean_backward_makes_only_the_cast_and_runs_once(probed):
         assert "backward through this loss once" in r["twice"], key
 
 
+def _lean_whole(logits: torch.Tensor, target: torch.Tensor, reduction: str, route: bool = True) -> torch.Tensor:
+    with fused_loss(whole=True) if route else fused_loss():
+        return F.cross_entropy(logits, target, ignore_index=IGNORE, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_whole_logits_run_the_lean_loss_to_torchs_values_making_only_the_cast(dtype, reduction):
+    """Where the vocabulary is not split (any tp, any engine) a plan whose loss runs lean (``RunPlan.lean_loss``)
+    routes whole logits to the same function with no process group: torch's loss and logit gradient, within the
+    same bounds as the split one's, and a backward that makes only the gradient's cast, where torch's makes two
+    float32 logit-sized tensors."""
+    torch.manual_seed(1)
+    whole = (3 * torch.randn(TOKENS, VOCAB)).to(dtype)
+    target = torch.randint(0, VOCAB, (TOKENS,))
+    target[::5] = IGNORE
+    upstream = torch.rand(TOKENS) if reduction == "none" else torch.tensor(0.75)
+    reference = whole.clone().requires_grad_()
+    expected = F.cross_entropy(reference.float(), target, ignore_index=IGNORE, reduction=reduction)
+    torch_made = ShareSizedOutputs(TOKENS * VOCAB)
+    with torch_made:
+        expected.backward(upstream)
+    logits = whole.clone().requires_grad_()
+    loss = _lean_whole(logits, target, reduction)
+    assert type(loss.grad_fn).__name__ == "_SplitCrossEntropyBackward"
+    made = ShareSizedOutputs(TOKENS * VOCAB)
+    with made:
+        loss.backward(upstream)
+    # as the split loss's bounds (test_the_lean_loss_equals_cross_entropy_on_the_whole_logits), in one share of V terms
+    scale = float(expected.detach().abs().max())
+    assert float((loss.detach() - expected.detach()).abs().max()) <= scale * TOKENS * VOCAB * EPS["float32"]
+    grad_scale = float(reference.grad.float().abs().max())
+    eps = EPS[str(dtype).removeprefix("torch.")]
+    assert float((logits.grad.float() - reference.grad.float()).abs().max()) <= \
+        grad_scale * (VOCAB * EPS["float32"] + eps)
+    assert logits.grad.dtype == dtype
+    assert made.made == ([] if dtype == torch.float32 else ["aten::_to_copy:bfloat16"])
+    assert len([m for m in torch_made.made if m.endswith("float32")]) >= 2, torch_made.made
+    with pytest.raises(RuntimeError, match="backward through this loss once"):
+        loss.backward(upstream)
+
+
+def test_whole_logits_are_routed_only_where_the_plan_says_and_on_fake_tensors_too():
+    """Outside ``whole=True`` (a plan whose loss was priced as torch's) whole logits run torch's loss; the memory
+    check's fake tensors take the lean route as the real run does (``runtime.memory.check``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    logits, target = torch.randn(TOKENS, VOCAB, requires_grad=True), torch.randint(0, VOCAB, (TOKENS,))
+    assert type(_lean_whole(logits, target, "mean", route=False).grad_fn).__name__ != "_SplitCrossEntropyBackward"
+    assert type(_lean_whole(logits.view(2, -1, VOCAB).transpose(1, 2), target.view(2, -1), "mean").grad_fn
+                ).__name__ != "_SplitCrossEntropyBackward"           # not rows of logits: torch's
+    with FakeTensorMode():
+        fake = torch.randn(TOKENS, VOCAB, requires_grad=True)
+        loss = _lean_whole(fake, torch.randint(0, VOCAB, (TOKENS,)), "mean")
+        assert type(loss.grad_fn).__name__ == "_SplitCrossEntropyBackward"
+        loss.backward()
+        assert fake.grad.shape == (TOKENS, VOCAB)
+
+
 class SplitLoss(DecoderLM):
     """The built-in decoder, its loss made of ``log_softmax`` and ``nll_loss`` called apart."""
 
@@ -94,19 +155,22 @@ def test_the_capture_tells_how_the_loss_is_called_and_the_price_follows():
     # softmax; torch's loss_parallel's is its backward, three float32 shares; unsplit, torch's two whole gradients
     assert loss_gradient_bytes(Priced(fused), 2, 1, logits) == logits * FLOAT32 / 2 + targets
     assert loss_gradient_bytes(Priced(apart), 2, 1, logits) == logits * 3 * FLOAT32 / 2 + targets
-    assert loss_gradient_bytes(Priced(fused), 1, 1, logits) == logits * 2 * FLOAT32 + targets
+    # whole (tp 1): the lean loss's forward, the float32 logits; torch's two whole float32 gradients
+    assert loss_gradient_bytes(Priced(fused), 1, 1, logits) == logits * FLOAT32 + targets
+    assert loss_gradient_bytes(Priced(apart), 1, 1, logits) == logits * 2 * FLOAT32 + targets
     half = Priced(dataclasses.replace(fused, logit_bytes=2))
     assert loss_gradient_bytes(half, 2, 1, logits) == logits * (2 + FLOAT32) / 2 + targets
+    assert loss_gradient_bytes(half, 1, 1, logits) == logits * (2 + FLOAT32) + targets
 
 
 def test_a_pipeline_stage_calls_the_loss_through_the_entry_point_the_step_routes():
     """A traced pipeline stage records ``F.cross_entropy`` as the aten op, which no patch of torch's Python entry point
-    reaches; the stage's graph is given the entry point back (``pipeline_tp._route_cross_entropy``), so the lean
+    reaches; the stage's graph is given the entry point back (``pipeline_tp.route_cross_entropy``), so the lean
     loss runs on the last stage of a pipeline as in the whole model; the stage computes the same loss."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from tensoropt.graph.loss import counting_cross_entropy
-    from tensoropt.runtime.pipeline.tp import _route_cross_entropy
+    from tensoropt.runtime.pipeline.tp import route_cross_entropy
     model = gpt()
     ids = torch.randint(0, 128, (1, 32))
     pipe = pipeline(model, mb_args=(ids, ids), split_spec={"layers.1": SplitPoint.BEGINNING})
@@ -116,7 +180,7 @@ def test_a_pipeline_stage_calls_the_loss_through_the_entry_point_the_step_routes
     before = [0]
     with counting_cross_entropy(before):
         expected = last(*inputs, ids)
-    _route_cross_entropy(last)
+    route_cross_entropy(last)
     after = [0]
     with counting_cross_entropy(after):
         got = last(*inputs, ids)

@@ -352,9 +352,9 @@ class LooseOps:
         self.arrays = OpArrays.of(ops, cluster.profile, compiled) if ops else None
         self.params = _param_elements(ops, range(len(ops)))
         self.backward_bytes = np.array([backward_working_bytes(op) for op in ops], dtype=float)
-        # the ops from the logits to the loss (casts, views, log-softmax, nll_loss): under the lean vocabulary-parallel
-        # loss (``runtime.parallel.vocab_loss``) their backward is the in-place one, the gradient the saved softmax
-        # itself and its cast to the logits' dtype, all within ``torch_memory.loss_gradient_bytes``'s moment
+        # the ops from the logits to the loss (casts, views, log-softmax, nll_loss): under the lean loss, split or whole
+        # (``runtime.parallel.vocab_loss``), their backward is the in-place one, the gradient the saved softmax itself
+        # and its cast to the logits' dtype, all within ``torch_memory.loss_gradient_bytes``'s moment
         self.loss_path = self.vocab_split & np.array([not any(r.kind == "param" for r in op.sources) for op in ops],
                                                      dtype=bool)
 
@@ -371,6 +371,6 @@ class LooseOps:
         fwd, bwd = op_times(self.arrays, shard, micro_batch, self.cluster.profile)
         comm = 2 * all_reduce_s(hidden_bytes * micro_batch, tp, 1, self.cluster) if hidden_bytes else 0.0
         activations = float((self.arrays.saved_bytes * micro_batch / shard).sum())
-        backward = np.where(self.loss_path & split & self.layout.fused_loss, 0.0, self.backward_bytes)
+        backward = np.where(self.loss_path & self.layout.fused_loss, 0.0, self.backward_bytes)
         return LooseCost(float((fwd + bwd).sum()) + comm, activations, float((self.params / shard).sum()),
                          float((backward * micro_batch / shard).max()))

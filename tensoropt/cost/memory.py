@@ -45,7 +45,7 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     loss's)."""
     carried = model.carried_bytes
     # the last stage runs the loss: its working set (``stage_loss_bytes``: torch's float32 logit-sized gradients,
-    # or the lean vocabulary-parallel loss's forward) and the loose ops' kept activations (the saved softmax among
+    # or the lean loss's forward, split or whole) and the loose ops' kept activations (the saved softmax among
     # them) live only around it: the copies' backward, whose working set is ``transient_bytes``, runs after the loose
     # ops' backward freed them (the last stage runs each micro-batch's backward right after its forward). The first
     # stage's embedding backward makes its rows' gradient only (``runtime.parallel.vocab_parallel.VocabEmbedding``)

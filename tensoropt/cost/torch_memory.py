@@ -22,15 +22,16 @@ root's post-backward at the end of the backward. ZeRO 1 and 2 keep every unit ga
 whole already) and reduce whole gradients (``grad`` whole under ZeRO 1; ZeRO 2's reduce-scatter input is one
 unit's, in the working set as under ZeRO 3).
 
-The loss's backward, at the start of every backward (any engine: torch's ``cross_entropy``), works in float32 on
-tensors the size of the logits, beside all the activations kept: ``log_softmax_backward_data`` and
-``nll_loss_backward`` make float32 logit-sized gradients, two live at once with the vocabulary replicated;
-under the vocabulary-parallel loss, torch's ``loss_parallel`` (its ``_nll_loss_and_log_softmax_backward``) makes
-three of the rank's share; the runtime's own (``runtime.parallel.vocab_loss``, Megatron-LM's layout), which runs a loss
-that comes through ``F.cross_entropy``, turns the saved softmax into the gradient in place and makes only its cast to
-the logits' dtype (none for float32 logits), so the loss's peak is its forward's: the logits as the head makes them
-and the float32 copy the loss reads (the model's upcast), beside the saved softmax. ``loss_gradient_bytes`` prices
-the larger of the two moments.
+The loss's backward, at the start of every backward, works in float32 on tensors the size of the logits, beside all
+the activations kept. torch's ``cross_entropy``: ``log_softmax_backward_data`` and ``nll_loss_backward`` make
+float32 logit-sized gradients, two live at once with the vocabulary replicated; under the vocabulary-parallel loss,
+torch's ``loss_parallel`` (its ``_nll_loss_and_log_softmax_backward``) makes three of the rank's share. The runtime's
+own (``runtime.parallel.vocab_loss``, the layout of Megatron-LM's ``vocab_parallel_cross_entropy``, which Megatron-LM
+runs at every tensor-parallel size, one included) runs, in every engine, a loss that comes through
+``F.cross_entropy`` on rows of logits, split or whole (``VocabLayout.fused_loss``): it turns the saved softmax into
+the gradient in place and makes only its cast to the logits' dtype (none for float32 logits), so the loss's peak is
+its forward's: the logits as the head makes them and the float32 copy the loss reads (the model's upcast), beside
+the saved softmax. ``loss_gradient_bytes`` prices the larger of the two moments.
 
 With one micro-batch (the optimizer's ``zero_grad`` leaves no gradient before the backward) FSDP2's gradient
 shards grow as the copies' activations are freed, so the backward's peak is at one of its ends, not their sum
@@ -88,18 +89,36 @@ def loss_gradient_bytes(model, tp: int, micro_batch: int, logits: float | None =
     when the caller has it (the search prices thousands of contexts)."""
     vocab = model.vocab
     logits = logits_elements(model) if logits is None else logits
-    return logits * micro_batch * _loss_gradient_bytes_per_logit(vocab, tp) + targets_bytes(model, micro_batch, logits)
+    return logits * micro_batch * _loss_gradient_bytes_per_logit(vocab, tp) + \
+        lean_forward_extra_bytes(model, micro_batch, logits) + targets_bytes(model, micro_batch, logits)
+
+
+# the lean loss's vectors of one float or int per token live at its forward's peak (``vocab_loss._SplitCrossEntropy``):
+# the row maxima, the per-token sums of exponentials and picked logits (stacked), their log and the loss per token
+# (float32: 4 + 8 + 4 + 4), the local targets and gathered columns (int64: 8 + 8), the valid and mine masks (2 bools)
+LEAN_LOSS_TOKEN_BYTES = 42
+
+
+def lean_forward_extra_bytes(model, micro_batch, logits: float) -> float:
+    """What the lean loss's moment, its forward's, holds beside the logits while the model's forward still runs: the
+    embedding's output and the blocks' output, which nothing saves (the first norm and the final norm save their own
+    float32 copies) but the model's frames may hold until they return (``DecoderLM``'s ``x``s; nanoGPT's ``tok_emb``),
+    whole (an upper bound under sequence parallelism), and the loss's own per-token vectors; 0 under torch's loss,
+    whose peak is its backward's, after the forward's frames are gone."""
+    if not (model.vocab.fused_loss and logits):
+        return 0.0
+    tokens = logits / model.vocab.vocab * micro_batch
+    return 2 * model.carried_bytes * micro_batch + LEAN_LOSS_TOKEN_BYTES * tokens
 
 
 def _loss_gradient_bytes_per_logit(vocab, tp: int) -> float:
     """Bytes per logit of the loss backward's working set beside the saved log-softmax (module doc)."""
-    if not vocab.split(tp):
-        return 2 * FLOAT32
+    split = vocab.split(tp)
     if vocab.fused_loss:
-        # its forward's working set, more than its backward's cast: the float32 logits the loss reads, and the head's
-        # own logits beside them where those are another dtype (the model's upcast)
-        return (FLOAT32 + _cast_bytes_per_logit(vocab)) / tp
-    return 3 * FLOAT32 / tp
+        # the lean loss, split or whole: its forward's working set, more than its backward's cast: the float32 logits
+        # the loss reads, and the head's own logits beside them where those are another dtype (the model's upcast)
+        return (FLOAT32 + _cast_bytes_per_logit(vocab)) / (tp if split else 1)
+    return 3 * FLOAT32 / tp if split else 2 * FLOAT32
 
 
 def _cast_bytes_per_logit(vocab) -> int:
@@ -109,14 +128,14 @@ def _cast_bytes_per_logit(vocab) -> int:
 
 def stage_loss_bytes(model, tp: int, micro_batch: int, logits: float | None = None) -> float:
     """The loss's working set on a pipeline's last stage, whose module is a traced graph that frees each value after
-    its last use: under the lean vocabulary-parallel loss the head's logits are gone once the model's float32 copy of
+    its last use: under the lean loss (split or whole) the head's logits are gone once the model's float32 copy of
     them exists, so its forward holds that copy (``loss_forward_bytes``) and its backward the gradient's cast; any
     other loss as ``loss_gradient_bytes``."""
     vocab = model.vocab
-    if not (vocab.split(tp) and vocab.fused_loss):
+    if not vocab.fused_loss:
         return loss_gradient_bytes(model, tp, micro_batch, logits)
     logits = logits_elements(model) if logits is None else logits
-    cast = logits * micro_batch * _cast_bytes_per_logit(vocab) / tp
+    cast = logits * micro_batch * _cast_bytes_per_logit(vocab) / (tp if vocab.split(tp) else 1)
     return max(loss_forward_bytes(model, tp, micro_batch, logits), cast + targets_bytes(model, micro_batch, logits))
 
 
@@ -217,4 +236,5 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
 
 
 __all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_forward_bytes", "loss_gradient_bytes",
-           "one_copy_peak_bytes", "stage_loss_bytes", "targets_bytes", "unit_backward_bytes"]
+           "one_copy_peak_bytes", "stage_loss_bytes", "targets_bytes", "unit_backward_bytes",
+           "lean_forward_extra_bytes", "LEAN_LOSS_TOKEN_BYTES"]

@@ -9,6 +9,8 @@ The launcher writes plan.json with ``RunPlan.to_json`` and every worker reads it
 - ``tp_layout``: for a tensor-parallel plan, which linears of each block are column- and row-parallel
   (``space.tp_layout``, from the same block analysis the cost model prices);
 - ``vocab_parallel``: whether the vocabulary is split over tp and which modules hold it (``space.vocab``);
+- ``lean_loss``: the model's loss runs on the runtime's lean cross-entropy, split or whole, as it was priced
+  (``space.vocab.VocabLayout.fused_loss``; written when true, absent: torch's);
 - ``deepspeed_config``: the path of the exact DeepSpeed config written beside it (DeepSpeed plans);
 - ``predicted`` and ``command``: what the launcher predicted and how it was started (for the reader, and
   for ``TENSOROPT_SIMULATED_MEMORY_BYTES``).
@@ -32,13 +34,16 @@ from .plan import Plan
 from .tp_layout import TP_LAYOUT_KEY
 from .vocab import VOCAB_PARALLEL_KEY
 
+LEAN_LOSS_KEY = "lean_loss"
+
 ENGINES = ("torch", "deepspeed")          # in order of preference when both run a plan (``search.engines``)
 DEVICE_KINDS = ("cuda", "cpu")
 # what ``Plan.to_json`` writes (``Plan.from_json`` reads them), then the launcher's additions in their order
 PLAN_KEYS = ("schema_version", "devices", "dp", "tp", "pp", "virtual_stages", "micro_batch", "global_batch",
              "gradient_accumulation", "zero", "offload", "tp_branches", "dtype", "master_weights", "blocks", "summary",
              "precision", "compile", "grad_dtype", "cp", "ep")
-EXTRA_KEYS = ("engine", "device", TP_LAYOUT_KEY, VOCAB_PARALLEL_KEY, "deepspeed_config", "predicted", "command")
+EXTRA_KEYS = ("engine", "device", TP_LAYOUT_KEY, VOCAB_PARALLEL_KEY, LEAN_LOSS_KEY, "deepspeed_config", "predicted",
+              "command")
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,7 @@ class RunPlan:
     device: str = ""
     tp_layout: TPLayout | None = None     # None: the file has none (a plan without tensor parallelism)
     vocab_parallel: VocabSplit | None = None
+    lean_loss: bool = False               # the loss runs on the runtime's lean cross-entropy (module doc)
     deepspeed_config: str | None = None
     predicted: Prediction | None = None
     command: tuple[str, ...] | None = None
@@ -168,6 +174,8 @@ class RunPlan:
             extra[TP_LAYOUT_KEY] = {block: [b.to_json() for b in branches] for block, branches in self.tp_layout}
         if self.vocab_parallel is not None:
             extra[VOCAB_PARALLEL_KEY] = self.vocab_parallel.to_json()
+        if self.lean_loss:
+            extra[LEAN_LOSS_KEY] = True
         if self.deepspeed_config is not None:
             extra["deepspeed_config"] = self.deepspeed_config
         if self.predicted is not None:
@@ -188,7 +196,7 @@ class RunPlan:
                 Plan.from_json(d), engine=F.text(d, "engine", ""), device=F.text(d, "device", ""),
                 tp_layout=tp_layout_from_json(d[TP_LAYOUT_KEY]) if TP_LAYOUT_KEY in d else None,
                 vocab_parallel=VocabSplit.from_json(F.mapping(d, VOCAB_PARALLEL_KEY)) if VOCAB_PARALLEL_KEY in d
-                else None, deepspeed_config=config,
+                else None, lean_loss=F.boolean(d, LEAN_LOSS_KEY, False), deepspeed_config=config,
                 predicted=Prediction.from_json(F.mapping(d, "predicted")) if "predicted" in d else None,
                 command=F.strings(d, "command") if "command" in d else None)
         except ValueError as exc:
@@ -206,5 +214,5 @@ class RunPlan:
         return RunPlan.from_json(data, str(path))
 
 
-__all__ = ["Branches", "DEVICE_KINDS", "ENGINES", "Prediction", "RunPlan", "TPBranch", "TPLayout", "VocabSplit",
-           "tp_layout_from_json"]
+__all__ = ["Branches", "DEVICE_KINDS", "ENGINES", "LEAN_LOSS_KEY", "Prediction", "RunPlan", "TPBranch", "TPLayout",
+           "VocabSplit", "tp_layout_from_json"]

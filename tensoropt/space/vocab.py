@@ -41,8 +41,9 @@ class VocabLayout:
     tied: bool = False               # the head reads the embedding's weight
     params: tuple[str, ...] = ()     # the (captured) names of the table and head weights
     refused: str = ""
-    # the loss is the model's one call of torch's cross-entropy entry point, without class weights: split, it runs on
-    # the runtime's lean cross-entropy (``runtime.parallel.vocab_loss``); else on torch's ``loss_parallel``
+    # the loss is the model's one call of torch's cross-entropy entry point on rows of logits, without class weights:
+    # it runs on the runtime's lean cross-entropy (``runtime.parallel.vocab_loss``), split or whole; else on torch's
+    # (``loss_parallel`` when split)
     fused_loss: bool = False
     logit_bytes: int = 4             # bytes per element of the head's output (the logits' gradient is cast to it)
 
@@ -98,7 +99,9 @@ def vocab_layout(graph: OpGraph) -> VocabLayout:
                                    f"{others[0].module_path or 'the model'}")
     if not head.module_path or not table.module_path:
         return VocabLayout(refused="the embedding or the LM head is not called as a module")
-    fused = graph.meta(CROSS_ENTROPY_CALLS) == "1" and len(loss[0].inputs) == 2     # no class weights
+    # one call of the entry point on rows of logits (``nll_loss_forward``: 2-D, not ``nll_loss2d``), no class weights
+    fused = graph.meta(CROSS_ENTROPY_CALLS) == "1" and len(loss[0].inputs) == 2 and \
+        loss[0].target.startswith("aten.nll_loss_forward")
     layout = VocabLayout(vocab, table.module_path, head.module_path, table.sources[0].name == head_weight, params,
                          fused_loss=fused, logit_bytes=dtype_bytes(head.outputs[0].dtype))
     return replace(layout, refused=recorded.get("refused", ""))

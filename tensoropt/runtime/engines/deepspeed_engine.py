@@ -23,6 +23,7 @@ from ..blocks import largest_block_bytes
 from ..device import check_placement, init_process_group
 from ..memory.materialize import Materializer, place
 from ..memory.recompute import recomputed_modules
+from ..parallel.vocab_parallel import loss_context
 from ..run import Run, call_model, loss_of, mean_over_group
 from .ds_config import deepspeed_config
 from .param_groups import build_optimizer
@@ -86,7 +87,7 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     run = Run(rank, world, rank, world, plan.micro_batch, plan.grad_accumulation, plan.global_batch,
-              run_plan, "deepspeed", _stepper(engine) if optimizer else None, device=device)
+              run_plan, "deepspeed", _stepper(engine, run_plan.lean_loss) if optimizer else None, device=device)
     return engine, ds_optimizer, run
 
 
@@ -149,14 +150,19 @@ def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
     return moved
 
 
-def _stepper(engine):
+def _stepper(engine, lean_loss: bool):
     """DeepSpeed drives accumulation itself: ``backward`` scales each micro-batch's loss by 1 /
-    gradient_accumulation_steps and ``step`` only updates at the accumulation boundary."""
+    gradient_accumulation_steps and ``step`` only updates at the accumulation boundary. ``lean_loss``: each
+    micro-batch's forward and backward run the model's loss on the runtime's lean cross-entropy
+    (``vocab_parallel.loss_context``), as the plan was priced."""
+    lean = loss_context(False, lean_loss)
+
     def step(micro_batches) -> torch.Tensor:
         total = None
         for micro in micro_batches:
-            loss = loss_of(call_model(engine, micro))
-            engine.backward(loss)
+            with lean():
+                loss = loss_of(call_model(engine, micro))
+                engine.backward(loss)
             engine.step()
             part = loss.detach().float() / len(micro_batches)
             total = part if total is None else total + part

@@ -98,8 +98,8 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     if experts and plan.zero == 0 and optimizer is not None:
         expert_parallel.reduce_before_step(optimizer, experts, mesh["edp"].get_group(), dp)
     dp_rank = rank // (plan.cp * tp)
-    stepper = plain_stepper(model, optimizer, before_micro_batch, loss_context=loss_context(vocab_split)) \
-        if optimizer else None
+    losses = loss_context(vocab_split, run_plan.lean_loss)
+    stepper = plain_stepper(model, optimizer, before_micro_batch, loss_context=losses) if optimizer else None
     run = Run(rank, world, dp_rank, dp, plan.micro_batch, plan.grad_accumulation, plan.global_batch, run_plan,
               "torch", stepper, device=device)
     if plan.cp > 1:                 # after tensor parallelism's guard, which runs the model on whole sequences

@@ -1,4 +1,4 @@
-"""The cross-entropy on vocabulary-split logits, with Megatron-LM's footprint.
+"""The cross-entropy on vocabulary-split logits, and on whole ones, with Megatron-LM's footprint.
 
 Under the vocabulary split (``runtime.parallel.vocab_parallel``) each rank holds its ``V/tp`` share of the logits.
 torch's ``loss_parallel`` computes the loss right but its backward (``_nll_loss_and_log_softmax_backward``) makes three
@@ -18,10 +18,17 @@ is routed, for logits that are a DTensor sharded on their class dim over a 1-D m
   softmax, which becomes the logits' gradient (cast to the logits' dtype when they are not float32). The saved
   softmax is consumed: a second backward through the same loss is an error, as in Megatron-LM.
 
-Anything else (weights, label smoothing, probabilities as targets, logits that are not split) goes to torch's own
-entry point, which ``loss_parallel`` handles for split logits. The capture records whether the model's loss came
-through this entry point (``graph.capture``: ``cross_entropy_calls``), so the cost model prices the loss that runs
-(``cost.torch_memory.loss_gradient_bytes``).
+Megatron-LM runs the same function at every tensor-parallel size, one included (``compute_language_model_loss``);
+torch's ``F.cross_entropy`` on whole logits keeps the same float32 log-softmax but its backward makes two more
+logit-sized float32 tensors (``nll_loss_backward``'s gradient, then ``_log_softmax_backward_data``'s). So where the
+vocabulary is not split, ``fused_loss(whole=True)`` routes plain 2-D logits to the same function with no process
+group (nothing to reduce): every engine's step enters it for a plan whose ``lean_loss`` says the model's loss comes
+through the entry point on rows of logits (``space.vocab.VocabLayout.fused_loss``, read from the capture).
+
+Anything else (weights, label smoothing, probabilities as targets, logits of other shapes, whole logits outside
+``whole=True``) goes to torch's own entry point, which ``loss_parallel`` handles for split logits. The capture records
+whether the model's loss came through this entry point (``graph.capture``: ``cross_entropy_calls``), so the cost model
+prices the loss that runs (``cost.torch_memory.loss_gradient_bytes``).
 """
 
 from __future__ import annotations
@@ -37,14 +44,15 @@ MEAN, SUM, NONE = 1, 2, 0           # torch's reduction enum (``torch.nn._reduct
 
 class _SplitCrossEntropy(torch.autograd.Function):
     """The per-token cross-entropy of a rank's class share (module doc); returns the reduced loss, the same on every
-    rank of ``group``."""
+    rank of ``group``; with no group, of whole logits (``first_class`` 0)."""
 
     @staticmethod
     def forward(ctx, share: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: int, group,
                 first_class: int) -> torch.Tensor:
         import torch.distributed as dist
         row_max = share.detach().amax(dim=-1).float()
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        if group is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = share.detach() - row_max.unsqueeze(-1) if share.dtype == torch.float32 else \
             share.detach().float().sub_(row_max.unsqueeze(-1))          # a new share: the logits stay as they are
         valid = target != ignore_index
@@ -53,7 +61,8 @@ class _SplitCrossEntropy(torch.autograd.Function):
         column = torch.where(mine, local, 0).unsqueeze(-1)
         picked = shifted.gather(-1, column).squeeze(-1).masked_fill_(~mine, 0.0)
         sums = torch.stack([shifted.exp_().sum(dim=-1), picked])
-        dist.all_reduce(sums, group=group)
+        if group is not None:
+            dist.all_reduce(sums, group=group)
         per_token = (sums[0].log() - sums[1]).masked_fill_(~valid, 0.0)
         softmax = shifted.div_(sums[0].unsqueeze(-1))
         ctx.save_for_backward(softmax, column, mine, valid)
@@ -99,9 +108,22 @@ def _whole_target(target):
     return target if target.ndim == 1 and not target.is_floating_point() else None
 
 
-def _routed(original):
-    """The entry point, running split logits on ``_SplitCrossEntropy`` and everything else on ``original``."""
+def _whole_logits(logits) -> bool:
+    """Whether ``logits`` are whole rows of logits: a floating-point 2-D tensor, not a DTensor (a fake one is whole:
+    the memory check runs the step on fake tensors)."""
+    from torch.distributed.tensor import DTensor
+    return isinstance(logits, torch.Tensor) and not isinstance(logits, DTensor) and logits.ndim == 2 and \
+        logits.is_floating_point()
+
+
+def _routed(original, route_whole: bool):
+    """The entry point, running split logits (and with ``route_whole`` whole ones) on ``_SplitCrossEntropy`` and
+    everything else on ``original``."""
     def cross_entropy_loss(logits, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
+        if route_whole and _whole_logits(logits) and isinstance(target, torch.Tensor) and target.ndim == 1 and \
+                not target.is_floating_point() and weight is None and not label_smoothing and \
+                reduction in (MEAN, SUM, NONE):
+            return _SplitCrossEntropy.apply(logits, target, ignore_index, reduction, None, 0)
         mesh = _split_mesh(logits)
         whole = _whole_target(target) if mesh is not None else None
         if whole is None or weight is not None or label_smoothing or reduction not in (MEAN, SUM, NONE):
@@ -122,9 +144,10 @@ def cross_entropy_loss(self, target, weight=None, reduction: int = MEAN, ignore_
     return torch._C._nn.cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing)
 
 
-def fused_loss() -> contextlib.AbstractContextManager:
-    """Route the cross-entropy of vocabulary-split logits to ``_SplitCrossEntropy`` while inside (module doc)."""
-    return wrapped_cross_entropy(_routed)
+def fused_loss(whole: bool = False) -> contextlib.AbstractContextManager:
+    """Route the cross-entropy of vocabulary-split logits, and with ``whole`` of whole ones, to ``_SplitCrossEntropy``
+    while inside (module doc)."""
+    return wrapped_cross_entropy(lambda original: _routed(original, whole))
 
 
 __all__ = ["cross_entropy_loss", "fused_loss"]

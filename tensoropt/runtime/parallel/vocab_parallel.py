@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -141,11 +142,14 @@ def check_vocab(entry: VocabSplit, embedding: nn.Embedding, head: nn.Linear, tp:
                              f"{entry.embedding}'s, and in this model it is the other way: re-plan")
 
 
-def loss_context(enabled: bool) -> LossContext:
-    """What the step enters around each micro-batch's forward and backward when the logits are sharded by
-    vocabulary: the lean cross-entropy for a loss that comes through ``F.cross_entropy`` (``vocab_loss``), torch's
-    ``loss_parallel`` for any other op on the split logits; else nothing."""
-    return _split_loss if enabled else contextlib.nullcontext
+def loss_context(enabled: bool, lean: bool = False) -> LossContext:
+    """What the step enters around each micro-batch's forward and backward: when the logits are sharded by
+    vocabulary (``enabled``), the lean cross-entropy for a loss that comes through ``F.cross_entropy``
+    (``vocab_loss``), torch's ``loss_parallel`` for any other op on the split logits; else, for a plan whose loss
+    runs lean (``RunPlan.lean_loss``), the lean cross-entropy on the whole logits; else nothing."""
+    if enabled:
+        return _split_loss
+    return partial(fused_loss, whole=True) if lean else contextlib.nullcontext
 
 
 @contextlib.contextmanager

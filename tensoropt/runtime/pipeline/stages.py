@@ -64,6 +64,7 @@ from .split import (
 )
 from .tp import (
     check_before_cutting,
+    route_cross_entropy,
     sequence_parallel_boundaries,
     shard_stage,
     shard_stream,
@@ -126,6 +127,8 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         if tp > 1:                                  # before recomputation wraps the copies
             shard_stage(module, run_plan, mesh["tp"], s, boundaries)
             vocab_split |= shard_vocabulary(module, run_plan, mesh["tp"])
+        if run_plan.lean_loss:                      # the loss on whole logits runs lean too (vocab_loss)
+            route_cross_entropy(module)
         names = {n for n, _ in module.named_modules()}
         for name in sorted(recomputed.keys() & names):
             replace_module(module, name, recomputed[name])
@@ -154,7 +157,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     if optimizer is not None:
         steps = device_steps(pp_rank, pp, virtual, plan.grad_accumulation)
         stepper = pipeline_stepper(runners, steps, optimizer, signature, tuple(inputs), reductions, dp * tp,
-                                   loss_context(vocab_split), device, mesh["pp"].get_group())
+                                   loss_context(vocab_split, run_plan.lean_loss), device, mesh["pp"].get_group())
     run = Run(dist.get_rank(), dist.get_world_size(), dp_rank, dp, plan.micro_batch, plan.grad_accumulation,
               plan.global_batch, run_plan, "torch", stepper, device=device, pipeline_group=mesh["pp"].get_group())
     return (modules[0] if virtual == 1 else merged_view(modules)), optimizer, run

@@ -178,7 +178,7 @@ def shard_vocabulary(stage_module: nn.Module, run_plan: RunPlan, tp_mesh) -> boo
         split |= kind is nn.Linear
     if split:
         _drop_metadata_asserts(stage_module)
-        _route_cross_entropy(stage_module)
+        route_cross_entropy(stage_module)
     return split
 
 
@@ -194,10 +194,10 @@ def _drop_metadata_asserts(stage_module: nn.Module) -> None:
         stage_module.recompile()
 
 
-def _route_cross_entropy(stage_module: nn.Module) -> None:
+def route_cross_entropy(stage_module: nn.Module) -> None:
     """The trace records ``F.cross_entropy`` as the aten op it calls; call it through the Python entry point
     instead (``vocab_loss.cross_entropy_loss``, the same arguments), which the step's loss context routes to the
-    lean vocabulary-parallel loss, as in the model run whole."""
+    lean loss (split, or whole under ``RunPlan.lean_loss``), as in the model run whole."""
     calls = [n for n in stage_module.graph.nodes if n.op == "call_function"
              and n.target is torch.ops.aten.cross_entropy_loss.default]
     for node in calls:
@@ -244,5 +244,5 @@ def _restore(owner_module: nn.Module, name: str, full_name: str, kind: type) -> 
     return module
 
 
-__all__ = ["check_before_cutting", "sequence_parallel_boundaries", "shard_stage", "shard_stream", "shard_vocabulary",
-           "stream_message"]
+__all__ = ["check_before_cutting", "route_cross_entropy", "sequence_parallel_boundaries", "shard_stage", "shard_stream",
+           "shard_vocabulary", "stream_message"]
