@@ -21,7 +21,7 @@ from tensoropt.cost.deepspeed_memory import (
 )
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
-from tensoropt.cost.torch_memory import loss_forward_bytes, loss_gradient_bytes
+from tensoropt.cost.torch_memory import LEAN_LOSS_TOKEN_BYTES, loss_forward_bytes, loss_gradient_bytes
 from tensoropt.runtime.engines.deepspeed_tensors import host_gradients, role_of
 from tensoropt.runtime.engines.ds_config import deepspeed_config
 from tensoropt.search.ft import SearchSpace, search
@@ -143,14 +143,21 @@ def test_zero3_forward_holds_the_prefetched_weights_twice():
     assert _extra(3, huge, activations=held) == pytest.approx(2 * 2 * REDUCE_BUCKET_DEFAULT + 2 * huge)
 
 
-def test_the_loss_forward_holds_one_float32_logits_the_backward_two(write_json):
-    """Per micro-batch of 2 on TINY_GPT (sequence 64, vocabulary 256): the forward's float32 logits, the backward's
-    two logit-sized float32 gradients, each beside the token ids and targets (int64) and the loss's two scalars."""
+def test_the_loss_forward_holds_one_float32_logits_and_so_does_the_lean_loss(write_json):
+    """Per micro-batch of 2 on TINY_GPT (sequence 64, vocabulary 256): the forward's float32 logits, beside the token
+    ids and targets (int64) and the loss's two scalars. TINY_GPT's loss is one ``F.cross_entropy`` on rows of logits,
+    so every engine runs it lean (``RunPlan.lean_loss``): its moment is that forward's, with what the model's frames
+    still hold (the embedding's and the blocks' outputs) and its per-token vectors, not torch's backward's two
+    float32 logit-sized gradients (``tests/test_vocab_loss.py`` prices both)."""
     model = _model(write_json)
-    logits = 2 * 64 * 256
-    targets = 2 * 2 * 64 * 8 + 2 * 4
+    tokens = 2 * 64
+    logits = tokens * 256
+    targets = 2 * tokens * 8 + 2 * 4
+    assert model.vocab.fused_loss and model.vocab.logit_bytes == 2          # bf16 logits (a bf16-mixed capture)
     assert loss_forward_bytes(model, 1, 2) == 4 * logits + targets
-    assert loss_gradient_bytes(model, 1, 2) == 2 * 4 * logits + targets
+    # the lean loss's forward: the float32 copy the loss reads and the head's bf16 logits beside it
+    assert loss_gradient_bytes(model, 1, 2) == \
+        (4 + 2) * logits + 2 * 2 * model.carried_bytes + LEAN_LOSS_TOKEN_BYTES * tokens + targets
 
 
 def test_a_tied_weights_gradients_are_held_three_times_at_the_end_of_the_backward(write_json):

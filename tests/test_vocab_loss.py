@@ -16,7 +16,7 @@ from test_vocab_parallel import capture, gpt
 from vocab_loss_probe import IGNORE, ShareSizedOutputs
 from workers import ENV, torchrun_argv
 
-from tensoropt.cost.torch_memory import FLOAT32, loss_gradient_bytes
+from tensoropt.cost.torch_memory import FLOAT32, LEAN_LOSS_TOKEN_BYTES, loss_gradient_bytes
 from tensoropt.models.transformer import DecoderLM
 from tensoropt.runtime.parallel.vocab_loss import fused_loss
 from tensoropt.space.vocab import vocab_layout
@@ -135,10 +135,11 @@ class SplitLoss(DecoderLM):
 
 
 class Priced:
-    """What ``loss_gradient_bytes`` reads of a ``ModelCost``: the vocabulary layout."""
+    """What ``loss_gradient_bytes`` reads of a ``ModelCost``: the vocabulary layout and the blocks' carried bytes per
+    sample."""
 
-    def __init__(self, vocab):
-        self.vocab = vocab
+    def __init__(self, vocab, carried_bytes: int = 0):
+        self.vocab, self.carried_bytes = vocab, carried_bytes
 
 
 def test_the_capture_tells_how_the_loss_is_called_and_the_price_follows():
@@ -153,14 +154,21 @@ def test_the_capture_tells_how_the_loss_is_called_and_the_price_follows():
     targets = 2 * tokens * 8 + 2 * FLOAT32               # int64 ids and targets, the loss's float32 scalars
     # the lean loss's moment is its forward: the head's logits (and a float32 copy of bf16 ones) beside the saved
     # softmax; torch's loss_parallel's is its backward, three float32 shares; unsplit, torch's two whole gradients
-    assert loss_gradient_bytes(Priced(fused), 2, 1, logits) == logits * FLOAT32 / 2 + targets
+    lean = LEAN_LOSS_TOKEN_BYTES * tokens                # the lean loss's per-token vectors (below)
+    assert loss_gradient_bytes(Priced(fused), 2, 1, logits) == logits * FLOAT32 / 2 + lean + targets
     assert loss_gradient_bytes(Priced(apart), 2, 1, logits) == logits * 3 * FLOAT32 / 2 + targets
     # whole (tp 1): the lean loss's forward, the float32 logits; torch's two whole float32 gradients
-    assert loss_gradient_bytes(Priced(fused), 1, 1, logits) == logits * FLOAT32 + targets
+    assert loss_gradient_bytes(Priced(fused), 1, 1, logits) == logits * FLOAT32 + lean + targets
     assert loss_gradient_bytes(Priced(apart), 1, 1, logits) == logits * 2 * FLOAT32 + targets
+    # the lean loss's moment is in the model's forward: its frames may hold the embedding's and the blocks' outputs
+    # (two carried streams) and the loss's per-token vectors are live; torch's loss peaks in its backward, after them
+    carried = 4096
+    assert loss_gradient_bytes(Priced(fused, carried), 1, 3, logits) == \
+        3 * (logits * FLOAT32 + 2 * carried + LEAN_LOSS_TOKEN_BYTES * tokens) + 3 * 2 * tokens * 8 + 2 * FLOAT32
+    assert loss_gradient_bytes(Priced(apart, carried), 1, 1, logits) == logits * 2 * FLOAT32 + targets
     half = Priced(dataclasses.replace(fused, logit_bytes=2))
-    assert loss_gradient_bytes(half, 2, 1, logits) == logits * (2 + FLOAT32) / 2 + targets
-    assert loss_gradient_bytes(half, 1, 1, logits) == logits * (2 + FLOAT32) + targets
+    assert loss_gradient_bytes(half, 2, 1, logits) == logits * (2 + FLOAT32) / 2 + lean + targets
+    assert loss_gradient_bytes(half, 1, 1, logits) == logits * (2 + FLOAT32) + lean + targets
 
 
 def test_a_pipeline_stage_calls_the_loss_through_the_entry_point_the_step_routes():

@@ -124,7 +124,7 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
         transient, grads, r.m, r.dp, activations,
         r.head_acts + model.checkpoint_inputs_bytes * r.mb, r.copy_peak, r.tail_params, model.largest_parameter,
         r.grad * np.where(r.ep > 1, model.expert_parameters / r.ep, 0.0), r.copy_back,
-        np.maximum(r.first_acts - r.head_acts - targets_bytes(model, r.mb / r.cp), 0.0))
+        np.maximum(r.first_acts - r.head_acts - targets_bytes(model, r.mb / r.cp), 0.0), model.vocab.fused_loss)
     grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
     working = np.where(flat_torch, torch_working,
                        np.where(r.piped, stage_working, np.maximum(transient, r.loss_grads)))

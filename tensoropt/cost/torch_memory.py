@@ -172,8 +172,8 @@ def unit_backward_bytes(zero, gathered, grad, unit_params):
 
 def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, layer_transient, gradients,
                     micro_batches, data_parallel, activations, head_acts, copy_peak, tail_params,
-                    largest_parameter=0.0, unbucketed=0.0, copy_op_backward=0.0, tail_acts=0.0
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    largest_parameter=0.0, unbucketed=0.0, copy_op_backward=0.0, tail_acts=0.0,
+                    loss_in_forward: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameter bytes, gradient bytes, working-set bytes, activation bytes) beside the sharded states at the
     largest of the backward's peaks (module doc); arrays, one entry per plan. ``gathered``/``grad``: bytes per
     parameter as gathered and as reduced; ``unit_params``: the largest block copy's elements; ``root_params``:
@@ -187,12 +187,17 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
     ``runtime.parallel.expert_parallel``), held once; ``copy_op_backward``: the gradients the largest op of a copy's
     backward holds at once (``pipeline_memory.copy_backward_bytes``: a gated MLP's product makes two hidden-by-ffn
     gradients from one); ``tail_acts``: the kept activations of the loose ops after the blocks (the final norm's,
-    the head's and the loss's saved tensors), which their backward frees before any copy's runs.
+    the head's and the loss's saved tensors), which their backward frees before any copy's runs;
+    ``loss_in_forward``: the loss's moment is its forward's (the lean loss: ``loss_gradient_bytes``).
 
     - the loss's backward: its gradients, and under ZeRO 3 the flat all-gather output of the last unit, which
-      the root's pre-backward prefetches. FSDP2's gradients (ZeRO 1-3) do not exist yet in a step of one
-      micro-batch: the optimizer's ``zero_grad`` sets them to None (torch's default) and FSDP2 makes each unit's
-      in its post-backward. DDP's bucket is allocated with the wrapper and kept.
+      the root's pre-backward prefetches. The lean loss's moment is in the forward, where under ZeRO 1-3 FSDP2
+      still holds the flat all-gather output of the last unit it gathered (its all-gather state, freed by the
+      next all-gather or the root's pre-backward): the unit too (under ZeRO 1-2, whose units stay gathered over a
+      step's micro-batches, only the first micro-batch's forward gathers, before any gradient exists). FSDP2's
+      gradients (ZeRO 1-3) do not exist yet in a step of one micro-batch: the optimizer's ``zero_grad`` sets them
+      to None (torch's default) and FSDP2 makes each unit's in its post-backward. DDP's bucket is allocated with
+      the wrapper and kept.
     - a block copy's backward: its recomputed activations, its largest op's gradients (without the kept activations
       of the ops after the blocks, which the loss's and head's backward freed, but for the batch's targets:
       ``targets_bytes``), and under ZeRO 3 the unit
@@ -217,9 +222,12 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
     zero3, ddp = zero == 3, (zero == 0) & (data_parallel > 1)
     unit = gathered * unit_params
     gradients = np.where(ddp & (micro_batches > 1), 2 * gradients - unbucketed, gradients)
-    at_loss = loss_grads + np.where(zero3, unit, 0.0)
     one_micro_batch = ~ddp & (micro_batches == 1)
     grads_at_loss = np.where(one_micro_batch, 0.0, gradients)
+    # ZeRO 1-2 under the lean loss: the first micro-batch's forward gathers (the unit, no gradient yet), a later one's
+    # holds the earlier micro-batches' gradients and gathers nothing: the larger of the two
+    gathering = loss_in_forward & ((zero == 1) | (zero == 2))
+    at_loss = loss_grads + np.where(zero3, unit, np.where(gathering, np.maximum(unit - grads_at_loss, 0.0), 0.0))
     unwrapped = np.where(one_micro_batch, grad * (tail_params + unit_params), grad * largest_parameter)
     units = unit_backward_bytes(zero, gathered, grad, unit_params) + \
         np.where(zero >= 1, gathered * tail_params, 0.0) + \
