@@ -76,6 +76,21 @@ def report_lines(simulated: dict, predicted: dict) -> list[str]:
     return lines
 
 
+SHOWN_LARGEST = 5          # of the largest tensors at the simulated peak, the ones printed (memory_check.json: all)
+
+
+def largest_lines(largest: list[dict]) -> list[str]:
+    """The largest tensors live at the simulated peak, one line each (what a gap to the prediction is made of)."""
+    if not largest:
+        return []
+    lines = [f"  largest tensors at the peak ({len(largest)} in memory_check.json):"]
+    for t in largest[:SHOWN_LARGEST]:
+        what = f"{(t['dtype'] or '').removeprefix('torch.')} {t['shape']}" if t["shape"] is not None else "a tensor"
+        made = f"{what} from {t['op']}" if t["op"] else f"{what} made before the step"
+        lines.append(f"    {t['bytes'] / 2**20:10.1f} MiB  {t['category']:11s} {made}")
+    return lines
+
+
 def simulate_and_compare(script: str, script_args: list[str], plan_file: Path, engine: str, model, point: FrontierPoint,
                  devices: Devices, echo: Callable[[str], object]) -> dict | None:
     """Simulate the plan written to ``plan_file`` and print it beside the prediction (module doc); the plan's
@@ -86,14 +101,15 @@ def simulate_and_compare(script: str, script_args: list[str], plan_file: Path, e
         echo(f"memory check: skipped: {reason}")
         return None
     simulated = simulate_script(script, script_args, plan_file)
+    largest = simulated.pop("largest_at_peak", [])
     predicted = predicted_breakdown(model, point, devices.profile.runtime_overhead_bytes)
     echo(f"memory check: rank {simulated['rank']}'s second step simulated on fake tensors (torch engine, fake process "
          f"group of {plan.devices}), peak tensor memory by category:")
-    for line in report_lines(simulated, predicted):
+    for line in report_lines(simulated, predicted) + largest_lines(largest):
         echo(line)
-    result = {"plan": plan.summary(), "simulated": simulated, "predicted": predicted}
+    result = {"plan": plan.summary(), "simulated": simulated, "predicted": predicted, "largest_at_peak": largest}
     write_json_atomic(plan_file.parent / "memory_check.json", result)
     return result
 
 
-__all__ = ["predicted_breakdown", "report_lines", "simulate_and_compare", "simulate_script"]
+__all__ = ["largest_lines", "predicted_breakdown", "report_lines", "simulate_and_compare", "simulate_script"]

@@ -37,6 +37,11 @@ def test_tracker_counts_live_storages_once_and_names_their_roles():
     assert tracker.live_bytes == 5000 and c.numel() == 250
     assert tracker.breakdown() == {"parameters": 4000, "gradients": 0, "optimizer": 0, "activations": 4000,
                                    "temporaries": 0, "peak_bytes": 8000}
+    # what the peak is made of, largest first (ties in the order the storages were first seen)
+    assert tracker.largest_at_peak(2) == [
+        {"bytes": 4000, "category": "parameters", "op": None, "shape": [1000], "dtype": "torch.float32"},
+        {"bytes": 2000, "category": "activations", "op": "aten.ones.default", "shape": [500], "dtype": "torch.float32"}]
+    assert [t["op"] for t in tracker.largest_at_peak()] == [None, "aten.ones.default", "aten.mul.Tensor"]
 
 
 def test_deepspeed_is_said_to_be_unsimulated_and_pipelines_are_simulated():
@@ -189,6 +194,10 @@ def test_simulated_peak_equals_the_real_runs(tmp_path, case):
     assert "simulated / predicted" in result.stdout
     check = json.loads((tmp_path / "sim" / "memory_check.json").read_text())
     assert check["plan"] == plan.summary() and check["simulated"]["simulated"] is True
+    # the largest tensors at the simulated peak, named (largest first) and printed
+    largest = [t["bytes"] for t in check["largest_at_peak"]]
+    assert largest == sorted(largest, reverse=True) and 0 < sum(largest) <= check["simulated"]["peak_bytes"]
+    assert "largest tensors at the peak" in result.stdout
     measured = launched_once(plan, tmp_path, GPT_SCRIPT, *script_args)["memory"]
     simulated = check["simulated"]
     assert measured["simulated"] is False and measured["peak_bytes"] > 0

@@ -97,10 +97,12 @@ def register_model(tracker: StepMemory, model: nn.Module, optimizer) -> None:
     tracker.register("offloaded", offloaded)      # host memory of an offloading DeepSpeed optimizer, told apart
 
 
-def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callable[[dict], None]) -> Callable:
+def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callable[[dict], None],
+                    largest: bool = False) -> Callable:
     """``stepper`` whose first ``TRACKED_STEPS`` steps run under one ``StepMemory``; ``done(breakdown)`` gets
-    the peak of the last of them by category. The optimizer's step is told apart (``optimizer`` phase) and the
-    gradients are named just before it, when all of them exist."""
+    the peak of the last of them by category (with ``largest``, and its largest storages under
+    ``largest_at_peak``: ``StepMemory.largest_at_peak``). The optimizer's step is told apart (``optimizer`` phase)
+    and the gradients are named just before it, when all of them exist."""
     tracker, steps = StepMemory(), [0]
 
     def pre_hook(*_):
@@ -128,7 +130,7 @@ def tracked_stepper(stepper: Callable, model: nn.Module, optimizer, done: Callab
             steps[0] += 1
             register_model(tracker, model, optimizer)
             if steps[0] == TRACKED_STEPS:
-                done(tracker.breakdown())
+                done(tracker.breakdown() | ({"largest_at_peak": tracker.largest_at_peak()} if largest else {}))
     return step
 
 
@@ -319,7 +321,7 @@ def simulate(model: nn.Module, optimizer_fn, run_plan: RunPlan, example_inputs, 
         micro = [run.sequence_share(_micro_batch(example, plan.micro_batch, device))
                  for _ in range(plan.grad_accumulation)]
         result: dict = {}
-        stepper = tracked_stepper(run.stepper, model, optimizer, result.update)
+        stepper = tracked_stepper(run.stepper, model, optimizer, result.update, largest=True)
         for _ in range(TRACKED_STEPS):
             stepper(micro)          # the engines' steps leave the loss on the device: nothing reads a fake value
     if not result:

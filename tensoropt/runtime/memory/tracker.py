@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+LARGEST_COUNT = 12        # the storages ``largest_at_peak`` names by default
 
 
 def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -88,6 +89,7 @@ class StepMemory(TorchDispatchMode):
         self._live: dict[int, int] = {}          # serial -> bytes
         self._phase_of: dict[int, str] = {}      # serial -> phase it was made in
         self._role: dict[int, str] = {}          # serial -> parameters / gradients / optimizer
+        self._made_by: dict[int, tuple[str, tuple[int, ...], str]] = {}    # serial -> (op, shape, dtype) first made
         self.live_bytes = self.peak_bytes = 0
         self._peak_serials: dict[int, int] = {}
         self.optimizer_phase = False
@@ -123,7 +125,9 @@ class StepMemory(TorchDispatchMode):
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 for s in storages(t):
-                    self._role[self._add(s, "forward")] = role
+                    serial = self._add(s, "forward")
+                    self._role[serial] = role
+                    self._made_by.setdefault(serial, (None, tuple(t.shape), str(t.dtype)))
 
     # -- the dispatch mode ----------------------------------------------------------------------------
     def __enter__(self):
@@ -164,7 +168,7 @@ class StepMemory(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for s in storages(t):
-                    self._add(s, phase)
+                    self._made_by.setdefault(self._add(s, phase), (str(func), tuple(t.shape), str(t.dtype)))
         return out
 
     # -- the result -----------------------------------------------------------------------------------
@@ -178,5 +182,19 @@ class StepMemory(TorchDispatchMode):
             out[role] = out.get(role, 0) + nbytes       # "offloaded" (host memory) only where there is some
         return out | {"peak_bytes": self.peak_bytes}
 
+    def largest_at_peak(self, count: int = LARGEST_COUNT) -> list[dict]:
+        """The ``count`` largest storages live at the latest peak, largest first: bytes, category (as in
+        ``breakdown``), and the op, shape and dtype of the tensor that first held it (op ``None`` where it was made
+        before tracking and ``register``-ed: a parameter or optimizer state). What a gap between a prediction and a
+        simulation is made of can be read here."""
+        def entry(serial: int, nbytes: int) -> dict:
+            op, shape, dtype = self._made_by.get(serial, (None, None, None))
+            role = self._role.get(serial) or (
+                "activations" if self._phase_of.get(serial) == "forward" else "temporaries")
+            return {"bytes": nbytes, "category": role, "op": op, "shape": list(shape) if shape is not None else None,
+                    "dtype": dtype}
+        largest = sorted(self._peak_serials.items(), key=lambda item: (-item[1], item[0]))[:count]
+        return [entry(serial, nbytes) for serial, nbytes in largest]
 
-__all__ = ["CATEGORIES", "StepMemory", "storages"]
+
+__all__ = ["CATEGORIES", "LARGEST_COUNT", "StepMemory", "storages"]
