@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 from test_vocab_parallel import capture, gpt
-from vocab_loss_probe import IGNORE, ShareSizedOutputs
+from vocab_loss_probe import IGNORE, ShareSizedOutputs, reference_inputs
 from workers import ENV, torchrun_argv
 
 from tensoropt.cost.torch_memory import FLOAT32, LEAN_LOSS_TOKEN_BYTES, loss_gradient_bytes
@@ -77,13 +77,7 @@ def test_whole_logits_run_the_lean_loss_to_torchs_values_making_only_the_cast(dt
     routes whole logits to the same function with no process group: torch's loss and logit gradient, within the
     same bounds as the split one's, and a backward that makes only the gradient's cast, where torch's makes two
     float32 logit-sized tensors."""
-    torch.manual_seed(1)
-    whole = (3 * torch.randn(TOKENS, VOCAB)).to(dtype)
-    target = torch.randint(0, VOCAB, (TOKENS,))
-    target[::5] = IGNORE
-    upstream = torch.rand(TOKENS) if reduction == "none" else torch.tensor(0.75)
-    reference = whole.clone().requires_grad_()
-    expected = F.cross_entropy(reference.float(), target, ignore_index=IGNORE, reduction=reduction)
+    whole, target, upstream, reference, expected = reference_inputs(dtype, reduction)
     torch_made = ShareSizedOutputs(TOKENS * VOCAB)
     with torch_made:
         expected.backward(upstream)

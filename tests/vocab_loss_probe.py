@@ -43,8 +43,9 @@ def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def case(mesh, dtype, reduction, lean: bool, through_module: bool) -> dict:
-    """One comparison: loss and logit gradient, and the share-sized tensors the backward made."""
+def reference_inputs(dtype, reduction):
+    """The compared logits (``dtype``), targets (every fifth ignored) and upstream gradient, and torch's loss on a
+    float32 copy of the logits, not yet backpropagated: (whole, target, upstream, reference logits, expected)."""
     torch.manual_seed(1)
     whole = (3 * torch.randn(TOKENS, VOCAB)).to(dtype)
     target = torch.randint(0, VOCAB, (TOKENS,))
@@ -52,6 +53,12 @@ def case(mesh, dtype, reduction, lean: bool, through_module: bool) -> dict:
     upstream = torch.rand(TOKENS) if reduction == "none" else torch.tensor(0.75)
     reference = whole.clone().requires_grad_()
     expected = F.cross_entropy(reference.float(), target, ignore_index=IGNORE, reduction=reduction)
+    return whole, target, upstream, reference, expected
+
+
+def case(mesh, dtype, reduction, lean: bool, through_module: bool) -> dict:
+    """One comparison: loss and logit gradient, and the share-sized tensors the backward made."""
+    whole, target, upstream, reference, expected = reference_inputs(dtype, reduction)
     expected.backward(upstream)
 
     logits = distribute_tensor(whole, mesh, [Shard(1)]).requires_grad_()
