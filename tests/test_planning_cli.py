@@ -242,7 +242,9 @@ def test_estimate_prices_the_engine_it_is_told(model):
     # torch engine's FSDP2 makes gradients during the backward, cost.torch_memory)
     assert all(deepspeed[k] == plain[k] for k in ("parameters_bytes", "optimizer_bytes"))
     params = plain["parameters_bytes"] / 2                                           # bf16 weights
-    assert deepspeed["other_bytes"] - plain["other_bytes"] >= 2 * params            # the bf16 reduce bucket at least
+    # the bf16 reduce bucket at least, beyond what the torch engine holds at the same (lean) loss's forward: FSDP2's
+    # last gathered unit, one layer's bf16 weights (under params / layers elements: the embedding is in params too)
+    assert deepspeed["other_bytes"] - plain["other_bytes"] >= 2 * params - 2 * params / GPT["num_layers"]
     code, out = est("--engine", "deepspeed", tp=2)
     assert code == 1 and "the deepspeed engine does not run tensor parallelism" in out and out.count("\n") == 1, out
 
