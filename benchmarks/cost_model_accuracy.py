@@ -126,13 +126,15 @@ def dry_run_plan(script_args: list[str], workers: int, run_dir: Path) -> Plan:
 
 def case_plan(base: Plan, case: Case) -> Plan:
     """The case's choices on the dry run's plan (data parallel only), in float32 (what the CPU workers
-    train in)."""
+    train in: 32-true, no master copy) on the torch engine, as ``launch`` runs it (``--engine torch``): the dry run
+    chose its own precision and engine (bf16-mixed on DeepSpeed), whose states and buffers are not the run's."""
     (block,) = base.blocks
     copies = block.copies
     strategies = tuple((LayerStrategy(r), n) for r, n in (("full", case.recompute_copies),
                                                             ("none", copies - case.recompute_copies)) if n)
     return dataclasses.replace(base, dp=case.workers, tp=1, pp=1, virtual_stages=1, tp_branches=(), zero=case.zero,
-                               micro_batch=case.micro_batch, dtype="float32",
+                               micro_batch=case.micro_batch, dtype="float32", precision="32-true",
+                               master_weights=False, engine="torch", grad_dtype="",
                                blocks=(BlockPlan(block.block, strategies),))
 
 
@@ -183,7 +185,8 @@ def launch(script_args: list[str], plan: Plan, workers: int, tmp: Path) -> list[
     plan_path, out = tmp / "plan.json", tmp / "out"
     plan_path.write_text(json.dumps(plan.to_json()))
     result = subprocess.run([sys.executable, "-m", "tensoropt", "launch", str(PROBE), "--device", "cpu", "--gpus",
-                             str(workers), "--plan", str(plan_path), "--engine", "torch", "--run-dir",
+                             str(workers), "--plan", str(plan_path), "--engine", "torch", "--precision",
+                             plan.precision or "32-true", "--run-dir",
                              str(tmp / "run"), "--", *script_args], capture_output=True, text=True,
                             env={**ENV, OUT_ENV: str(out)}, timeout=600)
     if result.returncode:
