@@ -107,8 +107,7 @@ def lean_forward_extra_bytes(model, micro_batch, logits: float) -> float:
     whose peak is its backward's, after the forward's frames are gone."""
     if not (model.vocab.fused_loss and logits):
         return 0.0
-    tokens = logits / model.vocab.vocab * micro_batch
-    return 2 * model.carried_bytes * micro_batch + LEAN_LOSS_TOKEN_BYTES * tokens
+    return 2 * model.carried_bytes * micro_batch + LEAN_LOSS_TOKEN_BYTES * (_tokens(model, logits) * micro_batch)
 
 
 def _loss_gradient_bytes_per_logit(vocab, tp: int) -> float:
@@ -145,8 +144,12 @@ def targets_bytes(model, micro_batch, logits: float | None = None):
     them whole (the batch's), so they outlive the loss's backward, where the capture counts the targets among what
     the loss saves."""
     logits = logits_elements(model) if logits is None else logits
-    tokens = logits / model.vocab.vocab if model.vocab.vocab else 0.0
-    return (2 * tokens * micro_batch * INT64 + LOSS_SCALARS_BYTES) if logits else 0.0
+    return (2 * _tokens(model, logits) * micro_batch * INT64 + LOSS_SCALARS_BYTES) if logits else 0.0
+
+
+def _tokens(model, logits: float) -> float:
+    """Tokens per sample whose logits are ``logits`` elements (0 for a model without a vocabulary)."""
+    return logits / model.vocab.vocab if model.vocab.vocab else 0.0
 
 
 def loss_forward_bytes(model, tp: int, micro_batch: int, logits: float | None = None) -> float:
@@ -243,6 +246,6 @@ def fsdp_held_bytes(zero, gathered, grad, unit_params, root_params, loss_grads, 
             pick(at_loss, in_block, units), pick(activations, activations - tail_acts, head_acts + copy_peak))
 
 
-__all__ = ["fsdp_held_bytes", "largest_copy_parameters", "logits_elements", "loss_forward_bytes", "loss_gradient_bytes",
-           "one_copy_peak_bytes", "stage_loss_bytes", "targets_bytes", "unit_backward_bytes",
-           "lean_forward_extra_bytes", "LEAN_LOSS_TOKEN_BYTES"]
+__all__ = ["LEAN_LOSS_TOKEN_BYTES", "fsdp_held_bytes", "largest_copy_parameters", "lean_forward_extra_bytes",
+           "logits_elements", "loss_forward_bytes", "loss_gradient_bytes", "one_copy_peak_bytes", "stage_loss_bytes",
+           "targets_bytes", "unit_backward_bytes"]

@@ -89,7 +89,7 @@ class StepMemory(TorchDispatchMode):
         self._live: dict[int, int] = {}          # serial -> bytes
         self._phase_of: dict[int, str] = {}      # serial -> phase it was made in
         self._role: dict[int, str] = {}          # serial -> parameters / gradients / optimizer
-        self._made_by: dict[int, tuple[str, tuple[int, ...], str]] = {}    # serial -> (op, shape, dtype) first made
+        self._made_by: dict[int, tuple] = {}     # serial -> (op or None, shape, dtype) of the tensor first seen in it
         self.live_bytes = self.peak_bytes = 0
         self._peak_serials: dict[int, int] = {}
         self.optimizer_phase = False
@@ -127,7 +127,7 @@ class StepMemory(TorchDispatchMode):
                 for s in storages(t):
                     serial = self._add(s, "forward")
                     self._role[serial] = role
-                    self._made_by.setdefault(serial, (None, tuple(t.shape), str(t.dtype)))
+                    self._made_by.setdefault(serial, (None, t.shape, t.dtype))
 
     # -- the dispatch mode ----------------------------------------------------------------------------
     def __enter__(self):
@@ -168,7 +168,9 @@ class StepMemory(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for s in storages(t):
-                    self._made_by.setdefault(self._add(s, phase), (str(func), tuple(t.shape), str(t.dtype)))
+                    serial = self._add(s, phase)
+                    if serial not in self._made_by:      # named when the report asks (``largest_at_peak``)
+                        self._made_by[serial] = (func, t.shape, t.dtype)
         return out
 
     # -- the result -----------------------------------------------------------------------------------
@@ -191,8 +193,8 @@ class StepMemory(TorchDispatchMode):
             op, shape, dtype = self._made_by.get(serial, (None, None, None))
             role = self._role.get(serial) or (
                 "activations" if self._phase_of.get(serial) == "forward" else "temporaries")
-            return {"bytes": nbytes, "category": role, "op": op, "shape": list(shape) if shape is not None else None,
-                    "dtype": dtype}
+            return {"bytes": nbytes, "category": role, "op": None if op is None else str(op),
+                    "shape": None if shape is None else list(shape), "dtype": None if dtype is None else str(dtype)}
         largest = sorted(self._peak_serials.items(), key=lambda item: (-item[1], item[0]))[:count]
         return [entry(serial, nbytes) for serial, nbytes in largest]
 

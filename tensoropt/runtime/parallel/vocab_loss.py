@@ -120,13 +120,12 @@ def _routed(original, route_whole: bool):
     """The entry point, running split logits (and with ``route_whole`` whole ones) on ``_SplitCrossEntropy`` and
     everything else on ``original``."""
     def cross_entropy_loss(logits, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
-        if route_whole and _whole_logits(logits) and isinstance(target, torch.Tensor) and target.ndim == 1 and \
-                not target.is_floating_point() and weight is None and not label_smoothing and \
-                reduction in (MEAN, SUM, NONE):
-            return _SplitCrossEntropy.apply(logits, target, ignore_index, reduction, None, 0)
-        mesh = _split_mesh(logits)
-        whole = _whole_target(target) if mesh is not None else None
-        if whole is None or weight is not None or label_smoothing or reduction not in (MEAN, SUM, NONE):
+        plain = weight is None and not label_smoothing and reduction in (MEAN, SUM, NONE)
+        whole = _whole_target(target) if plain and isinstance(target, torch.Tensor) else None
+        if whole is not None and route_whole and _whole_logits(logits):
+            return _SplitCrossEntropy.apply(logits, whole, ignore_index, reduction, None, 0)
+        mesh = _split_mesh(logits) if whole is not None else None
+        if mesh is None:
             return original(logits, target, weight, reduction, ignore_index, label_smoothing)
         from torch.distributed.tensor import DTensor, Replicate
         share = logits.to_local()
