@@ -161,7 +161,8 @@ def plan(model: str | nn.Module | Captured | OpGraph, devices: Cluster | Sequenc
     keep = sorted(nondominated(values), key=lambda i: (values[i, 0], values[i, 1]))
     batch = int(graph.meta("batch_size") or 1)
     return Frontier(graph.name, tuple(c.num_devices for c in clusters), clusters[0].devices_per_node, profile.name,
-                    global_batch, int(graph.meta("seq_len") or 0) or None, graph.flops_per_iteration / batch,
+                    global_batch, int(graph.meta("seq_len") or 0) or None,
+                    graph_facts(graph).flops_per_iteration / batch,
                     profile.peak("bfloat16"), tuple(candidates[i][0] for i in keep), time.perf_counter() - start,
                     capture_seconds, folding.summary(),
                     engines=tuple(candidates[i][1] for i in keep))

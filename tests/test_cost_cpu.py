@@ -144,3 +144,20 @@ def test_sharded_stages_communicate_in_every_micro_batch(graph, zero):
         assert est.time_breakdown["data_parallel_comm_s"] == pytest.approx(per_step)
         comm[micro_batches] = est.time_breakdown["data_parallel_comm_s"]
     assert comm[4] > 3 * comm[1] if zero == 3 else comm[4] > 2 * comm[1]
+
+
+@pytest.mark.parametrize("profile", ["h100-80gb", "cpu-2core"])
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_collectives_priced_per_row_equal_the_one_group_prices(profile, collective):
+    """The search prices every plan's data-parallel collectives in one pass over its rows
+    (``comm.collective_rows_s``): each row's price is exactly the one-group price (``_collective``) of its group's
+    size and stride, in a node or across nodes, one unit or several, nothing to send or one rank."""
+    from tensoropt.cost.comm import _collective, collective_rows_s
+    cluster = Cluster(256, 8, load_profile(profile))
+    shapes = [(size, stride, units) for size in (1, 2, 3, 4, 8, 16, 64) for stride in (1, 2, 4, 8, 16)
+              for units in (1, 5)]
+    nbytes = np.array([0.0 if k % 7 == 0 else 1e6 * (k + 1) for k in range(len(shapes))])
+    size, stride, units = (np.array(column) for column in zip(*shapes))
+    rows = collective_rows_s(nbytes, size, stride, cluster, collective, units)
+    one = [_collective(b, s, t, cluster, collective, u) for b, (s, t, u) in zip(nbytes, shapes)]
+    assert rows.tolist() == [float(x) for x in one]

@@ -47,6 +47,28 @@ def _collective(nbytes, size: int, stride: int, cluster: Cluster, collective: st
             + _ring(nbytes / per_node, nodes, inter, collective, units))
 
 
+def collective_rows_s(nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: Cluster, collective: str,
+                      units: np.ndarray | int = 1) -> np.ndarray:
+    """``_collective`` of many groups at once, one per row (``size``, ``stride`` and ``units`` arrays beside
+    ``nbytes``): the same ring and hierarchical prices, computed in one pass over the rows instead of one call per
+    group shape (the search prices the data-parallel collectives of every plan it keeps this way)."""
+    size, stride = np.asarray(size, dtype=np.int64), np.asarray(stride, dtype=np.int64)
+    devices_per_node = cluster.devices_per_node
+    per_node = np.where((size > 1) & (stride < devices_per_node),
+                        np.maximum(1, np.minimum(size, devices_per_node // np.maximum(stride, 1))), 1)
+    nodes = np.where(size > 1, -(-size // per_node), 1)
+    intra, inter = cluster.profile.intra_node, cluster.profile.inter_node
+    return (_ring_rows(nbytes, per_node, intra, collective, units)
+            + _ring_rows(nbytes / per_node, nodes, inter, collective, units))
+
+
+def _ring_rows(nbytes: np.ndarray, n: np.ndarray, link: Link, collective: str, units) -> np.ndarray:
+    """``_ring`` per row, with ``n`` members per row (0 where ``n`` is 1 or nothing is sent)."""
+    passes = 2.0 if collective == "all_reduce" else 1.0
+    t = passes * ((n - 1) / n * nbytes / link.bytes_per_s(collective) + units * (n - 1) * link.latency_s)
+    return np.where((n > 1) & (nbytes > 0), t, 0.0)
+
+
 def all_reduce_s(nbytes, size: int, stride: int, cluster: Cluster, units: int = 1):
     return _collective(nbytes, size, stride, cluster, "all_reduce", units)
 

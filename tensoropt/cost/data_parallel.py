@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .comm import all_gather_s, all_reduce_s, reduce_scatter_s
+from .comm import collective_rows_s
 from .profile import Cluster
 
 
@@ -24,51 +24,38 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
     device that communicates beside computing (``overlaps_communication``): where the collective runs on the
     compute cores (gloo on a CPU), all of it is exposed, and so is that of the ``serial`` rows, whose engine issues
     its collectives on the compute stream (DeepSpeed below ZeRO 3: ``deepspeed_memory.overlaps_comm``).
-    Collectives are priced per (dp, tp) group shape."""
+    Collectives are priced per row (``comm.collective_rows_s``: a dp group of ``dp`` ranks ``tp`` apart)."""
     comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
     copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
-    for d, t, mesh in _meshes(dp, tp):
-        if d == 1:
-            continue
-        rows = mesh[zero[mesh] < 2]
-        if len(rows):
-            comm[rows] = all_reduce_s(grad_bytes[rows], d, t, cluster)
-            back, forward = backward_s[rows], stage_s[rows] - backward_s[rows]
-            # ZeRO 1 runs the all-reduce's two halves apart: the reduce-scatter behind the last backward, the
-            # all-gather of the updated weights unit by unit ahead of the next step's first forward (FSDP2 without
-            # gradient sync until the last micro-batch; Megatron's distributed optimizer with
-            # --overlap-param-gather)
-            exposed[rows] = np.where(zero[rows] == 1, np.maximum(comm[rows] / 2 - back, 0.0)
-                                     + np.maximum(comm[rows] / 2 - forward, 0.0),
-                                     np.maximum(comm[rows] - back, 0.0))
-        rows = mesh[zero[mesh] >= 2]
-        if len(rows):
-            w, g, n = weight_bytes[rows], grad_bytes[rows], m[rows]
-            gather = all_gather_s(w, d, t, cluster, units[rows]) + copy_s * w
-            scatter = reduce_scatter_s(g, d, t, cluster, units[rows]) + copy_s * g
-            stage, back = stage_s[rows], backward_s[rows]
-            three = zero[rows] == 3
-            comm[rows] = np.where(three, n * (2 * gather + scatter), n * scatter + gather)
-            exposed[rows] = np.where(three, n * fsdp_exposed_s(gather, scatter, stage - back, back, units[rows]),
-                                     n * np.maximum(scatter - back, 0.0) + np.maximum(gather - stage, 0.0))
+    dp, tp, zero = np.asarray(dp), np.asarray(tp), np.asarray(zero)
+    rows = np.flatnonzero((dp > 1) & (zero < 2))
+    if len(rows):
+        comm[rows] = collective_rows_s(grad_bytes[rows], dp[rows], tp[rows], cluster, "all_reduce")
+        back, forward = backward_s[rows], stage_s[rows] - backward_s[rows]
+        # ZeRO 1 runs the all-reduce's two halves apart: the reduce-scatter behind the last backward, the
+        # all-gather of the updated weights unit by unit ahead of the next step's first forward (FSDP2 without
+        # gradient sync until the last micro-batch; Megatron's distributed optimizer with
+        # --overlap-param-gather)
+        exposed[rows] = np.where(zero[rows] == 1, np.maximum(comm[rows] / 2 - back, 0.0)
+                                 + np.maximum(comm[rows] / 2 - forward, 0.0),
+                                 np.maximum(comm[rows] - back, 0.0))
+    rows = np.flatnonzero((dp > 1) & (zero >= 2))
+    if len(rows):
+        w, g, n, d, t, u = (weight_bytes[rows], grad_bytes[rows], m[rows], dp[rows], tp[rows],
+                            np.asarray(units)[rows])
+        gather = collective_rows_s(w, d, t, cluster, "all_gather", u) + copy_s * w
+        scatter = collective_rows_s(g, d, t, cluster, "reduce_scatter", u) + copy_s * g
+        stage, back = stage_s[rows], backward_s[rows]
+        three = zero[rows] == 3
+        comm[rows] = np.where(three, n * (2 * gather + scatter), n * scatter + gather)
+        exposed[rows] = np.where(three, n * fsdp_exposed_s(gather, scatter, stage - back, back, u),
+                                 n * np.maximum(scatter - back, 0.0) + np.maximum(gather - stage, 0.0))
     if not cluster.profile.overlaps_communication:
         return comm, comm
     # a collective running beside compute takes SMs and memory bandwidth from it (NCCL's kernels run on the same
     # GPU): the compute it overlaps slows by the profile's fraction of the collective's time
     exposed = exposed + cluster.profile.overlap_slowdown * (comm - exposed)
     return comm, exposed if serial is None else np.where(serial, comm, exposed)
-
-
-def _meshes(dp: np.ndarray, tp: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
-    """(dp, tp, the rows of that mesh) of each distinct (dp, tp) pair of the rows, sorted: one sort of all rows, then
-    each mesh's rows as a slice of it (not a mask over every row per mesh)."""
-    dp, tp = np.asarray(dp, dtype=np.int64), np.asarray(tp, dtype=np.int64)
-    width = int(tp.max()) + 1 if len(tp) else 1
-    packed = dp * width + tp
-    order = np.argsort(packed, kind="stable")
-    cuts = np.flatnonzero(np.diff(packed[order])) + 1
-    return [(int(packed[part[0]] // width), int(packed[part[0]] % width), part)
-            for part in np.split(order, cuts) if len(part)]
 
 
 def fsdp_exposed_s(gather_s, scatter_s, forward_s, backward_s, units):

@@ -90,6 +90,7 @@ class GraphFacts:
     buffer_bytes: int
     largest_parameter: int            # elements
     largest_tied_parameter: int       # elements
+    flops_per_iteration: int          # forward and backward of a step without recomputation (the frontier's MFU)
 
     @staticmethod
     def of(graph: OpGraph) -> GraphFacts:
@@ -105,7 +106,7 @@ class GraphFacts:
                           copy if widths and max(set(widths), key=widths.count) > copy else 0,
                           sum(meta.nbytes for _, meta in graph.buffers) + 4 * len(graph.params),
                           max((meta.numel for _, meta in graph.params), default=0),
-                          largest_tied_parameter(graph))
+                          largest_tied_parameter(graph), graph.flops_per_iteration)
 
 
 class ModelCost:
