@@ -5,6 +5,7 @@ exhaustive enumeration with ep contexts, and the --ep flags of estimate and fron
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from search_checks import ft_equals_exhaustive
@@ -109,6 +110,29 @@ def test_ep_saves_the_expert_weights_a_memory_bound_product_reads(write_json):
     saved_s = weights * 3 / 4 / fast.memory_bytes_per_s
     assert plain.forward_s - sharded.forward_s == pytest.approx(saved_s, rel=1e-9)
     assert plain.backward_s - sharded.backward_s == pytest.approx(2 * saved_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("precision, kernel", [("bf16-true", True), ("32-true", False)])
+def test_a_grouped_product_runs_each_experts_product_at_its_own_size(write_json, precision, kernel):
+    """A grouped expert product (``aten._grouped_mm``) of G experts is priced as G products of its FLOPs / G each on
+    the profile's efficiency curve, not as one product of all its FLOPs; in bf16 torch's grouped kernel reaches the
+    profile's ``grouped_matmul_efficiency`` of that (fitted in benchmarks/moe_kernels.py), in float32 torch runs one
+    mm per group (its fallback) at the plain efficiency. At 64 tokens a micro-batch the products are compute-bound
+    only on a device whose memory is free: priced with unlimited bandwidth, each is FLOPs / rate + the launch."""
+    from tensoropt.cost.ops import OpArrays, op_times
+    graph = tensoropt.capture(write_json("moe.json", QWEN3_MOE), seq_len=64, precision=precision).graph
+    h100 = load_profile("h100-80gb")
+    free = dataclasses.replace(h100, memory_bandwidth_bytes_per_s=1e30)
+    ops = tuple(op for op in graph.ops if op.target.startswith("aten._grouped_mm"))
+    assert ops and all(op.inputs[1].shape[0] == 8 for op in ops)        # 8 experts: one group each
+    forward, _ = op_times(OpArrays.of(ops, free), np.ones(len(ops)), 4, free)
+    factor = free.grouped_matmul_efficiency if kernel else 1.0
+    assert h100.grouped_matmul_efficiency == 0.75
+    for op, seconds in zip(ops, forward):
+        flops = op.forward_flops * 4
+        rate = free.peak(op.outputs[0].dtype) * free.efficiency(flops / 8) * factor
+        assert seconds == pytest.approx(flops / rate + free.kernel_overhead_s, rel=1e-12)
+        assert seconds > flops / (free.peak(op.outputs[0].dtype) * free.efficiency(flops)) + free.kernel_overhead_s
 
 
 def test_zero_shards_the_experts_states_over_dp_as_without_ep(write_json):

@@ -2,7 +2,8 @@
 
 Roofline per op (Williams et al., 2009): time = max(FLOPs / (peak x efficiency(FLOPs)),
 bytes / achieved memory bandwidth) + a fixed launch overhead. Matrix products, convolutions and
-attention run at the profile's efficiency for their size; other ops are memory-bound. Backward
+attention run at the profile's efficiency for their size (a grouped product, one per expert, at its groups' size
+and the profile's ``grouped_matmul_efficiency`` of it: ``product_groups``); other ops are memory-bound. Backward
 moves about twice the forward's bytes (it reads the output gradient and the saved inputs and
 writes input and weight gradients). Chains of memory-bound ops are priced as fused only where the plan
 runs compiled (or Megatron-style fused) kernels (``fused``: the plan's ``compile``) on a device whose profile
@@ -43,6 +44,8 @@ class OpArrays:
     product: np.ndarray              # bool: runs at matrix-unit efficiency
     needs_backward: np.ndarray       # bool
     peak_flops: np.ndarray
+    groups: np.ndarray               # products a grouped product (``_grouped_mm``) runs at once; 1 for the rest
+    grouped_kernel: np.ndarray       # bool: a bf16 grouped product, run by the grouped kernel (not a loop of mm)
     measured_forward_s: np.ndarray   # profiler's time at the captured shapes, nan where not measured
     measured_backward_s: np.ndarray
     measured_sharded: tuple = ()     # (tp, forward_s array, backward_s array) at one rank's shapes
@@ -69,11 +72,28 @@ class OpArrays:
             product=np.array([op.kind in PRODUCT_KINDS for op in ops], dtype=bool),
             needs_backward=np.array([op.requires_grad or op.backward_flops > 0 for op in ops], dtype=bool),
             peak_flops=np.array([profile.peak(op.outputs[0].dtype if op.outputs else "bfloat16") for op in ops]),
+            groups=np.array([product_groups(op) for op in ops], dtype=float),
+            grouped_kernel=np.array([product_groups(op) > 1 and op.outputs[0].dtype == "bfloat16" for op in ops],
+                                    dtype=bool),
             measured_forward_s=_measured(ops, profile, "", 0),
             measured_backward_s=_measured(ops, profile, "", 1),
             measured_sharded=tuple((tp, _measured(ops, profile, f"@tp{tp}", 0), _measured(ops, profile, f"@tp{tp}", 1))
                                    for tp in profile.sharded_degrees),
         )
+
+
+def product_groups(op: Op) -> int:
+    """The products a grouped product runs at once (one per expert: ``aten._grouped_mm``'s ``offs`` holds one end
+    per group, or its 3-D operand stacks one matrix per group); 1 for every other op. Each group's product is a
+    matrix product of its own rows (tokens x top-k / experts, balanced), and reaches the efficiency of a product of
+    its own size, not of the whole op's FLOPs: 128 experts of 2048 rows each run as 128 products of 1/128 the FLOPs
+    (``op_times``)."""
+    if not op.target.startswith("aten._grouped_mm"):
+        return 1
+    if len(op.inputs) >= 3 and len(op.inputs[2].shape) == 1 and op.inputs[2].dtype.startswith("int"):
+        return max(1, op.inputs[2].shape[0])
+    stacked = [m.shape[0] for m in op.inputs[:2] if len(m.shape) == 3]
+    return max(1, stacked[0]) if stacked else 1
 
 
 def _measured(ops: tuple[Op, ...], profile: DeviceProfile, suffix: str, which: int) -> np.ndarray:
@@ -164,7 +184,12 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     bwd_flops = arrays.backward_flops * micro_batch / shard
     moved = (arrays.activation_bytes * micro_batch + arrays.parameter_bytes) / shard
     mem_s = moved / profile.memory_bytes_per_s
-    fwd_rate = arrays.peak_flops * np.where(arrays.product, efficiency(fwd_flops, profile), 1.0)
+    # a grouped product runs each group's product at the efficiency of its own size; in bf16 torch runs it with its
+    # grouped kernel, which reaches the profile's fraction of a plain product's (``grouped_matmul_efficiency``; other
+    # dtypes fall back to one mm per group: ``_grouped_mm_fallback`` in ATen's GroupedMMUtils.h)
+    product_eff = efficiency(fwd_flops / arrays.groups, profile) * np.where(arrays.grouped_kernel,
+                                                                             profile.grouped_matmul_efficiency, 1.0)
+    fwd_rate = arrays.peak_flops * np.where(arrays.product, product_eff, 1.0)
     bwd_rate = fwd_rate                     # the backward's matmuls run at the forward's shapes' efficiency
     overhead = profile.kernel_overhead_s
     fwd = np.maximum(fwd_flops / fwd_rate, mem_s) + overhead

@@ -73,6 +73,9 @@ class DeviceProfile:
     # Fraction of a collective's time that the compute it overlaps loses (NCCL kernels take SMs and memory
     # bandwidth from the compute kernels beside them); fitted per GPU profile, 0 where unknown.
     overlap_slowdown: float = 0.0
+    # Fraction of a plain product's efficiency (``efficiency`` at the FLOPs of one group's product) that the device's
+    # grouped-product kernel (``torch._grouped_mm``, Mixture-of-Experts layers) reaches; 1 where unknown.
+    grouped_matmul_efficiency: float = 1.0
 
     @cached_property
     def _op_table(self) -> dict[str, tuple[float, float]]:
@@ -132,6 +135,7 @@ class DeviceProfile:
             fuses_memory_bound_ops=bool(data.get("fuses_memory_bound_ops", True)),
             overlaps_communication=bool(data.get("overlaps_communication", True)),
             overlap_slowdown=float(data.get("overlap_slowdown", 0.0)),
+            grouped_matmul_efficiency=float(data.get("grouped_matmul_efficiency", 1.0)),
         )
 
 
