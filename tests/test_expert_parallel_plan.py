@@ -135,6 +135,24 @@ def test_a_grouped_product_runs_each_experts_product_at_its_own_size(write_json,
         assert seconds > flops / (free.peak(op.outputs[0].dtype) * free.efficiency(flops)) + free.kernel_overhead_s
 
 
+def test_an_ep_rank_runs_its_experts_on_the_rows_of_its_ep_group(write_json):
+    """Under ep 4 a rank holds 8 / 4 experts and each gets the rows of 4 ranks' tokens: its grouped products run 2
+    products of 4x the rows (the same FLOPs), each at the efficiency of its larger size. With memory free (compute
+    only), an ep copy's forward is the copy's without ep, less the grouped products' price at 8 groups, plus their
+    price at 2."""
+    from tensoropt.cost.ops import OpArrays, op_times
+    graph = tensoropt.capture(write_json("moe.json", QWEN3_MOE), seq_len=64, precision="bf16-true").graph
+    free = dataclasses.replace(load_profile("h100-80gb"), memory_bandwidth_bytes_per_s=1e30)
+    cost = ModelCost(graph, tensoropt.fold(graph), Cluster(4, 4, free)).blocks[0][1]
+    plain, sharded = cost.layer(LayerStrategy(), 1, (), 2), cost.layer(LayerStrategy(), 1, (), 2, 1, 4)
+    ops = tuple(op for op in cost.ops if op.target.startswith("aten._grouped_mm"))
+    arrays = OpArrays.of(ops, free)
+    at_8 = op_times(arrays, np.ones(len(ops)), 2, free)[0].sum()
+    at_2 = op_times(dataclasses.replace(arrays, groups=arrays.groups / 4), np.ones(len(ops)), 2, free)[0].sum()
+    assert at_2 < at_8
+    assert sharded.forward_s - plain.forward_s == pytest.approx(at_2 - at_8, rel=1e-9, abs=1e-15)
+
+
 def test_zero_shards_the_experts_states_over_dp_as_without_ep(write_json):
     """ZeRO 0 holds a rank's experts / ep whole; ZeRO 3 holds experts / ep / (dp / ep) = the same share as at ep 1."""
     model = _model(_graph(write_json, QWEN3_MOE))

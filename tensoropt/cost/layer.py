@@ -210,14 +210,18 @@ class BlockCost:
         """(forward, backward) seconds an expert-parallel copy's expert products take beyond the balanced,
         unsharded price in ``layer``: they read (and write the gradients of) only the rank's experts / ep of the
         weights, which saves time where the roofline makes them memory-bound at a small micro-batch (every expert's
-        weights read for few rows each), and run ``imbalance`` x the rows, priced as ``imbalance`` x their balanced time
-        (not at the larger shapes: the efficiency curve would make a busier rank faster on small products). Measured
+        weights read for few rows each), run each local expert's product on ep x the rows (the tokens of ep ranks),
+        a larger product at a higher efficiency, and run ``imbalance`` x the rows, priced as ``imbalance`` x their
+        balanced time (not at the larger shapes: the efficiency curve would make a busier rank faster on small
+        products). Measured
         ops keep their measured times."""
         arrays, prof = self._expert_arrays, self.cluster.profile
         shard = np.ones(len(arrays.forward_flops))
         whole_f, whole_b = op_times(arrays, shard, micro_batch, prof)
-        part_f, part_b = op_times(replace(arrays, parameter_bytes=arrays.parameter_bytes / ep), shard, micro_batch,
-                                  prof)
+        # the rank's experts / ep groups share the rows all its ep group's tokens send them: ep x the rows per group,
+        # larger products (the grouped products' per-group efficiency, ``ops.product_groups``)
+        local = replace(arrays, parameter_bytes=arrays.parameter_bytes / ep, groups=np.maximum(arrays.groups / ep, 1.0))
+        part_f, part_b = op_times(local, shard, micro_batch, prof)
         return float((imbalance * part_f - whole_f).sum()), float((imbalance * part_b - whole_b).sum())
 
     def prepare(self, keys) -> None:
