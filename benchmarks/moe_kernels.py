@@ -20,6 +20,8 @@ Caveat: VeOmni's fused forward is its own code around ``torch._grouped_mm`` (its
 Face's index/scatter ops, which are what the torch engine runs and what is priced here); the fit assumes the two
 spend alike outside the grouped products.
 
+Beside it, a check of the all-to-all's price (not fitted): NCCL's ``alltoall_perf`` on 4 H100s at 500 MB.
+
     python benchmarks/moe_kernels.py     # writes results/moe_kernels.{json,md}
 """
 
@@ -35,8 +37,9 @@ import numpy as np
 from _common import write_results
 
 import tensoropt
+from tensoropt.cost.comm import all_to_all_s
 from tensoropt.cost.ops import OpArrays, op_times
-from tensoropt.cost.profile import DeviceProfile, load_profile
+from tensoropt.cost.profile import Cluster, DeviceProfile, load_profile
 from tensoropt.graph.bf16_meta import bf16_weights_graph
 
 SEQ_LEN, MICRO_BATCH = 4096, 8              # 32,768 tokens, as VeOmni's S=32768, B=1
@@ -49,6 +52,8 @@ BASE = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 614
 POINTS = [("qwen3-30b-a3b shape", 128, 8, 768, 10.218, "fitted"),
           ("qwen3-next-like shape", 512, 10, 512, 11.411, "held out")]
 PROFILE = "h100-80gb"
+# NVIDIA/nccl issue #2169: alltoall_perf on 4 x H100 80GB HBM3 (NCCL 2.30.4), 524,288,000 bytes: 1174.14 us
+A2A_RANKS, A2A_BYTES, A2A_MEASURED_S = 4, 524_288_000, 1174.14e-6
 
 
 def moe_forward_s(experts: int, top_k: int, ffn: int, profile: DeviceProfile, tmp: Path) -> tuple[float, float]:
@@ -101,6 +106,11 @@ def main() -> int:
              f"(committed in profiles/{PROFILE}.json as {committed.grouped_matmul_efficiency}); a whole-op factor "
              f"fitted the same way would be {whole_fit:.3f}. The held-out row is what counts: the shape the fit did "
              "not see, with 3.2x smaller groups.\n")
+    a2a_s = all_to_all_s(A2A_BYTES, A2A_RANKS, 1, Cluster(A2A_RANKS, 8, committed))
+    notes += ("\nAll-to-all (not fitted: the profile's NVLink rate, 450 GB/s a direction at efficiency 0.8, as "
+              f"before): NCCL's `alltoall_perf` on {A2A_RANKS} H100s, {A2A_BYTES:,} bytes a rank, measured "
+              f"{A2A_MEASURED_S * 1e6:.0f} us (NVIDIA/nccl issue #2169), priced {a2a_s * 1e6:.0f} us "
+              f"({a2a_s / A2A_MEASURED_S - 1:+.1%}; `cost.comm.all_to_all_s`).\n")
     write_results("moe_kernels", rows, "\n".join(lines) + "\n", notes,
                   extra={"fitted_grouped_matmul_efficiency": fitted, "whole_op_factor": whole_fit})
     print("\n".join(lines))
