@@ -213,8 +213,7 @@ class BlockCost:
         weights read for few rows each), run each local expert's product on ep x the rows (the tokens of ep ranks),
         a larger product at a higher efficiency, and run ``imbalance`` x the rows, priced as ``imbalance`` x their
         balanced time (not at the larger shapes: the efficiency curve would make a busier rank faster on small
-        products). Measured
-        ops keep their measured times."""
+        products). Measured ops keep their measured times."""
         arrays, prof = self._expert_arrays, self.cluster.profile
         shard = np.ones(len(arrays.forward_flops))
         whole_f, whole_b = op_times(arrays, shard, micro_batch, prof)

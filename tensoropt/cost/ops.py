@@ -62,6 +62,7 @@ class OpArrays:
         def param_bytes(op: Op) -> int:
             return sum(m.nbytes for m, r in zip(op.inputs, op.sources) if r.kind == "param")
         moved = np.array([op.bytes_read + op.bytes_written - param_bytes(op) for op in ops], dtype=float)
+        groups = np.array([product_groups(op) for op in ops], dtype=float)
         return OpArrays(
             forward_flops=np.array([op.forward_flops for op in ops], dtype=float),
             backward_flops=np.array([op.backward_flops for op in ops], dtype=float),
@@ -72,9 +73,9 @@ class OpArrays:
             product=np.array([op.kind in PRODUCT_KINDS for op in ops], dtype=bool),
             needs_backward=np.array([op.requires_grad or op.backward_flops > 0 for op in ops], dtype=bool),
             peak_flops=np.array([profile.peak(op.outputs[0].dtype if op.outputs else "bfloat16") for op in ops]),
-            groups=np.array([product_groups(op) for op in ops], dtype=float),
-            grouped_kernel=np.array([product_groups(op) > 1 and op.outputs[0].dtype == "bfloat16" for op in ops],
-                                    dtype=bool),
+            groups=groups,
+            grouped_kernel=(groups > 1) & np.array([bool(op.outputs) and op.outputs[0].dtype == "bfloat16"
+                                                    for op in ops], dtype=bool),
             measured_forward_s=_measured(ops, profile, "", 0),
             measured_backward_s=_measured(ops, profile, "", 1),
             measured_sharded=tuple((tp, _measured(ops, profile, f"@tp{tp}", 0), _measured(ops, profile, f"@tp{tp}", 1))
