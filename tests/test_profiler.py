@@ -50,6 +50,20 @@ def test_profile_matches_the_schema_the_cost_model_reads(quick_profile):
 
 
 @pytest.mark.xdist_group("multiprocess")
+def test_the_grouped_products_efficiency_is_its_rate_over_the_curves_at_one_groups_size(quick_profile):
+    """The profile's ``grouped_matmul_efficiency`` is the measured bf16 grouped product's rate over the peak times
+    the measured bf16 curve at one group's FLOPs, the very rate the cost model gives a grouped product before that
+    factor (so a measured GPU prices Mixture-of-Experts products at its own grouped kernel's speed)."""
+    from tensoropt.cost.ops import efficiency
+    profile = load_profile(str(quick_profile))
+    (grouped,) = json.loads(quick_profile.read_text())["measurements"]["grouped_matmul"]
+    assert grouped["dtype"] == "bfloat16" and grouped["flops"] == grouped["groups"] * grouped["group_flops"]
+    plain = profile.peak("bfloat16") * float(efficiency(np.array([grouped["group_flops"]]), profile)[0])
+    assert profile.grouped_matmul_efficiency == pytest.approx(grouped["flops_per_s"] / plain, rel=1e-12)
+    assert 0 < profile.grouped_matmul_efficiency < float("inf")
+
+
+@pytest.mark.xdist_group("multiprocess")
 def test_measurements_grow_with_size(quick_profile):
     m = json.loads(quick_profile.read_text())["measurements"]
     for dtype in ("float32", "bfloat16"):

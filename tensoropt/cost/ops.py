@@ -188,8 +188,8 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     # a grouped product runs each group's product at the efficiency of its own size; in bf16 torch runs it with its
     # grouped kernel, which reaches the profile's fraction of a plain product's (``grouped_matmul_efficiency``; other
     # dtypes fall back to one mm per group: ``_grouped_mm_fallback`` in ATen's GroupedMMUtils.h)
-    product_eff = efficiency(fwd_flops / arrays.groups, profile) * np.where(arrays.grouped_kernel,
-                                                                             profile.grouped_matmul_efficiency, 1.0)
+    product_eff = np.minimum(efficiency(fwd_flops / arrays.groups, profile)
+                             * np.where(arrays.grouped_kernel, profile.grouped_matmul_efficiency, 1.0), 1.0)
     fwd_rate = arrays.peak_flops * np.where(arrays.product, product_eff, 1.0)
     bwd_rate = fwd_rate                     # the backward's matmuls run at the forward's shapes' efficiency
     overhead = profile.kernel_overhead_s

@@ -74,7 +74,8 @@ class DeviceProfile:
     # bandwidth from the compute kernels beside them); fitted per GPU profile, 0 where unknown.
     overlap_slowdown: float = 0.0
     # Fraction of a plain product's efficiency (``efficiency`` at the FLOPs of one group's product) that the device's
-    # grouped-product kernel (``torch._grouped_mm``, Mixture-of-Experts layers) reaches; 1 where unknown.
+    # grouped-product kernel (``torch._grouped_mm``, Mixture-of-Experts layers) reaches, > 1 where running the groups
+    # together fills the device better than one group's product alone (the product is capped at 1); 1 where unknown.
     grouped_matmul_efficiency: float = 1.0
 
     @cached_property
@@ -135,8 +136,15 @@ class DeviceProfile:
             fuses_memory_bound_ops=bool(data.get("fuses_memory_bound_ops", True)),
             overlaps_communication=bool(data.get("overlaps_communication", True)),
             overlap_slowdown=float(data.get("overlap_slowdown", 0.0)),
-            grouped_matmul_efficiency=float(data.get("grouped_matmul_efficiency", 1.0)),
+            grouped_matmul_efficiency=_positive(data.get("grouped_matmul_efficiency", 1.0),
+                                                "grouped_matmul_efficiency"),
         )
+
+
+def _positive(value, name: str) -> float:
+    if not float(value) > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return float(value)
 
 
 def available_profiles() -> list[str]:

@@ -1,5 +1,6 @@
-"""Device micro-benchmarks: matrix products over shapes and dtypes (the efficiency curve), memory
-bandwidth, the fixed cost of launching one op, the optimizer step rate, and the host link.
+"""Device micro-benchmarks: matrix products over shapes and dtypes (the efficiency curve), a grouped product
+(Mixture-of-Experts layers' kernel), memory bandwidth, the fixed cost of launching one op, the optimizer step
+rate, and the host link.
 
 Every figure is the median of several timed samples after a warm-up, each sample back-to-back
 calls between CUDA events on a GPU (``perf_counter`` on a CPU): see ``timed``. Nothing here is used
@@ -63,6 +64,19 @@ def matmul(n: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
     flops = 2.0 * n**3
     return {"n": n, "dtype": str(dtype).removeprefix("torch."), "seconds": seconds, "flops": flops,
             "flops_per_s": flops / seconds}
+
+
+def grouped_matmul(groups: int, rows: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
+    """One grouped product as Mixture-of-Experts layers run it (``torch.nn.functional.grouped_mm``: ``groups`` x
+    ``rows`` token rows, each group's rows times its own k x n matrix): seconds, achieved FLOP/s and the FLOPs of one
+    group's product (what the cost model reads the efficiency curve at, ``cost.ops.product_groups``)."""
+    a = torch.randn(groups * rows, k, dtype=dtype, device=device)
+    b = torch.randn(groups, k, n, dtype=dtype, device=device)
+    offs = torch.arange(rows, groups * rows + 1, rows, dtype=torch.int32, device=device)
+    seconds = timed(lambda: torch.nn.functional.grouped_mm(a, b, offs=offs), device, repeats)
+    flops = 2.0 * groups * rows * k * n
+    return {"groups": groups, "rows": rows, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch."),
+            "seconds": seconds, "flops": flops, "flops_per_s": flops / seconds, "group_flops": flops / groups}
 
 
 def memory_bandwidth(numel: int, device: str, repeats: int) -> dict:

@@ -4,6 +4,9 @@ Fits:
 - ``peak_flops`` per dtype: the best matrix-product rate measured; ``matmul_efficiency``: each
   product's rate over that peak, against its FLOPs (the cost model interpolates in log FLOPs and
   holds the end points constant beyond the measured range);
+- ``grouped_matmul_efficiency``: one bf16 grouped product (``GROUPED_MATMUL``) at its measured rate over the
+  bf16 curve's at one group's FLOPs (``grouped_efficiency``), what the cost model multiplies a grouped product's
+  per-group efficiency by;
 - ``memory_bandwidth_bytes_per_s``: the best copy rate (``memory_efficiency`` 1: it is achieved);
 - links: the ring all-reduce model t = 2(n-1)/n * M/B + 2(n-1)*alpha fitted to every all-reduce by
   least squares, giving B (bytes/s per rank) and alpha (latency), for the workers' node. A
@@ -52,6 +55,10 @@ GPU_MEMORY = {"quick": [1 << 28], "full": [1 << 28, 1 << 29]}
 # call on one thread of an AMD EPYC (0.84 GFLOP/s, against 92 in float32), 13 s of a quick profile's five calls;
 # a quick CPU profile stops its bf16 products at 512^3 (0.22 s a call), a full one measures them all
 QUICK_CPU_BF16_MAX_N = 512
+# the grouped product timed in bf16 (groups, rows per group, k, n): on a GPU Qwen3-30B-A3B's expert gate/up product at
+# 2,048 rows per expert (128 experts, hidden 2048, 2 x 768), the shape benchmarks/moe_kernels.py fits the datasheet
+# profiles on; on a CPU a small one (bf16 on an AVX2 core runs at ~1 GFLOP/s: ~70 ms a call)
+GROUPED_MATMUL = {"cuda": (128, 2048, 2048, 1536), "cpu": (4, 128, 256, 256)}
 # the CUDA context, NCCL's buffers and the allocator's slack: no benchmark here measures them, so a GPU's
 # profile keeps its datasheet profile's figure (3 GiB for an H100); this where there is none
 DEFAULT_RUNTIME_OVERHEAD_BYTES = 512 * 2**20
@@ -87,7 +94,7 @@ def matmul_sizes(s: Settings, dtype: torch.dtype) -> list[int]:
 
 
 def total_steps(s: Settings) -> int:
-    return (sum(len(matmul_sizes(s, dtype)) for dtype in s.dtypes) + len(s.plan["memory"]) + 3
+    return (sum(len(matmul_sizes(s, dtype)) for dtype in s.dtypes) + len(s.plan["memory"]) + 4
             + collectives.steps(s.nproc, s.plan["messages"]))
 
 
@@ -172,6 +179,8 @@ def run(name: str, settings: Settings, advance) -> dict:
         for n in matmul_sizes(settings, dtype):
             products.append(bench.matmul(n, dtype, dev, plan["repeats"]))
             advance(f"matmul {n}^3 {products[-1]['dtype']}")
+    grouped = bench.grouped_matmul(*GROUPED_MATMUL[dev], torch.bfloat16, dev, plan["repeats"])
+    advance("grouped matmul")
     memory = []
     for numel in plan["memory"]:
         memory.append(bench.memory_bandwidth(numel, dev, plan["repeats"]))
@@ -186,7 +195,7 @@ def run(name: str, settings: Settings, advance) -> dict:
     if settings.nproc > 1:
         comm = collectives.measure(settings.nproc, dev, plan["messages"], plan["repeats"],
                                    on_step=lambda op, g, b: advance(f"{op} x{g} {b} B"))
-    return build_profile(name, settings, products, memory, overhead, adam, comm, host)
+    return build_profile(name, settings, products, memory, overhead, adam, comm, host, grouped)
 
 
 def execution_facts(device: str) -> dict[str, bool]:
@@ -211,8 +220,18 @@ def links(settings: Settings, comm: list[dict]) -> tuple[dict, dict, str]:
     return data["intra_node"], data["inter_node"], f"copied from the {settings.link_profile} profile (one device)"
 
 
+def grouped_efficiency(grouped: dict, peak_flops_per_s: float, curve: list[tuple[float, float]]) -> float:
+    """``grouped_matmul_efficiency``: the grouped product's measured rate over what the cost model gives a plain
+    product of one group's FLOPs (the peak times the measured curve there, interpolated in log10 FLOPs and held
+    constant beyond its ends, as ``cost.ops.efficiency``)."""
+    xs, ys = np.log10([f for f, _ in curve]), [e for _, e in curve]
+    plain = peak_flops_per_s * float(np.interp(np.log10(grouped["group_flops"]), xs, ys))
+    return grouped["flops_per_s"] / plain
+
+
 def build_profile(name: str, settings: Settings, products: list[dict], memory: list[dict], overhead: float,
-                  adam: float, comm: list[dict], host_copies: list[dict] | None = None) -> dict:
+                  adam: float, comm: list[dict], host_copies: list[dict] | None = None,
+                  grouped: dict | None = None) -> dict:
     peaks = {}
     for p in products:
         peaks[p["dtype"]] = max(peaks.get(p["dtype"], 0.0), p["flops_per_s"])
@@ -229,6 +248,9 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
         "peak_flops": peaks, "matmul_efficiency": [list(p) for p in curve],
         "memory_bytes": memory_bytes(settings.device), "memory_bandwidth_bytes_per_s": mem_rate,
         "memory_efficiency": 1.0, "kernel_overhead_s": overhead, "runtime_overhead_bytes": overhead_bytes,
+        # the cost model applies it to bf16 grouped products: measured against the bf16 curve (absent without one)
+        **({"grouped_matmul_efficiency": grouped_efficiency(grouped, peaks[reference], curve)}
+           if grouped and reference == grouped["dtype"] else {}),
         **execution_facts(settings.device),
         "intra_node": intra, "inter_node": inter,
         "host": {"pcie_bandwidth_bytes_per_s": host_rate, "cpu_adam_params_per_s": adam},
@@ -248,6 +270,7 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
                       "perf_counter on a CPU); collectives in worker processes of their own "
                       f"({'nccl' if settings.device == 'cuda' else 'gloo'}); links {links_from}",
         },
-        "measurements": {"matmul": products, "memory": memory, "op_overhead_s": overhead,
+        "measurements": {"matmul": products, "grouped_matmul": [grouped] if grouped else [], "memory": memory,
+                         "op_overhead_s": overhead,
                          "adam_params_per_s": adam, "collectives": comm, "host_copies": host_copies or []},
     }
