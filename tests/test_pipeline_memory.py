@@ -135,3 +135,26 @@ def test_the_vocabulary_split_embedding_makes_its_rows_gradient_only():
         assert embedding.weight.grad.to_local().sum(1).tolist() == [4.0, 0, 0, 4.0, 0, 0, 0, 0]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family, attention", [("gpt", None), ("llama", "flash")])
+def test_a_stage_receives_the_side_inputs_its_copies_read(write_json, family, attention):
+    """What the copies read from outside their stream, every stage but the first receives per micro-batch: a GPT's
+    causal-mask buffer (eager attention reads it), a Llama's rotary tables (flash attention reads no mask). Priced
+    once per received chunk in flight (``pipeline_memory.relayed_in_flight``): an interleaved plan's device 0 holds
+    F - (its stage-0 chunks) of them beyond what it held without."""
+    cfg = (GPT if family == "gpt" else LLAMA) | ({"attention": attention} if attention else {})
+    graph = tensoropt.capture(write_json("m.json", cfg)).graph
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(4, 4, load_profile("h100-80gb")))
+    read = {"gpt": ("causal_mask",), "llama": ("rope_cos", "rope_sin")}[family]
+    assert model.relayed_fixed_bytes == sum(m.nbytes for name, m in graph.buffers if name in read) > 0
+    assert model.relayed_bytes == 0
+    ((block, _),) = model.blocks
+    copies = block.repeats // 2
+    plan = Plan(devices=4, dp=2, tp=1, pp=2, micro_batch=1, global_batch=8, virtual_stages=2, dtype="float32",
+                blocks=(BlockPlan(block.name, ((LayerStrategy("none"), copies),)),))
+    priced = estimate(model, plan).memory_breakdown["activations_bytes"]
+    model.relayed_fixed_bytes, kept = 0.0, model.relayed_fixed_bytes
+    # p 2, v 2, 4 micro-batches: device 0 forwards 5 chunks before its first backward, stage 0 of micro-batches 0, 1
+    # and 4 and stage 2 (received) of 0 and 1
+    assert priced - estimate(model, plan).memory_breakdown["activations_bytes"] == pytest.approx(2 * kept, rel=1e-12)

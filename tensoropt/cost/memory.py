@@ -16,6 +16,7 @@ from .pipeline_memory import (
     in_flight,
     in_flight_last,
     message_bytes,
+    relayed_in_flight,
 )
 from .rows import PlanRows
 from .torch_memory import fsdp_held_bytes, targets_bytes
@@ -57,10 +58,13 @@ def activations_bytes(model: ModelCost, r: PlanRows, activation_bytes, transient
     # recomputation, since a plan's per-copy sums (the search's) cannot say whether it recomputes any: an upper bound by
     # their size for a plan that recomputes none, whose forward frees them
     held = model.checkpoint_inputs_bytes * r.mb
+    # a stage's received copies of those tensors (all of them, saved or not: a bound), one per chunk in flight
+    relayed = model.relayed_bytes * r.mb + model.relayed_fixed_bytes
+    relayed_first, relayed_last = (n * relayed for n in relayed_in_flight(r.pp, r.m, r.v))
     acts_first = in_flight(r.pp, r.m, r.v) * (activation_bytes + r.first_acts + held) + np.where(
-        r.piped, messages_first + back_first, 0.0)
-    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + messages_last + back_last,
-                         acts_first)
+        r.piped, messages_first + back_first + relayed_first, 0.0)
+    acts_last = np.where(r.piped, in_flight_last(r.pp, r.m, r.v) * activation_bytes + messages_last + back_last
+                         + relayed_last, acts_first)
     return np.maximum(acts_first, acts_last)
 
 

@@ -67,6 +67,27 @@ def _carried_bytes(block: Block) -> int:
     return sum(block.ops[j].outputs[s].nbytes for j, s in refs)
 
 
+def _side_input_refs(blocks) -> set[tuple[int, int]]:
+    """(op, output) of every tensor the block copies read from outside their stream (made by the ops before them:
+    a materialised attention mask, rotary tables)."""
+    return {(r.index, r.slot) for b in blocks for op in b.ops for r in op.sources if r.kind == "op"}
+
+
+def _side_inputs_bytes(graph: OpGraph, blocks) -> tuple[float, float]:
+    """(bytes per sample of the tensors the copies read from outside their stream that ops make, bytes of the
+    module buffers outside the copies they read, whatever the micro-batch): what a pipeline stage receives beside
+    the stream, once per stage and micro-batch (``runtime.pipeline.split.Wiring``: each stage relays what later
+    stages read, a root module's causal mask or rotary tables among them), into a buffer of its own that the
+    stage's kept activations hold until its backward (``pipeline_memory.relayed_in_flight``). A buffer of the copy
+    itself (named under its module) is the stage's own and is not received."""
+    made = float(sum(graph.ops[i].outputs[s].nbytes for i, s in _side_input_refs(blocks)))
+    scopes = tuple(f"{b.occurrences[0].scope}." for b in blocks if b.occurrences)
+    read = {r.name for b in blocks for op in b.ops for r in op.sources if r.kind == "buffer"}
+    buffers = dict(graph.buffers)
+    outside = float(sum(buffers[name].nbytes for name in read if name in buffers and not name.startswith(scopes)))
+    return made, outside
+
+
 def _unsaved_block_inputs_bytes(graph: OpGraph, blocks) -> float:
     """Bytes per sample of the tensors the block copies read from outside their stream (made once by the ops before
     them and read by every copy: a materialised attention mask) that no op of the captured forward saves: a copy's
@@ -74,8 +95,7 @@ def _unsaved_block_inputs_bytes(graph: OpGraph, blocks) -> float:
     core's tape the tensors it reads) from the forward to that copy's backward, once for all copies, as Megatron-LM's
     ``CheckpointFunction`` does with the attention mask. Those the forward saves (the rotary tables, read by products)
     are priced with the ops that make them."""
-    refs = {(r.index, r.slot) for b in blocks for op in b.ops for r in op.sources if r.kind == "op"}
-    return float(sum(graph.ops[i].outputs[s].nbytes for i, s in refs
+    return float(sum(graph.ops[i].outputs[s].nbytes for i, s in _side_input_refs(blocks)
                      if graph.ops[i].saved_bytes < graph.ops[i].outputs[s].nbytes))
 
 
@@ -134,6 +154,8 @@ class ModelCost:
         first_block = min((o.start for b in folded.blocks for o in b.occurrences), default=len(graph.ops))
         last_block = max((o.start + len(b.ops) for b in folded.blocks for o in b.occurrences), default=0)
         self.checkpoint_inputs_bytes = _unsaved_block_inputs_bytes(graph, folded.blocks)
+        # what a pipeline stage receives beside the stream: per sample, and per micro-batch whatever its size
+        self.relayed_bytes, self.relayed_fixed_bytes = _side_inputs_bytes(graph, folded.blocks)
         self.head_ops = tuple(op for op in folded.loose_ops if op.index < first_block or not folded.blocks)
         self.tail_ops = tuple(op for op in folded.loose_ops if op.index >= last_block and folded.blocks)
         self.middle_ops = tuple(op for op in folded.loose_ops if first_block <= op.index < last_block)

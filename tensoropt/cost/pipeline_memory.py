@@ -12,8 +12,9 @@ these closed forms against).
 Each message is the block's carried state (``space.block.BlockSpace.carried_bytes`` per sample) of one
 micro-batch, or its gradient, which has its shape: priced whole, although between sequence-parallel stages the
 runtime sends each rank's ``1 / tp`` share (``runtime.pipeline.tp.sequence_parallel_boundaries``; the price is an
-upper bound by the few messages a device holds). Values a stage only relays (an attention mask made once, integer
-and without gradient) are not counted.
+upper bound by the few messages a device holds). What the copies read from outside their stream (an attention
+mask, rotary tables) every stage but the first receives too, per micro-batch, and keeps with the stage's
+activations until its backward (``relayed_in_flight``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,26 @@ def in_flight(pp, micro_batches, virtual_stages):
     return np.where(pp == 1, 1.0, np.where(v > 1, chunks / np.maximum(v, 1), np.minimum(m, pp) * 1.0))
 
 
+def relayed_in_flight(pp, micro_batches, virtual_stages) -> tuple[np.ndarray, np.ndarray]:
+    """(the first device's, the last device's) stage inputs received beside the stream and held at once (numbers or
+    arrays): each stage but the first receives what the copies read from outside their stream (an attention mask,
+    rotary tables: ``ModelCost.relayed_bytes`` and ``relayed_fixed_bytes``) into a buffer of its own per
+    micro-batch, which the stage's forward keeps for its backward, so a device holds one per chunk of its in flight
+    that is not stage 0. Device 0 holds
+    its warm-up's chunks and one forward more, F = ``in_flight`` x v of them, of which stage 0's are p per full
+    round of p v forwards and min(rest, p) of the rest (the k-th forward runs chunk (k // p) % v); 1F1B's device 0
+    runs stage 0 alone and receives none. Every chunk of the last device receives them: ``in_flight_last`` x v.
+    The schedule's own counts (``pipeline_schedule.compute_order``) agree for every p up to 8, v up to 12 and m up to
+    8 rounds (tests/test_pipeline_schedule.py)."""
+    pp, m, v = np.asarray(pp), np.asarray(micro_batches), np.asarray(virtual_stages)
+    chunks = np.minimum(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
+    rounds = np.maximum(pp * v, 1)
+    stage_0 = (chunks // rounds) * pp + np.minimum(chunks % rounds, pp)
+    first = np.where((pp > 1) & (v > 1), chunks - stage_0, 0)
+    last = np.where(pp > 1, np.where(v > 1, np.minimum((v - 1) * pp + 1, m * v), 1), 0)
+    return first, last
+
+
 def in_flight_last(pp, micro_batches, virtual_stages):
     """Micro-batches of activations (in units of the device's copies) the last pipeline device holds at its peak:
     one in 1F1B (its stage runs each micro-batch's backward right after its forward); with ``v`` interleaved
@@ -137,4 +158,4 @@ def in_flight_last(pp, micro_batches, virtual_stages):
 
 
 __all__ = ["backward_working_bytes", "copy_backward_bytes", "fsdp_stage_bytes", "gradients_divisor", "held_messages",
-           "in_flight", "in_flight_last", "message_bytes"]
+           "in_flight", "in_flight_last", "message_bytes", "relayed_in_flight"]
