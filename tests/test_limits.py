@@ -200,7 +200,8 @@ def test_elastic_plans_within_the_limits(tmp_path):
          "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--run-dir", tmp_path / "run", "--zero", "0",
          "--", "--steps", "2"], cwd=LAUNCH_CWD, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    log = [line for line in result.stdout.splitlines() if line.startswith("elastic:")]
+    # found anywhere in a line: the workers' block-buffered output shares the pipe and may end mid-line
+    log = [line[line.index("elastic:"):] for line in result.stdout.splitlines() if "elastic:" in line]
     assert " -> dp2 tp1 pp1 mb4x1 zero0 " in log[0] and log[-1].startswith("elastic: finished")
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["zero"] == 0 and "limited to ZeRO 0" in plan["predicted"]["why"]
