@@ -56,17 +56,26 @@ PROFILE = "h100-80gb"
 A2A_RANKS, A2A_BYTES, A2A_MEASURED_S = 4, 524_288_000, 1174.14e-6
 
 
-def moe_forward_s(experts: int, top_k: int, ffn: int, profile: DeviceProfile, tmp: Path) -> tuple[float, float]:
-    """(the grouped products' forward seconds, the other MoE ops' forward seconds) at 32,768 tokens."""
+def moe_ops(experts: int, top_k: int, ffn: int, tmp: Path) -> tuple:
+    """The MoE MLP's ops of a one-layer Qwen3-MoE of that shape, captured in bf16-mixed with the bf16 weights FSDP2
+    computes with."""
     spec = tmp / f"qwen3-moe-{experts}x{ffn}.json"
     spec.write_text(json.dumps(BASE | {"num_experts": experts, "num_experts_per_tok": top_k,
                                        "moe_intermediate_size": ffn}))
     graph = tensoropt.capture(str(spec), precision="bf16-mixed", seq_len=SEQ_LEN).graph
     graph = bf16_weights_graph(graph) or graph
-    ops = tuple(op for op in graph.ops if ".mlp" in op.module_path)
-    forward, _ = op_times(OpArrays.of(ops, profile), np.ones(len(ops)), MICRO_BATCH, profile)
+    return tuple(op for op in graph.ops if ".mlp" in op.module_path)
+
+
+def moe_forward_s(ops: tuple, profile: DeviceProfile) -> tuple[float, float, float]:
+    """(the grouped products' forward seconds, the same priced as before the calibration, as plain products of
+    their whole FLOPs, the other MoE ops' forward seconds) at 32,768 tokens."""
+    arrays = OpArrays.of(ops, profile)
+    forward, _ = op_times(arrays, np.ones(len(ops)), MICRO_BATCH, profile)
+    whole = dataclasses.replace(arrays, groups=np.ones(len(ops)), grouped_kernel=np.zeros(len(ops), dtype=bool))
+    whole_forward, _ = op_times(whole, np.ones(len(ops)), MICRO_BATCH, profile)
     grouped = np.array([op.target.startswith("aten._grouped_mm") for op in ops])
-    return float(forward[grouped].sum()), float(forward[~grouped].sum())
+    return float(forward[grouped].sum()), float(whole_forward[grouped].sum()), float(forward[~grouped].sum())
 
 
 def main() -> int:
@@ -75,8 +84,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, experts, top_k, ffn, measured_ms, role in POINTS:
-            grouped_s, other_s = moe_forward_s(experts, top_k, ffn, uncalibrated, Path(tmp))
-            whole_s = _whole_op_grouped_s(experts, top_k, ffn, uncalibrated, Path(tmp))
+            grouped_s, whole_s, other_s = moe_forward_s(moe_ops(experts, top_k, ffn, Path(tmp)), uncalibrated)
             rows.append({"label": label, "experts": experts, "top_k": top_k, "expert_ffn": ffn,
                          "rows_per_expert": SEQ_LEN * MICRO_BATCH * top_k // experts, "role": role,
                          "measured_ms": measured_ms, "other_ops_ms": other_s * 1e3,
@@ -116,16 +124,6 @@ def main() -> int:
     print("\n".join(lines))
     print(f"fitted grouped_matmul_efficiency {fitted:.4f} (whole-op factor {whole_fit:.4f})")
     return 0
-
-
-def _whole_op_grouped_s(experts: int, top_k: int, ffn: int, profile: DeviceProfile, tmp: Path) -> float:
-    """The grouped products priced as before: as plain products of their whole FLOPs (one group)."""
-    spec = tmp / f"qwen3-moe-{experts}x{ffn}.json"
-    graph = bf16_weights_graph(tensoropt.capture(str(spec), precision="bf16-mixed", seq_len=SEQ_LEN).graph)
-    ops = tuple(op for op in graph.ops if op.target.startswith("aten._grouped_mm") and ".mlp" in op.module_path)
-    arrays = OpArrays.of(ops, profile)
-    arrays = dataclasses.replace(arrays, groups=np.ones(len(ops)), grouped_kernel=np.zeros(len(ops), dtype=bool))
-    return float(op_times(arrays, np.ones(len(ops)), MICRO_BATCH, profile)[0].sum())
 
 
 def _committed_ms(row: dict, committed: DeviceProfile) -> float:

@@ -10,6 +10,7 @@ import pytest
 from conftest import SMALL_GPT
 
 import tensoropt
+from tensoropt.cost.comm import _collective, collective_rows_s
 from tensoropt.cost.model import ModelCost, estimate, state_bytes
 from tensoropt.cost.ops import OpArrays, fused_bytes
 from tensoropt.cost.profile import PROFILES_DIR, Cluster, DeviceProfile, available_profiles, load_profile
@@ -152,7 +153,6 @@ def test_collectives_priced_per_row_equal_the_one_group_prices(profile, collecti
     """The search prices every plan's data-parallel collectives in one pass over its rows
     (``comm.collective_rows_s``): each row's price is exactly the one-group price (``_collective``) of its group's
     size and stride, in a node or across nodes, one unit or several, nothing to send or one rank."""
-    from tensoropt.cost.comm import _collective, collective_rows_s
     cluster = Cluster(256, 8, load_profile(profile))
     shapes = [(size, stride, units) for size in (1, 2, 3, 4, 8, 16, 64) for stride in (1, 2, 4, 8, 16)
               for units in (1, 5)]

@@ -14,6 +14,7 @@ import tensoropt
 from tensoropt.cli import cli
 from tensoropt.cost.comm import all_to_all_s
 from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.ops import OpArrays, op_times
 from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.search.engines import unsupported
 from tensoropt.search.ft import SearchSpace, search
@@ -119,7 +120,6 @@ def test_a_grouped_product_runs_each_experts_product_at_its_own_size(write_json,
     profile's ``grouped_matmul_efficiency`` of that (fitted in benchmarks/moe_kernels.py), in float32 torch runs one
     mm per group (its fallback) at the plain efficiency. At 64 tokens a micro-batch the products are compute-bound
     only on a device whose memory is free: priced with unlimited bandwidth, each is FLOPs / rate + the launch."""
-    from tensoropt.cost.ops import OpArrays, op_times
     graph = tensoropt.capture(write_json("moe.json", QWEN3_MOE), seq_len=64, precision=precision).graph
     h100 = load_profile("h100-80gb")
     free = dataclasses.replace(h100, memory_bandwidth_bytes_per_s=1e30)
@@ -140,7 +140,6 @@ def test_an_ep_rank_runs_its_experts_on_the_rows_of_its_ep_group(write_json):
     products of 4x the rows (the same FLOPs), each at the efficiency of its larger size. With memory free (compute
     only), an ep copy's forward is the copy's without ep, less the grouped products' price at 8 groups, plus their
     price at 2."""
-    from tensoropt.cost.ops import OpArrays, op_times
     graph = tensoropt.capture(write_json("moe.json", QWEN3_MOE), seq_len=64, precision="bf16-true").graph
     free = dataclasses.replace(load_profile("h100-80gb"), memory_bandwidth_bytes_per_s=1e30)
     cost = ModelCost(graph, tensoropt.fold(graph), Cluster(4, 4, free)).blocks[0][1]

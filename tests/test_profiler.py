@@ -13,6 +13,7 @@ import pytest
 from conftest import EXAMPLES
 from workers import ctrl_c_reaches_it
 
+from tensoropt.cost.ops import efficiency
 from tensoropt.cost.profile import load_profile
 
 pytestmark = [pytest.mark.slow]   # the tests that start workers share the "multiprocess" xdist group
@@ -54,7 +55,6 @@ def test_the_grouped_products_efficiency_is_its_rate_over_the_curves_at_one_grou
     """The profile's ``grouped_matmul_efficiency`` is the measured bf16 grouped product's rate over the peak times
     the measured bf16 curve at one group's FLOPs, the very rate the cost model gives a grouped product before that
     factor (so a measured GPU prices Mixture-of-Experts products at its own grouped kernel's speed)."""
-    from tensoropt.cost.ops import efficiency
     profile = load_profile(str(quick_profile))
     (grouped,) = json.loads(quick_profile.read_text())["measurements"]["grouped_matmul"]
     assert grouped["dtype"] == "bfloat16" and grouped["flops"] == grouped["groups"] * grouped["group_flops"]

@@ -172,8 +172,14 @@ def autograd_glue_bytes(ops: tuple[Op, ...]) -> np.ndarray:
 
 def efficiency(flops: np.ndarray, profile: DeviceProfile) -> np.ndarray:
     """The profile's efficiency curve, piecewise linear in log10(FLOPs), constant beyond its ends."""
-    xs = np.log10([f for f, _ in profile.matmul_efficiency])
-    ys = np.array([e for _, e in profile.matmul_efficiency])
+    return curve_efficiency(flops, profile.matmul_efficiency)
+
+
+def curve_efficiency(flops, curve) -> np.ndarray:
+    """An efficiency curve of (FLOPs, fraction of peak) points at ``flops``: piecewise linear in log10(FLOPs),
+    constant beyond its ends (also what the profiler reads its measured curve with)."""
+    xs = np.log10([f for f, _ in curve])
+    ys = np.array([e for _, e in curve])
     return np.interp(np.log10(np.maximum(flops, 1.0)), xs, ys)
 
 

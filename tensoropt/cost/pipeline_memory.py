@@ -116,13 +116,25 @@ def fsdp_stage_bytes(zero, gathered, grad, unit_params, root_params):
             unit_backward_bytes(zero, gathered, grad, unit_params))
 
 
+def _first_chunks(pp, m, v):
+    """Interleaved 1F1B's chunks in flight on device 0 at its peak: its warm-up of ``2 (p - 1) + (v - 1) p`` chunks
+    and one more forward (``pipeline_schedule.warmup_forwards``), at most all ``m v``."""
+    return np.minimum(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
+
+
+def _last_chunks(pp, m, v):
+    """Interleaved 1F1B's chunks in flight on the last device at its peak: ``(v - 1) p`` warm-up chunks of its
+    earlier stages and one more forward (``pipeline_schedule.warmup_forwards`` for rank ``p - 1``), at most ``m v``."""
+    return np.minimum((v - 1) * pp + 1, m * v)
+
+
 def in_flight(pp, micro_batches, virtual_stages):
     """Micro-batches of activations (in units of the device's copies) stage 0 holds at its peak (numbers or
-    arrays of them): 1F1B's ``min(m, p)``; with ``v`` interleaved stages its warm-up of ``2 (p - 1) + (v - 1) p``
-    chunks and one more forward (``pipeline_schedule.warmup_forwards``), at most all ``m v`` chunks, each ``1 / v``
-    of its copies: about ``(1 + (p - 1) / (p v))`` times 1F1B's (Narayanan et al. 2021, sec. 2.2)."""
+    arrays of them): 1F1B's ``min(m, p)``; with ``v`` interleaved stages its warm-up's chunks and one more forward
+    (``_first_chunks``), each ``1 / v`` of its copies: about ``(1 + (p - 1) / (p v))`` times 1F1B's (Narayanan et
+    al. 2021, sec. 2.2)."""
     pp, m, v = np.asarray(pp), np.asarray(micro_batches), np.asarray(virtual_stages)
-    chunks = np.minimum(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
+    chunks = _first_chunks(pp, m, v)
     return np.where(pp == 1, 1.0, np.where(v > 1, chunks / np.maximum(v, 1), np.minimum(m, pp) * 1.0))
 
 
@@ -131,30 +143,27 @@ def relayed_in_flight(pp, micro_batches, virtual_stages) -> tuple[np.ndarray, np
     arrays): each stage but the first receives what the copies read from outside their stream (an attention mask,
     rotary tables: ``ModelCost.relayed_bytes`` and ``relayed_fixed_bytes``) into a buffer of its own per
     micro-batch, which the stage's forward keeps for its backward, so a device holds one per chunk of its in flight
-    that is not stage 0. Device 0 holds
-    its warm-up's chunks and one forward more, F = ``in_flight`` x v of them, of which stage 0's are p per full
-    round of p v forwards and min(rest, p) of the rest (the k-th forward runs chunk (k // p) % v); 1F1B's device 0
-    runs stage 0 alone and receives none. Every chunk of the last device receives them: ``in_flight_last`` x v.
-    The schedule's own counts (``pipeline_schedule.compute_order``) agree for every p up to 8, v up to 12 and m up to
-    8 rounds (tests/test_pipeline_schedule.py)."""
+    that is not stage 0. Of device 0's F chunks (``_first_chunks``), stage 0's are p per full round of p v forwards
+    and min(rest, p) of the rest (the k-th forward runs chunk (k // p) % v); 1F1B's device 0 runs stage 0 alone and
+    receives none. Every chunk of the last device receives them (``_last_chunks``; one in 1F1B). The schedule's own
+    counts (``pipeline_schedule.compute_order``) agree for every p up to 8, v up to 12 and m up to 8 rounds
+    (tests/test_pipeline_schedule.py)."""
     pp, m, v = np.asarray(pp), np.asarray(micro_batches), np.asarray(virtual_stages)
-    chunks = np.minimum(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
+    chunks = _first_chunks(pp, m, v)
     rounds = np.maximum(pp * v, 1)
     stage_0 = (chunks // rounds) * pp + np.minimum(chunks % rounds, pp)
     first = np.where((pp > 1) & (v > 1), chunks - stage_0, 0)
-    last = np.where(pp > 1, np.where(v > 1, np.minimum((v - 1) * pp + 1, m * v), 1), 0)
+    last = np.where(pp > 1, np.where(v > 1, _last_chunks(pp, m, v), 1), 0)
     return first, last
 
 
 def in_flight_last(pp, micro_batches, virtual_stages):
     """Micro-batches of activations (in units of the device's copies) the last pipeline device holds at its peak:
     one in 1F1B (its stage runs each micro-batch's backward right after its forward); with ``v`` interleaved
-    stages it warms up ``(v - 1) p`` chunks of its earlier stages before its first backward, and runs one more
-    forward (``pipeline_schedule.warmup_forwards`` for rank ``p - 1``), each chunk ``1 / v`` of its copies. The first
-    device's count is ``in_flight``."""
+    stages its warm-up's chunks and one more forward (``_last_chunks``), each chunk ``1 / v`` of its copies. The
+    first device's count is ``in_flight``."""
     pp, v, m = np.asarray(pp), np.asarray(virtual_stages), np.asarray(micro_batches)
-    chunks = np.minimum((v - 1) * pp + 1, m * v)
-    return np.where(v > 1, chunks / v, 1.0)
+    return np.where(v > 1, _last_chunks(pp, m, v) / v, 1.0)
 
 
 __all__ = ["backward_working_bytes", "copy_backward_bytes", "fsdp_stage_bytes", "gradients_divisor", "held_messages",

@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
+from ..cost.ops import curve_efficiency
 from . import collectives
 from . import device as bench
 from .host import device_name, memory_bytes
@@ -223,10 +224,8 @@ def links(settings: Settings, comm: list[dict]) -> tuple[dict, dict, str]:
 def grouped_efficiency(grouped: dict, peak_flops_per_s: float, curve: list[tuple[float, float]]) -> float:
     """``grouped_matmul_efficiency``: the grouped product's measured rate over what the cost model gives a plain
     product of one group's FLOPs (the peak times the measured curve there, interpolated in log10 FLOPs and held
-    constant beyond its ends, as ``cost.ops.efficiency``)."""
-    xs, ys = np.log10([f for f, _ in curve]), [e for _, e in curve]
-    plain = peak_flops_per_s * float(np.interp(np.log10(grouped["group_flops"]), xs, ys))
-    return grouped["flops_per_s"] / plain
+    constant beyond its ends: ``cost.ops.curve_efficiency``)."""
+    return grouped["flops_per_s"] / (peak_flops_per_s * float(curve_efficiency(grouped["group_flops"], curve)))
 
 
 def build_profile(name: str, settings: Settings, products: list[dict], memory: list[dict], overhead: float,
