@@ -7,8 +7,9 @@ What is fitted, on the same grid for every fit: the matmul-efficiency curve of e
 HBM bandwidth (``memory_efficiency``, shared by both profiles): the three numbers the committed profiles were chosen
 with, on all public rows at once. A fit picks the grid point with the least sum of |log(predicted / measured)| over
 its rows (a median-like loss: one far row does not drag the rest). A profile none of the fitting rows ran on keeps
-its committed curve (factor 1), and the table says so. This project's own runs (``OWN``) are never fitted on: their
-held-out prices are those of the fit on every public source.
+its committed curve (factor 1), and the table says so. Sources named ``never_fitted`` (this project's own runs, rows
+on hardware no committed constant was chosen for: ``public_h100.py`` says which) are validation only: their held-out
+prices are those of the fit on every other source.
 
 Each row is priced once per (curve factor, memory efficiency) of its own profile: ~30 prices a row, the fits are
 then sums over a table."""
@@ -64,10 +65,10 @@ def error_at(i: int, table: list[dict], profile_of_row: list[str], constants: di
 
 
 def leave_one_source_out(rows: list[dict], table: list[dict], profile_of_row: list[str], names: tuple[str, ...],
-                         never_fitted: str) -> tuple[dict, list[dict]]:
-    """(the fit on every source but ``never_fitted``, and for each source its rows' errors priced with constants
+                         never_fitted: tuple[str, ...]) -> tuple[dict, list[dict]]:
+    """(the fit on every source but those ``never_fitted``, and for each source its rows' errors priced with constants
     fitted on the other sources)."""
-    public = [i for i, r in enumerate(rows) if r["source"] != never_fitted]
+    public = [i for i, r in enumerate(rows) if r["source"] not in never_fitted]
     on_all = fit(public, table, profile_of_row, names)
     held = []
     for source in dict.fromkeys(r["source"] for r in rows):
@@ -98,24 +99,26 @@ def family_figures(held: list[dict], families: dict[str, Callable[[dict], bool]]
 
 def table_lines(on_all: dict, held: list[dict], figures: dict[str, dict]) -> list[str]:
     """The Markdown section: the families' fitted and held-out errors, then each source's held-out constants."""
+    names = list(on_all["curve_factors"])
     lines = ["", "Leave-one-source-out (`benchmarks/_loso.py`): each source priced with constants fitted on the "
-             "other sources (the held-out figure counts), beside the fit on all public sources "
-             f"(h100-80gb curve x{on_all['curve_factors']['h100-80gb']}, h100-96gb-500w curve "
-             f"x{on_all['curve_factors']['h100-96gb-500w']}, memory_efficiency {on_all['memory_efficiency']}; "
-             "factors relative to the committed profiles):", "",
+             "other sources (the held-out figure counts), beside the fit on all public sources ("
+             + ", ".join(f"{n} curve x{on_all['curve_factors'][n]}" for n in names)
+             + f", memory_efficiency {on_all['memory_efficiency']}; factors relative to the committed profiles):", "",
              "| family | rows | fitted median abs | fitted median signed | held-out median abs | "
              "held-out median signed |", "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {n} | {f['rows']} | {f['fitted_median_abs']:.1%} | {f['fitted_median_signed']:+.1%} | "
               f"{f['held_out_median_abs']:.1%} | {f['held_out_median_signed']:+.1%} |" for n, f in figures.items()]
-    lines += ["", "| source held out | rows | fitted on the others: h100-80gb curve x | h100-96gb-500w curve x | "
-              "memory_efficiency | its rows' held-out errors |", "|---|---:|---:|---:|---:|---|"]
+    lines += ["", "| source held out | rows | fitted on the others: " + " | ".join(f"{n} curve x" for n in names)
+              + " | memory_efficiency | its rows' held-out errors |",
+              "|---|---:|" + "---:|" * (len(names) + 1) + "---|"]
     for source in dict.fromkeys(r["source"] for r in held):
         mine = [r for r in held if r["source"] == source]
         c = mine[0]["constants"]
         factor = {n: f"{v}" + (" (no rows: committed)" if n in c["unfitted"] else "")
                   for n, v in c["curve_factors"].items()}
-        lines.append(f"| {source} | {len(mine)} | {factor['h100-80gb']} | {factor['h100-96gb-500w']} | "
-                     f"{c['memory_efficiency']} | " + ", ".join(f"{r['held_out_error']:+.1%}" for r in mine) + " |")
+        lines.append(f"| {source} | {len(mine)} | " + " | ".join(factor[n] for n in names)
+                     + f" | {c['memory_efficiency']} | " + ", ".join(f"{r['held_out_error']:+.1%}" for r in mine)
+                     + " |")
     return lines
 
 

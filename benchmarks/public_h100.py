@@ -1,12 +1,16 @@
-"""How close `tensoropt estimate`'s prices come to published H100 trainings (issue 19's calibration set).
+"""How close `tensoropt estimate`'s prices come to published H100 trainings (issue 19's calibration set, issue 35's
+additions).
 
 Data: ``benchmarks/data/public_h100.json`` (54 rows transcribed from pytorch/torchtitan, NVIDIA/Megatron-LM and
-foundation-model-stack/fms-fsdp, each with repository, path and commit; and two rows of our own, issue 12's runs on one
-H100 at f8f685f, family "one H100 (eager torch / DeepSpeed)", step time as measured). Each row that the cost model can
-price is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation, bf16 mixed precision, compiled or
-eager kernels), priced with ``cost.model.estimate`` (what ``tensoropt estimate`` calls) on the profile of the hardware
-it ran on (``profile_name``: torchtitan's 96 GB HBM2e parts capped at 500 W on ``profiles/h100-96gb-500w.json``,
-fms-fsdp's and Megatron-LM's SXM parts on ``profiles/h100-80gb.json``), and compared with the measured step time:
+foundation-model-stack/fms-fsdp, each with repository, path and commit; two rows of our own, issue 12's runs on one
+H100 at f8f685f, family "one H100 (eager torch / DeepSpeed)", step time as measured; and, since issue 35, ten rows
+from five more public sources: FlagOpen/FlagPerf's Megatron-Core and DeepSpeed runs on H100s, KempnerInstitute/
+KempnerForge's eager FSDP2 and FSDP2 + TP + PP runs on H200s, ljm565/universal-llm-trainer's single-H100 runs). Each
+row that the cost model can price is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation,
+bf16 mixed precision, compiled or eager kernels), priced with ``cost.model.estimate`` (what ``tensoropt estimate``
+calls) on the profile of the hardware it ran on (``profile_name``: torchtitan's 96 GB HBM2e parts capped at 500 W on
+``profiles/h100-96gb-500w.json``, fms-fsdp's, Megatron-LM's and FlagPerf's SXM parts on ``profiles/h100-80gb.json``,
+KempnerForge's H200s, 4 to a node, on ``profiles/h200-141gb.json``), and compared with the measured step time:
 - torchtitan / fms-fsdp: tokens of one step on one data-parallel rank over its tokens/s/GPU, as the row's
   ``derived.step_time_s`` gives it (local batch x seq / (tps x tp x pp x cp), torchtitan's metric).
 - Megatron-LM: the README prints TFLOP/s per GPU, counted with Megatron-Core's ``num_floating_point_operations``
@@ -14,6 +18,8 @@ fms-fsdp's and Megatron-LM's SXM parts on ``profiles/h100-80gb.json``), and comp
   time is that count over (TFLOP/s x GPUs), and the same count divides our predicted step time. These rows ran
   ``--tp-comm-overlap`` and are priced with it (``estimate(..., megatron_tp_comm_overlap=True)``, an option the
   planner never offers: the torch engine does not overlap TP collectives).
+- FlagPerf: its tokens/s/GPU is global batch x seq / (iteration time x GPUs), inverted; KempnerForge and
+  universal-llm-trainer print seconds per step.
 Rows the model cannot price are listed with why (float8 matmuls, A100s, context parallelism, async TP).
 
     PYTHONPATH=$PWD python benchmarks/public_h100.py [--tag before]
@@ -38,12 +44,28 @@ from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 DATA = Path(__file__).resolve().parent / "data" / "public_h100.json"
 # torchtitan's H100s (Grand Teton: 96 GB HBM2e, 500 W cap) are another part than the 700 W SXM5 80 GB HBM3 of
-# DGX H100 that Megatron-LM's and fms-fsdp's rows ran on; each row is priced on its own hardware's profile
-PROFILES = {"torchtitan": "h100-96gb-500w", "other": "h100-80gb"}
-GPUS_PER_NODE = 8
+# DGX H100 that Megatron-LM's, fms-fsdp's and FlagPerf's rows ran on, and KempnerForge's ran on H200s; each row is
+# priced on its own hardware's profile
+PROFILES = {"torchtitan": "h100-96gb-500w", "h200": "h200-141gb", "other": "h100-80gb"}
+# the profiles whose constants the fits choose (the committed ones were chosen on these rows); rows on others
+# are priced with the fit's memory efficiency and their committed curve, never fitted on
+FITTED_PROFILES = ("h100-80gb", "h100-96gb-500w")
+GPUS_PER_NODE = 8                        # unless a row says otherwise (KempnerForge's nodes hold 4 H200s)
 ONE_H100 = "one H100 (eager torch / DeepSpeed)"
-FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled", ONE_H100)
+TORCH_3D = "fsdp+tp+pp-eager"
+# one process on one GPU, the Hugging Face model trained in bf16 by torch.optim.AdamW; which H100 (SXM, PCIe, NVL)
+# and what its "Sec/step" times are not stated: priced and shown, never fitted on
+ONE_GPU_PUBLIC = ("universal_llm_trainer_gpu_test",)
+ONE_GPU_UNFITTED = "one H100, Hugging Face (part and timing unstated; not fitted)"
+FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled", "deepspeed-zero3-eager", TORCH_3D,
+            ONE_H100, ONE_GPU_UNFITTED)
+FSDP_ZERO3 = ("fsdp-zero3-eager", "fsdp-zero3-compiled")
 OWN = "tensoropt_issue12_h100"           # this project's own two single-H100 runs (issue 12), not a public source
+# Megatron-LM runs: fused kernels (priced as compiled blocks), bf16 with float32 main weights, distributed optimizer
+MEGATRON = ("megatron_lm_readme_h100", "flagperf_megatron_llama3")
+# sources whose rows state every shape switch (issue 35's additions), captured as stated
+OWN_SHAPE = ("kempnerforge_mfu_scaling", "kempnerforge_config_validation", "universal_llm_trainer_gpu_test",
+             "flagperf_megatron_llama3", "flagperf_deepspeed_chatglm3_6b")
 
 
 NOTES = """
@@ -82,15 +104,32 @@ distributed optimizer as ZeRO 1 (--overlap-param-gather requires it). torchtitan
 TP communication and are priced without the option. fms-fsdp's 7B row ran HSDP (sharded in a node, replicated
 across), priced as ZeRO 3 over all 96 GPUs; its "800 Gbps" cannot be per node (the 13B row's FSDP traffic alone
 needs ~46 GB/s per GPU), so its inter-node links are priced as h100-80gb's 400 Gb/s per GPU.
+
+Issue 35's additions (found in public repositories; the data file's ``sources`` say where and what each states):
+- FlagPerf's Megatron-Core 0.6 runs (Llama-3-shaped 8B on 8 and 16 H100s at tp2, 70B on 64 at tp8 pp4, micro-batch 1,
+  global batch 512, seq 8192): a second Megatron source. Their launch script sets no rope, untied-embedding or
+  bias-free flags, so the model is Megatron's default GPT-style one (learned positions, tied embeddings, linear biases)
+  with RMSNorm, SwiGLU and GQA, priced so; no recomputation flag either (the README lists recompute-activations among
+  its optimisations: a conflict the notes of the data keep); no --tp-comm-overlap.
+- FlagPerf's DeepSpeed 0.11.1 ZeRO 3 run of ChatGLM3-6B on 8 H100s (micro-batch 1, seq 4096), priced as a
+  Llama-shaped model of its sizes (2 key/value groups) on the DeepSpeed engine: its half-head rotary and QKV bias
+  are left out, and its small buckets (prefetch 1e7, reduce 1e7) are DeepSpeed's of 2023, not ours.
+- KempnerForge on H200s (nodes of 4): the one eager FSDP2 run of its MFU table (13B, 8 GPUs, micro-batch 4 x 4
+  accumulation steps, seq 4096, full recomputation) and its three eager FSDP2 + TP + PP runs
+  (torch.distributed.pipelining 1F1B over 32 GPUs). These run on hardware no fit covers (``FITTED_PROFILES``):
+  validation only, priced on the committed h200-141gb curve.
+- universal-llm-trainer's single "H100 x 1" full fine-tunes of Llama 3.1 8B and Phi-3-mini (bf16 weights and AdamW,
+  Hugging Face checkpointing, 2 x 8192 tokens, deterministic algorithms on): which H100 and what "Sec/step" times are
+  not stated, so they are shown and never fitted on.
 """
 
 
 def why_not(row: dict) -> str:
     """Why a row cannot be priced (empty: it can)."""
     p = row["parallelism"]
-    if not row["gpu"].startswith("H100"):
-        return f"not an H100 ({row['gpu']})"
-    if not row["dtype"].startswith("bf16"):
+    if "H100" not in row["gpu"] and "H200" not in row["gpu"]:
+        return f"not an H100 or H200 ({row['gpu']})"
+    if "float8" in row["dtype"]:
         return "float8 matmuls (no float8 peak or kernels in the cost model)"
     if (p.get("cp") or 1) > 1:
         return "context parallelism"
@@ -102,8 +141,14 @@ def why_not(row: dict) -> str:
 def family(row: dict) -> str:
     if row["source"] == OWN:
         return ONE_H100
-    if row["source"] == "megatron_lm_readme_h100":
+    if row["source"] in ONE_GPU_PUBLIC:
+        return ONE_GPU_UNFITTED
+    if row["source"] in MEGATRON:
         return "megatron-3d-fused"
+    if row.get("engine") == "deepspeed":
+        return "deepspeed-zero3-eager"
+    if (row["parallelism"]["pp"] or 1) > 1:
+        return TORCH_3D
     return "fsdp-zero3-compiled" if compiled(row) else "fsdp-zero3-eager"
 
 
@@ -111,12 +156,21 @@ def compiled(row: dict) -> bool:
     """Whether the run's kernels are fused: Megatron-LM's fused kernels (priced as compiled blocks), or
     torch.compile. The 405B bf16 row of docs/performance.md does not say; its train config at that commit
     compiles by default (the data file's note)."""
-    return row["source"] == "megatron_lm_readme_h100" or row["compile"] is not False
+    return row["source"] in MEGATRON or row["compile"] is not False
 
 
 def model_config(row: dict) -> dict:
     m = row["model"]
     seq = row["seq_len"]
+    if row["source"] in OWN_SHAPE:
+        # the row's own shape (FlagPerf's Megatron runs: learned positions, tied
+        # embeddings and linear biases, by Megatron's defaults), fused (flash / SDPA) attention
+        return {"family": "llama" if m["arch"] == "llama" else "gpt", "hidden_size": m["hidden"],
+                "num_layers": m["layers"], "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
+                "ffn_hidden_size": m["ffn"], "seq_length": seq, "vocab_size": m["vocab"], "norm": m["norm"],
+                "activation": m["activation"], "position": m["position"], "bias": m["bias"],
+                "tie_embeddings": m["tied_embeddings"], "attention": "flash", "dropout": 0.0,
+                "rope_theta": 500000.0 if m["vocab"] == 128256 else 10000.0}
     if m["arch"] == "llama":
         return {"family": "llama", "hidden_size": m["hidden"], "num_layers": m["layers"],
                 "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
@@ -175,18 +229,27 @@ def build_plan(row: dict, model: ModelCost) -> Plan:
     block = model.blocks[0][0].name
     if row["source"] == OWN:
         return own_plan(row, block)
-    if row["source"] == "megatron_lm_readme_h100":
+    if row["source"] in ONE_GPU_PUBLIC:
+        mb = row["micro_batch"]
+        return Plan(1, 1, 1, 1, mb, row["global_batch"], 1, 0, False, (), "bfloat16",
+                    (BlockPlan(block, recompute_mix(row, layers, False)),), master_weights=False,
+                    precision="bf16-true", compile=False)
+    if row["source"] in MEGATRON:
         # distributed optimizer (ZeRO 1), sequence parallelism with tp (--tp-comm-overlap needs it), micro-batch 1
-        # (not stated), bf16 with float32 master weights
-        mb = 1
+        # (not stated in Megatron-LM's README; FlagPerf's config), bf16 with float32 master weights
+        mb = row["micro_batch"] or 1
         strategies = ((LayerStrategy("none", tp > 1), layers // pp),)
         plan = Plan(row["gpus"], dp, tp, pp, mb, row["global_batch"], 1, 1, False,
                     model.branch_names if tp > 1 else (), "bfloat16", (BlockPlan(block, strategies),))
     else:
         mb = row["local_batch"] or row["micro_batch"]
-        plan = Plan(row["gpus"], dp, tp, pp, mb, mb * dp, 1, 3, False, model.branch_names if tp > 1 else (),
-                    "bfloat16", (BlockPlan(block, recompute_mix(row, layers, tp > 1)),), master_weights=False,
-                    precision="bf16-mixed")
+        deepspeed = row.get("engine") == "deepspeed"
+        # FSDP2 (torch engine's bf16-mixed: float32 weights are the master) or DeepSpeed's bf16 mode (16-bit weights,
+        # float32 master partitions)
+        plan = Plan(row["gpus"], dp, tp, pp, mb, mb * dp * (row.get("gradient_accumulation") or 1), 1,
+                    row.get("zero", 3), False, model.branch_names if tp > 1 else (), "bfloat16",
+                    (BlockPlan(block, recompute_mix(row, layers // pp, tp > 1)),), master_weights=deepspeed,
+                    precision="bf16-mixed", engine="deepspeed" if deepspeed else "")
     if "compile" not in {f.name for f in dataclasses.fields(Plan)}:
         return plan                  # the cost model before issue 19 (the "before" figures): no kernel modes
     return dataclasses.replace(plan, compile=compiled(row))
@@ -220,6 +283,8 @@ def measured_step_s(row: dict) -> float:
 def profile_name(row: dict) -> str:
     """The profile of the hardware a row ran on: torchtitan's sources state 96 GB HBM2e at 500 W; fms-fsdp's
     README says "H100 80G" (its MFU is against the SXM's 989 TFLOP/s); Megatron-LM's table is DGX H100 (SXM)."""
+    if "H200" in row["gpu"]:
+        return PROFILES["h200"]
     return PROFILES["torchtitan" if row["source"].startswith("torchtitan") else "other"]
 
 
@@ -239,9 +304,10 @@ def graph_of(row: dict):
 
 def price(row: dict, profile) -> dict:
     graph = graph_of(row)
-    model = ModelCost(graph, tensoropt.fold(graph), Cluster(row["gpus"], GPUS_PER_NODE, profile))
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE),
+                                                            profile))
     plan = build_plan(row, model)
-    megatron = row["source"] == "megatron_lm_readme_h100"
+    megatron = row["source"] in MEGATRON
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
     measured = measured_step_s(row)
     memory = {}
@@ -266,7 +332,7 @@ def price(row: dict, profile) -> dict:
 def summary(rows: list[dict]) -> dict[str, dict]:
     out = {}
     groups = {f: [r for r in rows if r["family"] == f] for f in FAMILIES}
-    groups["fsdp-zero3 (eager + compiled)"] = [r for r in rows if r["family"].startswith("fsdp")]
+    groups["fsdp-zero3 (eager + compiled)"] = [r for r in rows if r["family"] in FSDP_ZERO3]
     for name, members in groups.items():
         if members:
             errors = [r["error"] for r in members]
@@ -281,9 +347,13 @@ def held_out(data: dict, rows: list[dict], profiles: dict) -> dict:
     raw = [r for r in data["rows"] if not why_not(r)]
     table = _loso.error_table(raw, lambda r, prof: price(r, prof)["error"], profiles, profile_name)
     names = tuple(sorted(set(PROFILES.values())))
-    on_all, held = _loso.leave_one_source_out(rows, table, [profile_name(r) for r in raw], names, OWN)
+    # validation only: our own runs, the Hugging Face pair whose part and timing are unstated, and rows on hardware
+    # whose constants no fit chooses (the H200s: only KempnerForge's rows, the pipelined three of which no
+    # efficiency explains; fitted, they dragged the shared memory efficiency to 0.6)
+    unfitted = {OWN, *ONE_GPU_PUBLIC} | {r["source"] for r in raw if profile_name(r) not in FITTED_PROFILES}
+    on_all, held = _loso.leave_one_source_out(rows, table, [profile_name(r) for r in raw], names, tuple(unfitted))
     families = {f: (lambda r, f=f: r["family"] == f) for f in FAMILIES}
-    families["fsdp-zero3 (eager + compiled)"] = lambda r: r["family"].startswith("fsdp")
+    families["fsdp-zero3 (eager + compiled)"] = lambda r: r["family"] in FSDP_ZERO3
     figures = _loso.family_figures(held, families)
     for name, f in figures.items():
         print(f"{name}: held out median |error| {f['held_out_median_abs']:.1%} (signed "

@@ -92,6 +92,8 @@ def test_the_commit_that_set_a_guard_is_the_oldest_holding_it(search_speed):
     path = "benchmarks/results/search_speed.json"
     for label, guard in guards.items():
         commit = commits[label]
+        assert commit, (f"no commit holds the guard of {label!r} ({guard}): commit {path} (a run that lowered the "
+                        "guards left it changed) or check it out again")
         assert json.loads(git("show", f"{commit}:{path}").stdout)["guards"][label] == guard
         before = git("log", "-1", "--format=%H", f"{commit}^", "--", path).stdout.strip()
         assert before, "the guard's commit has an earlier version of the results file"
