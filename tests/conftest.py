@@ -1,6 +1,8 @@
+import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -138,6 +140,21 @@ def pytest_collection_modifyitems(items):
         legacy = item.__dict__.get("_nodeid")
         if isinstance(legacy, str) and "@" in legacy and legacy != item.nodeid and hasattr(item, "_id"):
             item._id = type(item._id).parse(legacy)
+
+
+@pytest.fixture
+def benchmark_module(monkeypatch):
+    """``load(name)``: a module of ``benchmarks/`` (whose modules import their siblings by bare name), imported with
+    that folder on the path and forgotten after the test."""
+    loaded = []
+
+    def load(name: str):
+        monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+        loaded.append(name)
+        return importlib.import_module(name)
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture

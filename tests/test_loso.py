@@ -4,19 +4,12 @@ errors come from constants fitted without it, and sources named never-fitted mov
 Synthetic tables (no pricing): each row's error on the grid is that of a row whose true constants are known, so the
 fit must find them."""
 
-import sys
-
 import pytest
-
-BENCHMARKS = __import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture
-def loso(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import _loso
-    yield _loso
-    sys.modules.pop("_loso", None)
+def loso(benchmark_module):
+    return benchmark_module("_loso")
 
 
 def _row_table(loso, true_factor: float | None = None, true_memory: float | None = None) -> dict:

@@ -4,16 +4,13 @@ on a CPU (a gloo group declared for ``cuda`` only, the host timer) or checked on
 computes (datasheet figures, copy sizes, thread counts, like-with-like memory figures)."""
 
 import contextlib
-import importlib
 import os
 import queue as queue_module
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO
 
 from launcher.devices import Devices
 from launcher.launch import main_env
@@ -162,10 +159,8 @@ def test_the_runtime_resets_gpu_memory_peaks_after_the_first_step_only(monkeypat
 
 
 @pytest.fixture
-def gpu_accuracy(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    yield importlib.import_module("gpu_accuracy")
-    sys.modules.pop("gpu_accuracy", None)
+def gpu_accuracy(benchmark_module):
+    return benchmark_module("gpu_accuracy")
 
 
 def test_gpu_accuracy_compares_tensors_with_tensors_and_reserved_with_the_total(gpu_accuracy):

@@ -5,7 +5,6 @@ import inspect
 import json
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
@@ -14,11 +13,8 @@ BENCHMARKS = __import__("pathlib").Path(__file__).resolve().parent.parent / "ben
 
 
 @pytest.fixture
-def search_speed(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import search_speed
-    yield search_speed
-    sys.modules.pop("search_speed", None)
+def search_speed(benchmark_module):
+    return benchmark_module("search_speed")
 
 
 def _slower(work, factor):
