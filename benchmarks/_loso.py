@@ -7,9 +7,10 @@ What is fitted, on the same grid for every fit: the matmul-efficiency curve of e
 HBM bandwidth (``memory_efficiency``, shared by both profiles): the three numbers the committed profiles were chosen
 with, on all public rows at once. A fit picks the grid point with the least sum of |log(predicted / measured)| over
 its rows (a median-like loss: one far row does not drag the rest). A profile none of the fitting rows ran on keeps
-its committed curve (factor 1), and the table says so. Sources named ``never_fitted`` (this project's own runs, rows
-on hardware no committed constant was chosen for: ``public_h100.py`` says which) are validation only: their held-out
-prices are those of the fit on every other source.
+its committed curve (factor 1), and the table says so. A row on a profile the fits are not given (``names``) never
+enters a fit: it is priced on that profile as committed. Sources named ``never_fitted``
+(this project's own runs; ``public_h100.py`` says which) are validation only: their held-out prices are those of the
+fit on every other source.
 
 Each row is priced once per (curve factor, memory efficiency) of its own profile: ~30 prices a row, the fits are
 then sums over a table."""
@@ -33,10 +34,12 @@ def varied(profile, factor: float, memory_efficiency: float):
 
 def error_table(rows: list[dict], priced: Callable[[dict, object], float], profiles: dict[str, object],
                 profile_of: Callable[[dict], str]) -> list[dict[tuple[float, float], float]]:
-    """For each row, {(curve factor, memory efficiency): predicted / measured - 1} on its own profile's variants;
-    ``priced(row, profile)`` gives the relative error of one row on one profile."""
+    """For each row, {(curve factor, memory efficiency): predicted / measured - 1} on its own profile's variants, and
+    under ``"committed"`` on the profile as committed; ``priced(row, profile)`` gives the relative error of one row on
+    one profile."""
     return [{(f, m): priced(row, varied(profiles[profile_of(row)], f, m))
-             for f in CURVE_FACTORS for m in MEMORY_EFFICIENCIES} for row in rows]
+             for f in CURVE_FACTORS for m in MEMORY_EFFICIENCIES}
+            | {"committed": priced(row, profiles[profile_of(row)])} for row in rows]
 
 
 def fit(indices: list[int], table: list[dict], profile_of_row: list[str], names: tuple[str, ...]) -> dict:
@@ -61,6 +64,9 @@ def fit(indices: list[int], table: list[dict], profile_of_row: list[str], names:
 
 
 def error_at(i: int, table: list[dict], profile_of_row: list[str], constants: dict) -> float:
+    """Row ``i``'s error at ``constants``; a row on a profile the fits are not given, on that profile as committed."""
+    if profile_of_row[i] not in constants["curve_factors"]:
+        return table[i]["committed"]
     return table[i][constants["curve_factors"][profile_of_row[i]], constants["memory_efficiency"]]
 
 

@@ -20,7 +20,9 @@ KempnerForge's H200s, 4 to a node, on ``profiles/h200-141gb.json``), and compare
   planner never offers: the torch engine does not overlap TP collectives).
 - FlagPerf: its tokens/s/GPU is global batch x seq / (iteration time x GPUs), inverted; KempnerForge and
   universal-llm-trainer print seconds per step.
-Rows the model cannot price are listed with why (float8 matmuls, A100s, context parallelism, async TP).
+torchtitan's eager FSDP runs on 64 A100 80GB (docs/performance.md, the source of the 405B H100 row) are priced on
+``profiles/a100-80gb.json`` since issue 35, validation only (no fit chooses that profile's constants). Rows the model
+cannot price are listed with why (float8 matmuls, context parallelism, async TP).
 
     PYTHONPATH=$PWD python benchmarks/public_h100.py [--tag before]
 """
@@ -46,7 +48,7 @@ DATA = Path(__file__).resolve().parent / "data" / "public_h100.json"
 # torchtitan's H100s (Grand Teton: 96 GB HBM2e, 500 W cap) are another part than the 700 W SXM5 80 GB HBM3 of
 # DGX H100 that Megatron-LM's, fms-fsdp's and FlagPerf's rows ran on, and KempnerForge's ran on H200s; each row is
 # priced on its own hardware's profile
-PROFILES = {"torchtitan": "h100-96gb-500w", "h200": "h200-141gb", "other": "h100-80gb"}
+PROFILES = {"torchtitan": "h100-96gb-500w", "h200": "h200-141gb", "a100": "a100-80gb", "other": "h100-80gb"}
 # the profiles whose constants the fits choose (the committed ones were chosen on these rows); rows on others
 # are priced with the fit's memory efficiency and their committed curve, never fitted on
 FITTED_PROFILES = ("h100-80gb", "h100-96gb-500w")
@@ -57,8 +59,9 @@ TORCH_3D = "fsdp+tp+pp-eager"
 # and what its "Sec/step" times are not stated: priced and shown, never fitted on
 ONE_GPU_PUBLIC = ("universal_llm_trainer_gpu_test",)
 ONE_GPU_UNFITTED = "one H100, Hugging Face (part and timing unstated; not fitted)"
+A100_EAGER = "fsdp-zero3-eager on A100s (not fitted)"
 FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled", "deepspeed-zero3-eager", TORCH_3D,
-            ONE_H100, ONE_GPU_UNFITTED)
+            ONE_H100, ONE_GPU_UNFITTED, A100_EAGER)
 FSDP_ZERO3 = ("fsdp-zero3-eager", "fsdp-zero3-compiled")
 OWN = "tensoropt_issue12_h100"           # this project's own two single-H100 runs (issue 12), not a public source
 # Megatron-LM runs: fused kernels (priced as compiled blocks), bf16 with float32 main weights, distributed optimizer
@@ -117,7 +120,10 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
 - KempnerForge on H200s (nodes of 4): the one eager FSDP2 run of its MFU table (13B, 8 GPUs, micro-batch 4 x 4
   accumulation steps, seq 4096, full recomputation) and its three eager FSDP2 + TP + PP runs
   (torch.distributed.pipelining 1F1B over 32 GPUs). These run on hardware no fit covers (``FITTED_PROFILES``):
-  validation only, priced on the committed h200-141gb curve.
+  validation only, priced on the committed h200-141gb profile.
+- torchtitan's eight eager FSDP rows on 64 A100 80GB (micro-batch 1-2, Llama 2 13B/70B and Llama 3 8B/70B; in the data
+  since issue 19, unpriced until now): validation only on the committed a100-80gb profile (whose curve was set on
+  Megatron-LM's A100 runs, ``cost_calibration.md``, not on these).
 - universal-llm-trainer's single "H100 x 1" full fine-tunes of Llama 3.1 8B and Phi-3-mini (bf16 weights and AdamW,
   Hugging Face checkpointing, 2 x 8192 tokens, deterministic algorithms on): which H100 and what "Sec/step" times are
   not stated, so they are shown and never fitted on.
@@ -127,8 +133,8 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
 def why_not(row: dict) -> str:
     """Why a row cannot be priced (empty: it can)."""
     p = row["parallelism"]
-    if "H100" not in row["gpu"] and "H200" not in row["gpu"]:
-        return f"not an H100 or H200 ({row['gpu']})"
+    if not any(part in row["gpu"] for part in ("H100", "H200", "A100-80GB")):
+        return f"not an H100, H200 or A100 80GB ({row['gpu']})"
     if "float8" in row["dtype"]:
         return "float8 matmuls (no float8 peak or kernels in the cost model)"
     if (p.get("cp") or 1) > 1:
@@ -145,6 +151,8 @@ def family(row: dict) -> str:
         return ONE_GPU_UNFITTED
     if row["source"] in MEGATRON:
         return "megatron-3d-fused"
+    if "A100" in row["gpu"]:
+        return A100_EAGER
     if row.get("engine") == "deepspeed":
         return "deepspeed-zero3-eager"
     if (row["parallelism"]["pp"] or 1) > 1:
@@ -285,6 +293,8 @@ def profile_name(row: dict) -> str:
     README says "H100 80G" (its MFU is against the SXM's 989 TFLOP/s); Megatron-LM's table is DGX H100 (SXM)."""
     if "H200" in row["gpu"]:
         return PROFILES["h200"]
+    if "A100" in row["gpu"]:
+        return PROFILES["a100"]
     return PROFILES["torchtitan" if row["source"].startswith("torchtitan") else "other"]
 
 
@@ -346,19 +356,22 @@ def held_out(data: dict, rows: list[dict], profiles: dict) -> dict:
     on all public sources and on all but each one, and the families' fitted and held-out errors."""
     raw = [r for r in data["rows"] if not why_not(r)]
     table = _loso.error_table(raw, lambda r, prof: price(r, prof)["error"], profiles, profile_name)
-    names = tuple(sorted(set(PROFILES.values())))
     # validation only: our own runs, the Hugging Face pair whose part and timing are unstated, and rows on hardware
-    # whose constants no fit chooses (the H200s: only KempnerForge's rows, the pipelined three of which no
-    # efficiency explains; fitted, they dragged the shared memory efficiency to 0.6)
-    unfitted = {OWN, *ONE_GPU_PUBLIC} | {r["source"] for r in raw if profile_name(r) not in FITTED_PROFILES}
-    on_all, held = _loso.leave_one_source_out(rows, table, [profile_name(r) for r in raw], names, tuple(unfitted))
+    # whose constants no fit chooses (``FITTED_PROFILES``: the H200s, KempnerForge's rows only, the pipelined three
+    # of which no efficiency explains (fitted, they dragged the shared memory efficiency to 0.6); torchtitan's A100s)
+    on_all, held = _loso.leave_one_source_out(rows, table, [profile_name(r) for r in raw], FITTED_PROFILES,
+                                              (OWN, *ONE_GPU_PUBLIC))
     families = {f: (lambda r, f=f: r["family"] == f) for f in FAMILIES}
     families["fsdp-zero3 (eager + compiled)"] = lambda r: r["family"] in FSDP_ZERO3
     figures = _loso.family_figures(held, families)
     for name, f in figures.items():
         print(f"{name}: held out median |error| {f['held_out_median_abs']:.1%} (signed "
               f"{f['held_out_median_signed']:+.1%}), fitted {f['fitted_median_abs']:.1%}")
-    return {"on_all": on_all, "families": figures, "rows": held, "lines": _loso.table_lines(on_all, held, figures)}
+    others = sorted({profile_name(r) for r in raw} - set(FITTED_PROFILES))
+    lines = _loso.table_lines(on_all, held, figures) + [
+        "", f"Rows on {', '.join(others)} enter no fit: each is priced on its profile as committed (no constant of "
+        "it is fitted here). Never fitted on either: " + ", ".join((OWN, *ONE_GPU_PUBLIC)) + "."]
+    return {"on_all": on_all, "families": figures, "rows": held, "lines": lines}
 
 
 def main() -> None:

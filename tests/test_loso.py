@@ -66,3 +66,15 @@ def test_a_source_that_would_set_the_fit_is_priced_without_it(loso):
     x = [r for r in held if r["source"] == "X"]
     assert [r["fitted_error"] for r in x] == pytest.approx([0.0] * 3)
     assert [r["held_out_error"] for r in x] == pytest.approx([0.8 / 1.1 - 1] * 3)
+
+
+def test_a_row_on_a_profile_no_fit_is_given_is_priced_on_it_as_committed(loso):
+    # Z runs on p2, which the fits are not given: its far-off rows move no fit, and its error is the committed one
+    layout = [("A", "p1"), ("A", "p1"), ("Z", "p2"), ("Z", "p2")]
+    table = [_row_table(loso, true_factor=t) for t in (0.9, 0.9, 0.7, 0.7)]
+    for row in table[2:]:
+        row["committed"] = -0.25
+    on_all, held = loso.leave_one_source_out(_rows(layout), table, ["p1", "p1", "p2", "p2"], ("p1",), ())
+    assert on_all["curve_factors"] == {"p1": 0.9}
+    z = [r for r in held if r["source"] == "Z"]
+    assert [r["held_out_error"] for r in z] == [-0.25, -0.25]
