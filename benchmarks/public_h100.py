@@ -110,7 +110,12 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   are left out, and its small buckets (prefetch 1e7, reduce 1e7) are DeepSpeed's of 2023, not ours.
 - KempnerForge on H200s (nodes of 4): the one eager FSDP2 run of its MFU table (13B, 8 GPUs, micro-batch 4 x 4
   accumulation steps, seq 4096, full recomputation) and its three eager FSDP2 + TP + PP runs
-  (torch.distributed.pipelining 1F1B over 32 GPUs). These run on hardware no fit covers (``FITTED_PROFILES``):
+  (torch.distributed.pipelining 1F1B over 32 GPUs). Their weights and AdamW states are bf16 with float32 gradient
+  reductions, which neither of our precisions is: priced as bf16-mixed, whose float32 reductions set the
+  data-parallel traffic as theirs do (the data's notes). Their gradient sync is off on every micro-batch but the last
+  (FSDP2 holds the unsharded gradients through the accumulation): their 13B run's 88.5 GiB allocated against our
+  60.7 GiB for the plan is about that (~28 GiB of bf16 gradients); memory is not compared here. These run on
+  hardware no fit covers (``FITTED_PROFILES``):
   validation only, priced on the committed h200-141gb profile.
 - torchtitan's eight eager FSDP rows on 64 A100 80GB (micro-batch 1-2, Llama 2 13B/70B and Llama 3 8B/70B; in the data
   since issue 19, unpriced until now): validation only on the committed a100-80gb profile (whose curve was set on
