@@ -5,6 +5,7 @@ an op (per sample, at several samples)."""
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -29,6 +30,35 @@ def test_measured_times_replace_the_roofline_and_the_rest_falls_back():
     np.testing.assert_array_equal(fwd[others], base_fwd[others])
     np.testing.assert_array_equal(bwd[others], base_bwd[others])
     assert measured.op_time("aten.mm.default(nothing|)") is None
+
+
+def test_a_measured_attention_efficiency_prices_fused_attention_at_that_fraction_of_the_curve(write_json):
+    """A profile's ``attention_efficiency`` (the profiler's (forward FLOPs, fraction) points) multiplies the efficiency
+    of fused attention ops alone, interpolated in log10 FLOPs between its points; every other op keeps its price. With
+    memory free, each attention is compute-bound: forward FLOPs / (peak x curve x fraction) + the launch, and its
+    backward (twice the FLOPs) at the same rate."""
+    spec = write_json("llama.json", {"family": "llama", "hidden_size": 256, "num_layers": 2, "num_attention_heads": 4,
+                                     "ffn_hidden_size": 512, "seq_length": 512, "vocab_size": 128})
+    ops = tensoropt.fold(tensoropt.capture(spec).graph).blocks[0].ops
+    free = dataclasses.replace(load_profile("h100-80gb"), memory_bandwidth_bytes_per_s=1e30)
+    attention = [i for i, op in enumerate(ops) if op.kind == "attention"]
+    assert attention
+    low, high = ops[attention[0]].forward_flops, ops[attention[0]].forward_flops * 100
+    measured = dataclasses.replace(free, attention_efficiency=((low / 10, 0.5), (high, 0.8)))
+    shard = np.ones(len(ops))
+    base_fwd, base_bwd = op_times(OpArrays.of(ops, free), shard, 1, free)
+    fwd, bwd = op_times(OpArrays.of(ops, measured), shard, 1, measured)
+    fraction = 0.5 + (0.8 - 0.5) * (np.log10(low) - np.log10(low / 10)) / (np.log10(high) - np.log10(low / 10))
+    for i in attention:
+        flops, op = ops[i].forward_flops, ops[i]
+        rate = free.peak(op.outputs[0].dtype) * free.efficiency(flops)
+        assert fwd[i] == pytest.approx(flops / (rate * fraction) + free.kernel_overhead_s, rel=1e-9)
+        assert bwd[i] - base_bwd[i] == pytest.approx(op.backward_flops / rate * (1 / fraction - 1), rel=1e-9)
+    others = np.ones(len(ops), dtype=bool)
+    others[attention] = False
+    np.testing.assert_array_equal(fwd[others], base_fwd[others])
+    np.testing.assert_array_equal(bwd[others], base_bwd[others])
+    assert not free.attention_measured and measured.attention_measured
 
 
 def test_times_at_a_ranks_own_shapes_win_over_scaling():

@@ -3,7 +3,8 @@
 Roofline per op (Williams et al., 2009): time = max(FLOPs / (peak x efficiency(FLOPs)),
 bytes / achieved memory bandwidth) + a fixed launch overhead. Matrix products, convolutions and
 attention run at the profile's efficiency for their size (a grouped product, one per expert, at its groups' size
-and the profile's ``grouped_matmul_efficiency`` of it: ``product_groups``); other ops are memory-bound. Backward
+and the profile's ``grouped_matmul_efficiency`` of it: ``product_groups``; a fused attention at the profile's measured
+``attention_efficiency`` of it, where the profiler measured one); other ops are memory-bound. Backward
 moves about twice the forward's bytes (it reads the output gradient and the saved inputs and
 writes input and weight gradients). Chains of memory-bound ops are priced as fused only where the plan
 runs compiled (or Megatron-style fused) kernels (``fused``: the plan's ``compile``) on a device whose profile
@@ -46,6 +47,7 @@ class OpArrays:
     peak_flops: np.ndarray
     groups: np.ndarray               # products a grouped product (``_grouped_mm``) runs at once; 1 for the rest
     grouped_kernel: np.ndarray       # bool: a bf16 grouped product, run by the grouped kernel (not a loop of mm)
+    attention: np.ndarray            # bool: a fused attention op (priced at ``attention_efficiency``)
     measured_forward_s: np.ndarray   # profiler's time at the captured shapes, nan where not measured
     measured_backward_s: np.ndarray
     measured_sharded: tuple = ()     # (tp, forward_s array, backward_s array) at one rank's shapes
@@ -76,6 +78,7 @@ class OpArrays:
             groups=groups,
             grouped_kernel=(groups > 1) & np.array([bool(op.outputs) and op.outputs[0].dtype == "bfloat16"
                                                     for op in ops], dtype=bool),
+            attention=np.array([op.kind == "attention" for op in ops], dtype=bool),
             measured_forward_s=_measured(ops, profile, "", 0),
             measured_backward_s=_measured(ops, profile, "", 1),
             measured_sharded=tuple((tp, _measured(ops, profile, f"@tp{tp}", 0), _measured(ops, profile, f"@tp{tp}", 1))
@@ -194,8 +197,13 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     # a grouped product runs each group's product at the efficiency of its own size; in bf16 torch runs it with its
     # grouped kernel, which reaches the profile's fraction of a plain product's (``grouped_matmul_efficiency``; other
     # dtypes fall back to one mm per group: ``_grouped_mm_fallback`` in ATen's GroupedMMUtils.h)
-    product_eff = np.minimum(efficiency(fwd_flops / arrays.groups, profile)
-                             * np.where(arrays.grouped_kernel, profile.grouped_matmul_efficiency, 1.0), 1.0)
+    product_eff = efficiency(fwd_flops / arrays.groups, profile) \
+        * np.where(arrays.grouped_kernel, profile.grouped_matmul_efficiency, 1.0)
+    if profile.attention_measured:
+        # the fused attention kernel at its measured fraction of a product of its FLOPs (``attention_efficiency``)
+        product_eff = product_eff * np.where(arrays.attention,
+                                             curve_efficiency(fwd_flops, profile.attention_efficiency), 1.0)
+    product_eff = np.minimum(product_eff, 1.0)
     fwd_rate = arrays.peak_flops * np.where(arrays.product, product_eff, 1.0)
     bwd_rate = fwd_rate                     # the backward's matmuls run at the forward's shapes' efficiency
     overhead = profile.kernel_overhead_s

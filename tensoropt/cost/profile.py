@@ -77,6 +77,17 @@ class DeviceProfile:
     # grouped-product kernel (``torch._grouped_mm``, Mixture-of-Experts layers) reaches, > 1 where running the groups
     # together fills the device better than one group's product alone (the product is capped at 1); 1 where unknown.
     grouped_matmul_efficiency: float = 1.0
+    # Fraction of a plain product's efficiency (``efficiency`` at the same FLOPs) that the device's fused attention
+    # kernel (``scaled_dot_product_attention``: flash / memory-efficient / cuDNN, forward and backward) reaches, as
+    # (forward FLOPs, fraction) points interpolated in log10 FLOPs like the matmul curve; FLOPs counted as the graph
+    # counts them (4 b h s_q s_k d forward, causal masking not discounted, ``graph.opinfo``). Measured by the
+    # profiler; 1 where unknown (the attention then runs at the matmul curve's rate).
+    attention_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+
+    @cached_property
+    def attention_measured(self) -> bool:
+        """Whether attention is priced off the matmul curve (a measured ``attention_efficiency``)."""
+        return any(factor != 1.0 for _, factor in self.attention_efficiency)
 
     @cached_property
     def _op_table(self) -> dict[str, tuple[float, float]]:
@@ -138,6 +149,10 @@ class DeviceProfile:
             overlap_slowdown=float(data.get("overlap_slowdown", 0.0)),
             grouped_matmul_efficiency=_positive(data.get("grouped_matmul_efficiency", 1.0),
                                                 "grouped_matmul_efficiency"),
+            attention_efficiency=tuple(sorted((_positive(f, "attention_efficiency FLOPs"),
+                                               _positive(e, "attention_efficiency"))
+                                              for f, e in data.get("attention_efficiency", [[1.0, 1.0]]))) or
+            ((1.0, 1.0),),
         )
 
 

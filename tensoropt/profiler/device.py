@@ -1,6 +1,6 @@
 """Device micro-benchmarks: matrix products over shapes and dtypes (the efficiency curve), a grouped product
-(Mixture-of-Experts layers' kernel), memory bandwidth, the fixed cost of launching one op, the optimizer step
-rate, and the host link.
+(Mixture-of-Experts layers' kernel), causal fused attentions (forward and backward), memory bandwidth, the fixed cost
+of launching one op, the optimizer step rate, and the host link.
 
 Every figure is the median of several timed samples after a warm-up, each sample back-to-back
 calls between CUDA events on a GPU (``perf_counter`` on a CPU): see ``timed``. Nothing here is used
@@ -77,6 +77,25 @@ def grouped_matmul(groups: int, rows: int, k: int, n: int, dtype: torch.dtype, d
     flops = 2.0 * groups * rows * k * n
     return {"groups": groups, "rows": rows, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch."),
             "seconds": seconds, "flops": flops, "flops_per_s": flops / seconds, "group_flops": flops / groups}
+
+
+def attention(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
+    """One causal fused attention as a training step runs it (``scaled_dot_product_attention``, forward then the
+    gradients of its three inputs): seconds, and its FLOPs counted as the graph counts them (forward 4 b h s^2 d,
+    causal masking not discounted; backward twice that: ``graph.opinfo``), so that the rate measured here is the one
+    the cost model gives the op."""
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device)
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), grad)
+    seconds = timed(step, device, repeats)
+    forward = 4.0 * batch * heads * seq * seq * head_dim
+    return {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch."), "seconds": seconds, "forward_flops": forward,
+            "flops": 3 * forward, "flops_per_s": 3 * forward / seconds}
 
 
 def memory_bandwidth(numel: int, device: str, repeats: int) -> dict:

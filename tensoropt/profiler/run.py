@@ -7,6 +7,9 @@ Fits:
 - ``grouped_matmul_efficiency``: one bf16 grouped product (``GROUPED_MATMUL``) at its measured rate over the
   bf16 curve's at one group's FLOPs (``grouped_efficiency``), what the cost model multiplies a grouped product's
   per-group efficiency by;
+- ``attention_efficiency``: causal fused attentions (``ATTENTION``, forward and backward, bf16) at their measured
+  rates over the bf16 curve's at their forward FLOPs (``attention_curve``), a (FLOPs, fraction) point each: what the
+  cost model multiplies an attention op's efficiency by;
 - ``memory_bandwidth_bytes_per_s``: the best copy rate (``memory_efficiency`` 1: it is achieved);
 - links: the ring all-reduce model t = 2(n-1)/n * M/B + 2(n-1)*alpha fitted to every all-reduce by
   least squares, giving B (bytes/s per rank) and alpha (latency), for the workers' node. A
@@ -60,6 +63,10 @@ QUICK_CPU_BF16_MAX_N = 512
 # 2,048 rows per expert (128 experts, hidden 2048, 2 x 768), the shape benchmarks/moe_kernels.py fits the datasheet
 # profiles on; on a CPU a small one (bf16 on an AVX2 core runs at ~1 GFLOP/s: ~70 ms a call)
 GROUPED_MATMUL = {"cuda": (128, 2048, 2048, 1536), "cpu": (4, 128, 256, 256)}
+# the causal attentions timed in bf16, forward and backward (batch, heads, sequence, head dim): on a GPU a Llama's
+# heads (32 x 128) at 2K, 4K and 8K tokens; on a CPU small ones (~20 ms and ~0.3 s a step on one AVX2 core)
+ATTENTION = {"cuda": ((4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)),
+             "cpu": ((1, 4, 128, 64), (1, 4, 512, 64))}
 # the CUDA context, NCCL's buffers and the allocator's slack: no benchmark here measures them, so a GPU's
 # profile keeps its datasheet profile's figure (3 GiB for an H100); this where there is none
 DEFAULT_RUNTIME_OVERHEAD_BYTES = 512 * 2**20
@@ -96,7 +103,7 @@ def matmul_sizes(s: Settings, dtype: torch.dtype) -> list[int]:
 
 def total_steps(s: Settings) -> int:
     return (sum(len(matmul_sizes(s, dtype)) for dtype in s.dtypes) + len(s.plan["memory"]) + 4
-            + collectives.steps(s.nproc, s.plan["messages"]))
+            + len(ATTENTION[s.device]) + collectives.steps(s.nproc, s.plan["messages"]))
 
 
 def fit_ring(points: list[dict]) -> tuple[float, float]:
@@ -182,6 +189,10 @@ def run(name: str, settings: Settings, advance) -> dict:
             advance(f"matmul {n}^3 {products[-1]['dtype']}")
     grouped = bench.grouped_matmul(*GROUPED_MATMUL[dev], torch.bfloat16, dev, plan["repeats"])
     advance("grouped matmul")
+    attention = []
+    for shape in ATTENTION[dev]:
+        attention.append(bench.attention(*shape, torch.bfloat16, dev, plan["repeats"]))
+        advance(f"attention s={shape[2]}")
     memory = []
     for numel in plan["memory"]:
         memory.append(bench.memory_bandwidth(numel, dev, plan["repeats"]))
@@ -196,7 +207,7 @@ def run(name: str, settings: Settings, advance) -> dict:
     if settings.nproc > 1:
         comm = collectives.measure(settings.nproc, dev, plan["messages"], plan["repeats"],
                                    on_step=lambda op, g, b: advance(f"{op} x{g} {b} B"))
-    return build_profile(name, settings, products, memory, overhead, adam, comm, host, grouped)
+    return build_profile(name, settings, products, memory, overhead, adam, comm, host, grouped, attention)
 
 
 def execution_facts(device: str) -> dict[str, bool]:
@@ -228,9 +239,17 @@ def grouped_efficiency(grouped: dict, peak_flops_per_s: float, curve: list[tuple
     return grouped["flops_per_s"] / (peak_flops_per_s * float(curve_efficiency(grouped["group_flops"], curve)))
 
 
+def attention_curve(attention: list[dict], peak_flops_per_s: float,
+                    curve: list[tuple[float, float]]) -> list[list[float]]:
+    """``attention_efficiency``: per measured attention, (its forward FLOPs, its rate over what the cost model gives a
+    plain product of those FLOPs: the peak times the measured curve there, ``cost.ops.curve_efficiency``)."""
+    return sorted([a["forward_flops"], a["flops_per_s"] / (peak_flops_per_s * float(curve_efficiency(
+        a["forward_flops"], curve)))] for a in attention)
+
+
 def build_profile(name: str, settings: Settings, products: list[dict], memory: list[dict], overhead: float,
                   adam: float, comm: list[dict], host_copies: list[dict] | None = None,
-                  grouped: dict | None = None) -> dict:
+                  grouped: dict | None = None, attention: list[dict] | None = None) -> dict:
     peaks = {}
     for p in products:
         peaks[p["dtype"]] = max(peaks.get(p["dtype"], 0.0), p["flops_per_s"])
@@ -250,6 +269,9 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
         # the cost model applies it to bf16 grouped products: measured against the bf16 curve (absent without one)
         **({"grouped_matmul_efficiency": grouped_efficiency(grouped, peaks[reference], curve)}
            if grouped and reference == grouped["dtype"] else {}),
+        # and to fused attentions (measured in bf16, against the bf16 curve)
+        **({"attention_efficiency": attention_curve(attention, peaks[reference], curve)}
+           if attention and all(a["dtype"] == reference for a in attention) else {}),
         **execution_facts(settings.device),
         "intra_node": intra, "inter_node": inter,
         "host": {"pcie_bandwidth_bytes_per_s": host_rate, "cpu_adam_params_per_s": adam},
@@ -269,7 +291,8 @@ def build_profile(name: str, settings: Settings, products: list[dict], memory: l
                       "perf_counter on a CPU); collectives in worker processes of their own "
                       f"({'nccl' if settings.device == 'cuda' else 'gloo'}); links {links_from}",
         },
-        "measurements": {"matmul": products, "grouped_matmul": [grouped] if grouped else [], "memory": memory,
+        "measurements": {"matmul": products, "grouped_matmul": [grouped] if grouped else [],
+                         "attention": attention or [], "memory": memory,
                          "op_overhead_s": overhead,
                          "adam_params_per_s": adam, "collectives": comm, "host_copies": host_copies or []},
     }
