@@ -75,33 +75,25 @@ def compiled(row: dict) -> bool:
 
 def model_config(row: dict) -> dict:
     m = row["model"]
-    seq = row["seq_len"]
+    sizes = {"hidden_size": m["hidden"], "num_layers": m["layers"], "num_attention_heads": m["heads"],
+             "ffn_hidden_size": m["ffn"], "seq_length": row["seq_len"], "vocab_size": m["vocab"]}
+    llama = {"num_key_value_heads": m["kv_heads"], "rope_theta": 500000.0 if m["vocab"] == 128256 else 10000.0}
     if row["source"] in OWN_SHAPE:
         # the row's own shape (FlagPerf's Megatron runs: learned positions, tied
         # embeddings and linear biases, by Megatron's defaults), fused (flash / SDPA) attention
-        return {"family": "llama" if m["arch"] == "llama" else "gpt", "hidden_size": m["hidden"],
-                "num_layers": m["layers"], "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
-                "ffn_hidden_size": m["ffn"], "seq_length": seq, "vocab_size": m["vocab"], "norm": m["norm"],
+        return {"family": "llama" if m["arch"] == "llama" else "gpt", **sizes, **llama, "norm": m["norm"],
                 "activation": m["activation"], "position": m["position"], "bias": m["bias"],
-                "tie_embeddings": m["tied_embeddings"], "attention": "flash", "dropout": 0.0,
-                "rope_theta": 500000.0 if m["vocab"] == 128256 else 10000.0}
+                "tie_embeddings": m["tied_embeddings"], "attention": "flash", "dropout": 0.0}
     if m["arch"] == "llama":
-        return {"family": "llama", "hidden_size": m["hidden"], "num_layers": m["layers"],
-                "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
-                "ffn_hidden_size": m["ffn"], "seq_length": seq, "vocab_size": m["vocab"],
-                "rope_theta": 500000.0 if m["vocab"] == 128256 else 10000.0}
+        return {"family": "llama", **sizes, **llama}
     if row["source"] == OWN:
         # tensoropt's gpt family as it ran at f8f685f (TransformerConfig defaults): LayerNorm, GELU, biases, learned
         # positions, tied embeddings, explicit-softmax ("eager") attention; dropout 0 (the data file's note)
-        return {"family": "gpt", "hidden_size": m["hidden"], "num_layers": m["layers"],
-                "num_attention_heads": m["heads"], "ffn_hidden_size": m["ffn"], "seq_length": seq,
-                "vocab_size": m["vocab"], "dropout": m["dropout"], "tie_embeddings": m["tied_embeddings"],
+        return {"family": "gpt", **sizes, "dropout": m["dropout"], "tie_embeddings": m["tied_embeddings"],
                 "attention": m["attention"]}
     # Megatron GPT: LayerNorm, GeLU, biases, untied embeddings (the README's sizes match 12 L h^2 + 2 V h), fused
     # (flash) attention; dropout and position embedding not stated: none, learned
-    return {"family": "gpt", "hidden_size": m["hidden"], "num_layers": m["layers"], "num_attention_heads": m["heads"],
-            "ffn_hidden_size": m["ffn"], "seq_length": seq, "vocab_size": m["vocab"], "dropout": 0.0,
-            "tie_embeddings": False, "attention": "flash"}
+    return {"family": "gpt", **sizes, "dropout": 0.0, "tie_embeddings": False, "attention": "flash"}
 
 
 def recompute_mix(row: dict, layers: int, sp: bool) -> tuple[tuple[LayerStrategy, int], ...]:

@@ -232,19 +232,24 @@ def links(settings: Settings, comm: list[dict]) -> tuple[dict, dict, str]:
     return data["intra_node"], data["inter_node"], f"copied from the {settings.link_profile} profile (one device)"
 
 
+def over_curve(flops_per_s: float, flops: float, peak_flops_per_s: float, curve: list[tuple[float, float]]) -> float:
+    """A measured rate over what the cost model gives a plain product of ``flops`` FLOPs: the peak times the measured
+    curve there, interpolated in log10 FLOPs and held constant beyond its ends (``cost.ops.curve_efficiency``). The
+    fraction the profile's ``grouped_matmul_efficiency`` and ``attention_efficiency`` hold."""
+    return flops_per_s / (peak_flops_per_s * float(curve_efficiency(flops, curve)))
+
+
 def grouped_efficiency(grouped: dict, peak_flops_per_s: float, curve: list[tuple[float, float]]) -> float:
-    """``grouped_matmul_efficiency``: the grouped product's measured rate over what the cost model gives a plain
-    product of one group's FLOPs (the peak times the measured curve there, interpolated in log10 FLOPs and held
-    constant beyond its ends: ``cost.ops.curve_efficiency``)."""
-    return grouped["flops_per_s"] / (peak_flops_per_s * float(curve_efficiency(grouped["group_flops"], curve)))
+    """``grouped_matmul_efficiency``: the grouped product's rate over a plain product's of one group's FLOPs."""
+    return over_curve(grouped["flops_per_s"], grouped["group_flops"], peak_flops_per_s, curve)
 
 
 def attention_curve(attention: list[dict], peak_flops_per_s: float,
                     curve: list[tuple[float, float]]) -> list[list[float]]:
-    """``attention_efficiency``: per measured attention, (its forward FLOPs, its rate over what the cost model gives a
-    plain product of those FLOPs: the peak times the measured curve there, ``cost.ops.curve_efficiency``)."""
-    return sorted([a["forward_flops"], a["flops_per_s"] / (peak_flops_per_s * float(curve_efficiency(
-        a["forward_flops"], curve)))] for a in attention)
+    """``attention_efficiency``: per measured attention, (its forward FLOPs, its rate over a plain product's of
+    those FLOPs)."""
+    return sorted([a["forward_flops"], over_curve(a["flops_per_s"], a["forward_flops"], peak_flops_per_s, curve)]
+                  for a in attention)
 
 
 def build_profile(name: str, settings: Settings, products: list[dict], memory: list[dict], overhead: float,
