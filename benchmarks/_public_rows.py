@@ -150,15 +150,23 @@ def build_plan(row: dict, model: ModelCost) -> Plan:
     else:
         mb = row["local_batch"] or row["micro_batch"]
         deepspeed = row.get("engine") == "deepspeed"
+        # torchtitan's tensor parallelism runs its norms sequence-parallel; a row may say it did not
+        sp = tp > 1 and p.get("sequence_parallel", True)
         # FSDP2 (torch engine's bf16-mixed: float32 weights are the master) or DeepSpeed's bf16 mode (16-bit weights,
         # float32 master partitions)
         plan = Plan(row["gpus"], dp, tp, pp, mb, mb * dp * (row.get("gradient_accumulation") or 1), 1,
                     row.get("zero", 3), False, model.branch_names if tp > 1 else (), "bfloat16",
-                    (BlockPlan(block, recompute_mix(row, layers // pp, tp > 1)),), master_weights=deepspeed,
+                    (BlockPlan(block, recompute_mix(row, layers // pp, sp)),), master_weights=deepspeed,
                     precision="bf16-mixed", engine="deepspeed" if deepspeed else "")
     if "compile" not in {f.name for f in dataclasses.fields(Plan)}:
         return plan                  # the cost model before issue 19 (the "before" figures): no kernel modes
     return dataclasses.replace(plan, compile=compiled(row))
+
+
+def vocab_replicated(row: dict) -> bool:
+    """Whether the row ran its embedding, output head and loss whole on every tensor-parallel rank (KempnerForge
+    under pipelining) rather than split over the vocabulary as torchtitan's and Megatron's tensor parallelism do."""
+    return (row["parallelism"]["tp"] or 1) > 1 and not row["parallelism"].get("vocab_parallel", True)
 
 
 def own_plan(row: dict, block: str) -> Plan:

@@ -30,6 +30,7 @@ cannot price are listed with why (float8 matmuls, context parallelism, async TP)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -52,11 +53,12 @@ from _public_rows import (
     measured_step_s,
     model_config,
     profile_name,
+    vocab_replicated,
     why_not,
 )
 
 import tensoropt
-from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.model import GraphFacts, ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
 
 DATA = Path(__file__).resolve().parent / "data" / "public_h100.json"
@@ -116,7 +118,12 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   (FSDP2 holds the unsharded gradients through the accumulation): their 13B run's 88.5 GiB allocated against our
   60.7 GiB for the plan is about that (~28 GiB of bf16 gradients); memory is not compared here. These run on
   hardware no fit covers (``FITTED_PROFILES``):
-  validation only, priced on the committed h200-141gb profile.
+  validation only, priced on the committed h200-141gb profile. Under pipelining KempnerForge's tensor parallelism is
+  another than torchtitan's (its ``tensor_parallel.py``: no sequence parallelism on pipeline stages, and the token
+  embedding, output head and cross-entropy whole on every TP rank): priced so since 2026-11-30 (plans without ``+sp``,
+  "vocab replicated"); priced with both, as before, the three rows read -40.9%, -16.1%, -27.8%. Not modelled: under
+  torch.distributed.pipelining FSDP2 reduce-scatters every gradient after the last micro-batch's backward (ours each
+  micro-batch), and KempnerForge reshards after each forward (an all-gather per micro-batch, as ours).
 - torchtitan's eight eager FSDP rows on 64 A100 80GB (micro-batch 1-2, Llama 2 13B/70B and Llama 3 8B/70B; in the data
   since issue 19, unpriced until now): validation only on the committed a100-80gb profile (whose curve was set on
   Megatron-LM's A100 runs, ``cost_calibration.md``, not on these).
@@ -144,8 +151,14 @@ def graph_of(row: dict):
 
 def price(row: dict, profile) -> dict:
     graph = graph_of(row)
+    facts = GraphFacts.of(graph)
+    if vocab_replicated(row):
+        # the cost model then prices the vocabulary's ops whole on every rank, as it does for a model that refuses
+        # the split
+        facts = dataclasses.replace(facts, vocab=dataclasses.replace(
+            facts.vocab, refused="the row ran its vocabulary replicated over tensor-parallel ranks"))
     model = ModelCost(graph, tensoropt.fold(graph), Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE),
-                                                            profile))
+                                                            profile), facts=facts)
     plan = build_plan(row, model)
     megatron = row["source"] in MEGATRON
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
@@ -161,7 +174,8 @@ def price(row: dict, profile) -> dict:
                   "memory_breakdown_gib": {k: round((v - (profile.runtime_overhead_bytes if k == "other_bytes" else 0))
                                                     / 2**30, 3) for k, v in est.memory_breakdown.items()}}
     return {"source": row["source"], "group": row["group"], "model": row["model"]["id"], "gpus": row["gpus"],
-            "family": family(row), "profile": profile.name, "plan": plan.summary() + kernels(plan),
+            "family": family(row), "profile": profile.name,
+            "plan": plan.summary() + kernels(plan) + (" vocab replicated" if vocab_replicated(row) else ""),
             "measured_step_s": measured, "predicted_step_s": est.iteration_time_s,
             "error": est.iteration_time_s / measured - 1,
             # Megatron's rows hide tensor-parallel communication behind GEMMs (--tp-comm-overlap): how much of it

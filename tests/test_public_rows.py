@@ -1,0 +1,47 @@
+"""benchmarks/public_h100.py prices a published row as it ran: a row that says its tensor parallelism ran without
+sequence parallelism and with the vocabulary whole on every rank (KempnerForge under pipelining) is priced so, and
+differently from the layout torchtitan and Megatron run (norms sequence-parallel, vocabulary split)."""
+
+import pytest
+from conftest import REPO
+
+from tensoropt.cost.profile import load_profile
+
+
+def _row(sequence_parallel: bool, vocab_parallel: bool) -> dict:
+    """A small Llama-shaped FSDP + TP + PP row in the data file's layout (a large vocabulary, so its ops weigh)."""
+    return {
+        "source": "kempnerforge_config_validation", "group": "synthetic", "repository": "r", "gpu": "NVIDIA H200",
+        "model": {"name": "small", "id": "small_llama", "hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2,
+                  "ffn": 768, "vocab": 32768, "arch": "llama", "norm": "rmsnorm", "activation": "swiglu",
+                  "position": "rope", "bias": False, "tied_embeddings": False},
+        "gpus": 16, "gpus_per_node": 4, "seq_len": 512, "micro_batch": 2, "local_batch": 2, "global_batch": 16,
+        "gradient_accumulation": 4, "recompute": "full", "zero": 3, "compile": False, "engine": "torch",
+        "dtype": "bf16", "parallelism": {"dp": 2, "fsdp": 2, "tp": 4, "pp": 2, "cp": 1,
+                                         "sequence_parallel": sequence_parallel, "vocab_parallel": vocab_parallel},
+        "derived": {"step_time_s": 1.0}, "measured": {},
+    }
+
+
+@pytest.fixture
+def priced(benchmark_module):
+    public = benchmark_module("public_h100")
+    profile = load_profile(str(REPO / "profiles" / "h200-141gb.json"))
+    return lambda sp, vocab: public.price(_row(sp, vocab), profile)
+
+
+def test_a_row_without_sequence_parallelism_is_priced_without_it(priced):
+    with_sp, without = priced(True, True), priced(False, True)
+    assert "+sp" in with_sp["plan"] and "+sp" not in without["plan"]
+    # norms and residual adds on the whole sequence on every rank, not a quarter of it
+    assert without["breakdown"]["forward_backward_s"] > with_sp["breakdown"]["forward_backward_s"]
+
+
+def test_a_row_with_its_vocabulary_replicated_prices_the_vocabulary_whole(priced):
+    split, whole = priced(False, True), priced(False, False)
+    assert "vocab replicated" in whole["plan"] and "vocab replicated" not in split["plan"]
+    # the blocks are the same plan: what differs is the ops outside them (embedding, head, loss) on the slower end
+    # stage, each micro-batch and each bubble slot
+    assert whole["breakdown"]["forward_backward_s"] == split["breakdown"]["forward_backward_s"]
+    assert whole["breakdown"]["compute_s"] > split["breakdown"]["compute_s"]
+    assert whole["predicted_step_s"] > split["predicted_step_s"]
