@@ -123,7 +123,10 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   embedding, output head and cross-entropy whole on every TP rank): priced so since 2026-11-30 (plans without ``+sp``,
   "vocab replicated"); priced with both, as before, the three rows read -40.9%, -16.1%, -27.8%. Not modelled: under
   torch.distributed.pipelining FSDP2 reduce-scatters every gradient after the last micro-batch's backward (ours each
-  micro-batch), and KempnerForge reshards after each forward (an all-gather per micro-batch, as ours).
+  micro-batch), and KempnerForge reshards after each forward (an all-gather per micro-batch, as ours). A what-if
+  (not committed code) pricing that deferred reduce-scatter, exposed after the last backward, read -16.3%, -36.2%,
+  -27.4%: further off, so it is not what the remaining gap is; nor is one inter-node bandwidth (at half the
+  profile's 50 GB/s per GPU the rows read -2.4%, +73%, +26% as our runtime runs them).
 - torchtitan's eight eager FSDP rows on 64 A100 80GB (micro-batch 1-2, Llama 2 13B/70B and Llama 3 8B/70B; in the data
   since issue 19, unpriced until now): validation only on the committed a100-80gb profile (whose curve was set on
   Megatron-LM's A100 runs, ``cost_calibration.md``, not on these).
