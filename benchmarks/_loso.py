@@ -33,12 +33,15 @@ def varied(profile, factor: float, memory_efficiency: float):
 
 
 def error_table(rows: list[dict], priced: Callable[[dict, object], float], profiles: dict[str, object],
-                profile_of: Callable[[dict], str]) -> list[dict[tuple[float, float], float]]:
+                profile_of: Callable[[dict], str], names: tuple[str, ...] | None = None
+                ) -> list[dict[tuple[float, float], float]]:
     """For each row, {(curve factor, memory efficiency): predicted / measured - 1} on its own profile's variants, and
     under ``"committed"`` on the profile as committed; ``priced(row, profile)`` gives the relative error of one row on
-    one profile."""
-    return [{(f, m): priced(row, varied(profiles[profile_of(row)], f, m))
-             for f in CURVE_FACTORS for m in MEMORY_EFFICIENCIES}
+    one profile. Rows on a profile outside ``names`` (the fitted ones; None: all) are priced as committed only: no
+    fit reads their variants."""
+    return [({(f, m): priced(row, varied(profiles[profile_of(row)], f, m))
+              for f in CURVE_FACTORS for m in MEMORY_EFFICIENCIES}
+             if names is None or profile_of(row) in names else {})
             | {"committed": priced(row, profiles[profile_of(row)])} for row in rows]
 
 

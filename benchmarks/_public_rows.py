@@ -25,8 +25,12 @@ TORCH_3D = "fsdp+tp+pp-eager"
 ONE_GPU_PUBLIC = ("universal_llm_trainer_gpu_test",)
 ONE_GPU_UNFITTED = "one H100, Hugging Face (part and timing unstated; not fitted)"
 A100_EAGER = "fsdp-zero3-eager on A100s (not fitted)"
+# KempnerForge's compiled runs on 1 to 32 H200s (torch.compile of the whole model), without and with tensor
+# parallelism: two families, since the prices miss them in opposite directions
+H200_COMPILED = "compiled, one GPU or FSDP2, on H200s (not fitted)"
+H200_COMPILED_TP = "compiled, TP (+ FSDP2), on H200s, nodes of 4 (not fitted)"
 FAMILIES = ("megatron-3d-fused", "fsdp-zero3-eager", "fsdp-zero3-compiled", "deepspeed-zero3-eager", TORCH_3D,
-            ONE_H100, ONE_GPU_UNFITTED, A100_EAGER)
+            ONE_H100, ONE_GPU_UNFITTED, A100_EAGER, H200_COMPILED, H200_COMPILED_TP)
 FSDP_ZERO3 = ("fsdp-zero3-eager", "fsdp-zero3-compiled")
 OWN = "tensoropt_issue12_h100"           # this project's own two single-H100 runs (issue 12), not a public source
 # Megatron-LM runs: fused kernels (priced as compiled blocks), bf16 with float32 main weights, distributed optimizer
@@ -63,6 +67,8 @@ def family(row: dict) -> str:
         return "deepspeed-zero3-eager"
     if (row["parallelism"]["pp"] or 1) > 1:
         return TORCH_3D
+    if "H200" in row["gpu"] and compiled(row):
+        return H200_COMPILED_TP if (row["parallelism"]["tp"] or 1) > 1 else H200_COMPILED
     return "fsdp-zero3-compiled" if compiled(row) else "fsdp-zero3-eager"
 
 
@@ -153,11 +159,11 @@ def build_plan(row: dict, model: ModelCost) -> Plan:
         # torchtitan's tensor parallelism runs its norms sequence-parallel; a row may say it did not
         sp = tp > 1 and p.get("sequence_parallel", True)
         # FSDP2 (torch engine's bf16-mixed: float32 weights are the master) or DeepSpeed's bf16 mode (16-bit weights,
-        # float32 master partitions)
+        # float32 master partitions); a row without data parallelism may say its model was bf16 itself (bf16-true)
         plan = Plan(row["gpus"], dp, tp, pp, mb, mb * dp * (row.get("gradient_accumulation") or 1), 1,
                     row.get("zero", 3), False, model.branch_names if tp > 1 else (), "bfloat16",
                     (BlockPlan(block, recompute_mix(row, layers // pp, sp)),), master_weights=deepspeed,
-                    precision="bf16-mixed", engine="deepspeed" if deepspeed else "")
+                    precision=row.get("precision", "bf16-mixed"), engine="deepspeed" if deepspeed else "")
     if "compile" not in {f.name for f in dataclasses.fields(Plan)}:
         return plan                  # the cost model before issue 19 (the "before" figures): no kernel modes
     return dataclasses.replace(plan, compile=compiled(row))

@@ -3,9 +3,10 @@ additions).
 
 Data: ``benchmarks/data/public_h100.json`` (54 rows transcribed from pytorch/torchtitan, NVIDIA/Megatron-LM and
 foundation-model-stack/fms-fsdp, each with repository, path and commit; two rows of our own, issue 12's runs on one
-H100 at f8f685f, family "one H100 (eager torch / DeepSpeed)", step time as measured; and, since issue 35, ten rows
+H100 at f8f685f, family "one H100 (eager torch / DeepSpeed)", step time as measured; and, since issue 35, 27 rows
 from five more public sources: FlagOpen/FlagPerf's Megatron-Core and DeepSpeed runs on H100s, KempnerInstitute/
-KempnerForge's eager FSDP2 and FSDP2 + TP + PP runs on H200s, ljm565/universal-llm-trainer's single-H100 runs). Each
+KempnerForge's eager FSDP2 and FSDP2 + TP + PP runs and its 17 compiled ones (one GPU, FSDP2, TP, TP + FSDP2) on
+H200s, ljm565/universal-llm-trainer's single-H100 runs). Each
 row that the cost model can price is rebuilt as it ran (model shape, dp/FSDP, tp, pp, local batch, recomputation,
 bf16 mixed precision, compiled or eager kernels), priced with ``cost.model.estimate`` (what ``tensoropt estimate``
 calls) on the profile of the hardware it ran on (``profile_name``: torchtitan's 96 GB HBM2e parts capped at 500 W on
@@ -127,6 +128,17 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   (not committed code) pricing that deferred reduce-scatter, exposed after the last backward, read -16.3%, -36.2%,
   -27.4%: further off, so it is not what the remaining gap is; nor is one inter-node bandwidth (at half the
   profile's 50 GB/s per GPU the rows read -2.4%, +73%, +26% as our runtime runs them).
+- KempnerForge's 17 compiled runs on 1 to 32 H200s (added 2026-11-30; 7B, 13B, 70B; micro-batch 2-8 x 2-8
+  accumulation steps, seq 4096, full recomputation; torch.compile of the whole model, the loss eager outside it):
+  validation only, on the committed h200-141gb profile, in two families since the prices miss them in opposite
+  directions. Without TP (one GPU, FSDP2 over 2-32 GPUs) they run faster than priced: the single-GPU 7B step is
+  ~68% of the bf16 peak in the FLOPs it computes (6 per parameter and token, causal attention halved, the recomputed
+  forward), above the committed H200 curve (the H100 SXM's unfitted earlier curve). With TP (2 or 4 ranks in a node)
+  they run slower: TP over 2 GPUs of one node took their 7B step from 3.13 s on one GPU to 2.49 s for the same
+  sequences, where the price's NVLink collectives (the profile's 8-GPU NVSwitch rate) give 2.07 s. The source does not
+  say what links its 4-GPU nodes have. Their TP plan without pipelining: norms sequence-parallel, the head's matmul
+  split by vocabulary (priced so), the embedding whole on each TP rank and the logits gathered for a whole-vocabulary
+  loss (not modelled, about +3% by hand). Rows without data parallelism are priced bf16-true (the model is bf16).
 - torchtitan's eight eager FSDP rows on 64 A100 80GB (micro-batch 1-2, Llama 2 13B/70B and Llama 3 8B/70B; in the data
   since issue 19, unpriced until now): validation only on the committed a100-80gb profile (whose curve was set on
   Megatron-LM's A100 runs, ``cost_calibration.md``, not on these).
@@ -202,7 +214,7 @@ def held_out(data: dict, rows: list[dict], profiles: dict) -> dict:
     """Leave-one-source-out (``_loso``): every priced row again on the grid of its profile's constants, the fits
     on all public sources and on all but each one, and the families' fitted and held-out errors."""
     raw = [r for r in data["rows"] if not why_not(r)]
-    table = _loso.error_table(raw, lambda r, prof: price(r, prof)["error"], profiles, profile_name)
+    table = _loso.error_table(raw, lambda r, prof: price(r, prof)["error"], profiles, profile_name, FITTED_PROFILES)
     # validation only: our own runs, the Hugging Face pair whose part and timing are unstated, and rows on hardware
     # whose constants no fit chooses (``FITTED_PROFILES``: the H200s, KempnerForge's rows only, the pipelined three
     # of which no efficiency explains (fitted, they dragged the shared memory efficiency to 0.6); torchtitan's A100s)

@@ -78,3 +78,20 @@ def test_a_row_on_a_profile_no_fit_is_given_is_priced_on_it_as_committed(loso):
     assert on_all["curve_factors"] == {"p1": 0.9}
     z = [r for r in held if r["source"] == "Z"]
     assert [r["held_out_error"] for r in z] == [-0.25, -0.25]
+
+
+def test_rows_on_unfitted_profiles_are_priced_as_committed_only(loso):
+    from conftest import REPO
+
+    from tensoropt.cost.profile import load_profile
+    profiles = {name: load_profile(str(REPO / "profiles" / f"{name}.json")) for name in ("h100-80gb", "h200-141gb")}
+    seen = []
+
+    def priced(row, profile):
+        seen.append((row["id"], profile.name))
+        return 0.0
+    rows = [{"id": "fitted", "profile": "h100-80gb"}, {"id": "unfitted", "profile": "h200-141gb"}]
+    table = loso.error_table(rows, priced, profiles, lambda r: r["profile"], ("h100-80gb",))
+    grid = len(loso.CURVE_FACTORS) * len(loso.MEMORY_EFFICIENCIES)
+    assert len(table[0]) == grid + 1 and set(table[1]) == {"committed"}
+    assert seen.count(("unfitted", "h200-141gb")) == 1 and len(seen) == grid + 2
