@@ -132,7 +132,7 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   accumulation steps, seq 4096, full recomputation; torch.compile of the whole model, the loss eager outside it):
   validation only, on the committed h200-141gb profile, in two families since the prices miss them in opposite
   directions. Without TP (one GPU, FSDP2 over 2-32 GPUs) they run faster than priced: the single-GPU 7B step is
-  ~68% of the bf16 peak in the FLOPs it computes (6 per parameter and token, causal attention halved, the recomputed
+  ~67% of the bf16 peak in the FLOPs it computes (6 per parameter and token, causal attention halved, the recomputed
   forward), above the committed H200 curve (the H100 SXM's unfitted earlier curve). With TP (2 or 4 ranks in a node)
   they run slower: TP over 2 GPUs of one node took their 7B step from 3.13 s on one GPU to 2.49 s for the same
   sequences, where the price's NVLink collectives (the profile's 8-GPU NVSwitch rate) give 2.07 s. The source does not
