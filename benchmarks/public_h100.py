@@ -127,7 +127,9 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   micro-batch), and KempnerForge reshards after each forward (an all-gather per micro-batch, as ours). A what-if
   (not committed code) pricing that deferred reduce-scatter, exposed after the last backward, read -16.3%, -36.2%,
   -27.4%: further off, so it is not what the remaining gap is; nor is one inter-node bandwidth (at half the
-  profile's 50 GB/s per GPU the rows read -2.4%, +73%, +26% as our runtime runs them).
+  profile's 50 GB/s per GPU the rows read -2.4%, +73%, +26% as our runtime runs them). All three run TP over 4
+  GPUs of a node, and the same source's compiled TP runs without pipelining are priced 12.5% too fast (below): the
+  pipelined rows' -11.5% is about that TP gap, not one of the pipeline's.
 - KempnerForge's 17 compiled runs on 1 to 32 H200s (added 2026-11-30; 7B, 13B, 70B; micro-batch 2-8 x 2-8
   accumulation steps, seq 4096, full recomputation; torch.compile of the whole model, the loss eager outside it):
   validation only, on the committed h200-141gb profile, in two families since the prices miss them in opposite
