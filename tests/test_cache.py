@@ -8,6 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 import tensoropt
 from tensoropt.graph.cache import GraphCache, write_json_atomic
@@ -206,3 +208,32 @@ def test_a_bad_index_is_passed_over(tmp_path):
     assert index.find(["--a", "--out", "y"]) == [(key, digest)] and index.find(["--b"]) == [(other, digest)]
     index.update(key, "[1]", ["--a", "--out", "x"], None)                # stored again, its unread options unknown
     assert index.find(["--a", "--out", "y"]) == [] and index.find(["--b"]) == [(other, digest)]
+
+
+class _Heads(nn.Module):
+    """nanoGPT-shaped attention: the head count is a plain attribute, in no parameter shape and not in repr."""
+
+    def __init__(self, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).split(32, dim=2)
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_a_module_setting_outside_its_shapes_is_part_of_the_key(tmp_path):
+    """Two instances of one class that differ only in a plain attribute their forward reads (nanoGPT's n_head) have
+    the same repr, state shapes and class source: each must get its own graph, not the other's from the cache."""
+    x = (torch.randn(2, 16, 32),)
+    two = tensoropt.capture(_Heads(2), x, cache_dir=tmp_path)
+    four = tensoropt.capture(_Heads(4), x, cache_dir=tmp_path)
+    again = tensoropt.capture(_Heads(4), x, cache_dir=tmp_path)
+    assert (two.cached, four.cached, again.cached) == (False, False, True)
+
+    def heads(graph):
+        return next(op.inputs[0].shape[1] for op in graph.ops if op.kind == "attention")
+    assert (heads(two.graph), heads(four.graph), heads(again.graph)) == (2, 4, 4)

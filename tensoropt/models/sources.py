@@ -32,6 +32,7 @@ from torch import nn
 from ..errors import ModelSpecError, first_line, last_line
 from .bert import BertForPreTraining
 from .hf_presets import HF_PRESETS
+from .identity import module_identity
 from .presets import PRESETS
 from .resnet import ResNetConfig, WideResNet
 from .transformer import DecoderLM, TransformerConfig
@@ -284,27 +285,6 @@ def in_dtype(model: nn.Module, inputs: tuple | Mapping, dtype: str | None) -> tu
         return x.to(target) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
     inputs = {k: cast(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else tuple(map(cast, inputs))
     return model.to(target), inputs
-
-
-def module_identity(model: nn.Module, inputs: tuple | Mapping) -> dict[str, Any]:
-    """A structural description of a built module: its module tree, state shapes, input shapes and
-    the source code of every non-torch module class (so an edited forward invalidates the cache)."""
-    values = inputs.items() if isinstance(inputs, Mapping) else enumerate(inputs)
-    classes = {}
-    for mod in model.modules():
-        cls = type(mod)
-        if not cls.__module__.startswith("torch.") and cls.__qualname__ not in classes:
-            try:
-                classes[cls.__qualname__] = inspect.getsource(cls)
-            except (OSError, TypeError):
-                classes[cls.__qualname__] = cls.__module__
-    return {
-        "repr": repr(model),
-        "state": [[n, list(t.shape), str(t.dtype)] for n, t in model.state_dict(keep_vars=True).items()],
-        "inputs": [[str(k), list(v.shape), str(v.dtype)] if isinstance(v, torch.Tensor) else [str(k), repr(v)]
-                   for k, v in values],
-        "classes": classes,
-    }
 
 
 def _json_source(path: Path) -> ModelSource:
