@@ -213,21 +213,22 @@ def test_a_bad_index_is_passed_over(tmp_path):
 class _Heads(nn.Module):
     """nanoGPT-shaped attention: the head count is a plain attribute, in no parameter shape and not in repr."""
 
-    def __init__(self, n_head: int):
+    def __init__(self, n_head: int, act=torch.relu):
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.act = n_head, act
         self.c_attn = nn.Linear(32, 96)
 
     def forward(self, x):
-        q, k, v = self.c_attn(x).split(32, dim=2)
+        q, k, v = self.act(self.c_attn(x)).split(32, dim=2)
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
 
 def test_a_module_setting_outside_its_shapes_is_part_of_the_key(tmp_path):
-    """Two instances of one class that differ only in a plain attribute their forward reads (nanoGPT's n_head) have
-    the same repr, state shapes and class source: each must get its own graph, not the other's from the cache."""
+    """Two instances of one class that differ only in a plain attribute their forward reads (nanoGPT's n_head), or in
+    a function it calls, have the same repr, state shapes and class source: each must get its own graph, not the
+    other's from the cache."""
     x = (torch.randn(2, 16, 32),)
     two = tensoropt.capture(_Heads(2), x, cache_dir=tmp_path)
     four = tensoropt.capture(_Heads(4), x, cache_dir=tmp_path)
@@ -237,3 +238,6 @@ def test_a_module_setting_outside_its_shapes_is_part_of_the_key(tmp_path):
     def heads(graph):
         return next(op.inputs[0].shape[1] for op in graph.ops if op.kind == "attention")
     assert (heads(two.graph), heads(four.graph), heads(again.graph)) == (2, 4, 4)
+    # an activation function passed in is a setting too
+    tanh = tensoropt.capture(_Heads(4, torch.tanh), x, cache_dir=tmp_path)
+    assert tanh.cached is False and any(op.target == "aten.tanh.default" for op in tanh.graph.ops)

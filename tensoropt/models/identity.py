@@ -4,7 +4,9 @@ graph its forward traces, so that a model changed in any of it is traced again."
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,8 +41,9 @@ def module_identity(model: nn.Module, inputs: tuple | Mapping) -> dict[str, Any]
 
 def module_settings(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Per module (by path), its public attributes that are plain values (numbers, strings, flags and sequences of
-    them: head counts, dropout rates, ``is_causal``, ``training``) or configs (a dataclass, or an object with
-    ``to_dict``, as Hugging Face's), which a forward may read to decide what it computes."""
+    them: head counts, dropout rates, ``is_causal``, ``training``), functions (an activation passed in) or configs (a
+    dataclass, or an object with ``to_dict``, as Hugging Face's), which a forward may read to decide what it
+    computes."""
     configs: dict[int, Any] = {}           # one config object is shared by many modules: described once
     out = {}
     for path, mod in model.named_modules():
@@ -61,6 +64,11 @@ def _described(value: Any, configs: dict[int, Any]) -> Any:
         return value
     if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
         return list(value)
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        # a function the forward calls (an activation passed in as ``F.gelu``): by its name
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    if isinstance(value, functools.partial):
+        return f"partial({_described(value.func, configs)}, {value.args!r}, {value.keywords!r})"
     if id(value) not in configs:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             configs[id(value)] = repr(dataclasses.asdict(value))
