@@ -35,8 +35,8 @@ def test_measured_times_replace_the_roofline_and_the_rest_falls_back():
 def test_a_measured_attention_efficiency_prices_fused_attention_at_that_fraction_of_the_curve(write_json):
     """A profile's ``attention_efficiency`` (the profiler's (forward FLOPs, fraction) points) multiplies the efficiency
     of fused attention ops alone, interpolated in log10 FLOPs between its points; every other op keeps its price. With
-    memory free, each attention is compute-bound: forward FLOPs / (peak x curve x fraction) + the launch, and its
-    backward (twice the FLOPs) at the same rate."""
+    memory free, each attention is compute-bound: its work (the causal kernel's 5/8 of the FLOPs at 512 positions, four
+    tiles of 128) / (peak x curve x fraction) + the launch, and its backward (twice the FLOPs) at the same rate."""
     spec = write_json("llama.json", {"family": "llama", "hidden_size": 256, "num_layers": 2, "num_attention_heads": 4,
                                      "ffn_hidden_size": 512, "seq_length": 512, "vocab_size": 128})
     ops = tensoropt.fold(tensoropt.capture(spec).graph).blocks[0].ops
@@ -52,13 +52,52 @@ def test_a_measured_attention_efficiency_prices_fused_attention_at_that_fraction
     for i in attention:
         flops, op = ops[i].forward_flops, ops[i]
         rate = free.peak(op.outputs[0].dtype) * free.efficiency(flops)
-        assert fwd[i] == pytest.approx(flops / (rate * fraction) + free.kernel_overhead_s, rel=1e-9)
-        assert bwd[i] - base_bwd[i] == pytest.approx(op.backward_flops / rate * (1 / fraction - 1), rel=1e-9)
+        assert fwd[i] == pytest.approx(flops * 5 / 8 / (rate * fraction) + free.kernel_overhead_s, rel=1e-9)
+        # the datasheet profile prices the counted FLOPs (its convention), the measured one the causal kernel's work
+        assert bwd[i] - base_bwd[i] == pytest.approx(op.backward_flops / rate * (5 / 8 / fraction - 1), rel=1e-9)
     others = np.ones(len(ops), dtype=bool)
     others[attention] = False
     np.testing.assert_array_equal(fwd[others], base_fwd[others])
     np.testing.assert_array_equal(bwd[others], base_bwd[others])
     assert not free.attention_measured and measured.attention_measured
+
+
+class _Attention(nn.Module):
+    """Fused attention over the input as queries, keys and values, causal or not (no other op computes)."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        q = self.proj(x).view(x.shape[0], x.shape[1], 4, 16).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=self.causal)
+
+
+@pytest.mark.parametrize("seq", [512, 1000])
+def test_a_causal_fused_attention_is_priced_for_the_tiles_its_kernel_computes(seq):
+    """A fused causal attention computes the key tiles on and below the diagonal only (flash / cuDNN kernels, 128
+    positions a tile): (n + 1) / (2 n) of its FLOPs for n tiles. On a profile that measured its attention kernel, with
+    memory free, a causal attention's compute-bound time is that share of a bidirectional one's. A datasheet profile
+    prices both on their counted FLOPs."""
+    free = dataclasses.replace(load_profile("h100-80gb"), memory_bandwidth_bytes_per_s=1e30)
+    measured = dataclasses.replace(free, attention_efficiency=((1.0, 0.9),))
+    times = {}
+    for causal in (True, False):
+        ops = tensoropt.capture(_Attention(causal), example_inputs=(torch.randn(2, seq, 64),)).graph.ops
+        i = next(i for i, op in enumerate(ops) if op.kind == "attention")
+        shard = np.ones(len(ops))
+        for profile in (free, measured):
+            fwd, bwd = op_times(OpArrays.of(ops, profile), shard, 1, profile)
+            times[profile.attention_measured, causal] = (fwd[i] - profile.kernel_overhead_s,
+                                                         bwd[i] - profile.kernel_overhead_s)
+    tiles = -(-seq // 128)
+    share = (tiles + 1) / (2 * tiles)
+    for k in (0, 1):
+        assert times[True, True][k] == pytest.approx(share * times[True, False][k], rel=1e-12)
+        assert times[False, True][k] == times[False, False][k]
+        assert times[False, False][k] == pytest.approx(0.9 * times[True, False][k], rel=1e-12)
 
 
 def test_times_at_a_ranks_own_shapes_win_over_scaling():

@@ -68,14 +68,17 @@ def test_the_attention_efficiency_is_each_attentions_rate_over_the_curves_at_its
     """The profile's ``attention_efficiency`` holds, per measured causal attention (forward and backward, bf16), its
     forward FLOPs and its rate over the peak times the measured bf16 curve at those FLOPs: the rate the cost model
     gives an attention op before that factor, so a measured device prices attention at its own fused kernel's speed.
-    The rate counts the FLOPs as the graph does (forward 4 b h s^2 d, backward twice that)."""
+    The rate is of the work a causal kernel does: the FLOPs as the graph counts them (forward 4 b h s^2 d, backward
+    twice that) times the share of tiles on and below the diagonal, as the cost model prices the op's work."""
     profile = load_profile(str(quick_profile))
     measured = json.loads(quick_profile.read_text())["measurements"]["attention"]
     assert len(measured) == 2 and all(a["dtype"] == "bfloat16" for a in measured)
     expected = []
     for a in measured:
         assert a["forward_flops"] == 4 * a["batch"] * a["heads"] * a["seq"] ** 2 * a["head_dim"]
-        assert a["flops_per_s"] == pytest.approx(3 * a["forward_flops"] / a["seconds"], rel=1e-12)
+        tiles = -(-a["seq"] // 128)
+        assert a["work"] == (tiles + 1) / (2 * tiles)
+        assert a["flops_per_s"] == pytest.approx(3 * a["forward_flops"] * a["work"] / a["seconds"], rel=1e-12)
         plain = profile.peak("bfloat16") * float(efficiency(np.array([a["forward_flops"]]), profile)[0])
         expected.append((a["forward_flops"], a["flops_per_s"] / plain))
     assert [f for f, _ in profile.attention_efficiency] == [f for f, _ in sorted(expected)]

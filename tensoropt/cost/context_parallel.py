@@ -7,10 +7,12 @@ micro_batch / cp samples (``cost.layer``); the attention is the exception. The r
 (``models.transformer.Attention`` reading ``models.sequence``, ``runtime.parallel.context_parallel``) does not pass
 keys and values around a ring: each copy's attention all-gathers the rank's keys and values (after rotary, before
 any GQA repeat) over the cp ranks to the whole sequence, one all-gather for K and one for V, synchronous, not
-overlapped with compute, and computes its S / cp queries against all S keys under an explicit mask (no causal
-skipping: S / cp x S products, which is 1/cp of the captured whole-sequence attention, so the 1/cp scaling of every
-op holds for the attention core too). Its backward reduce-scatters the gathered tensors' gradients back (the same
-volume); a fully recomputed copy runs its forward, all-gathers included, again in the backward.
+overlapped with compute, and computes each of its two chunks' queries against the keys up to the chunk's end under
+a bottom-right causal mask (flash: the fused kernels skip the masked tiles; eager: the causal mask's rows). The
+load-balanced chunks give every rank 1/cp of the whole sequence's causal work, so the 1/cp scaling of every op holds
+for the attention core too (its causal share, ``graph.opinfo.causal_fraction``, with it). Its backward
+reduce-scatters the gathered tensors' gradients back (the same volume); a fully recomputed copy runs its forward,
+all-gathers included, again in the backward.
 
 Memory: what the attention's backward needs of the gathered K and V is kept as the rank's share and gathered again
 when the backward first reads it (``runtime.parallel.context_parallel._Shares``, as Transformer Engine's all-gather

@@ -4,7 +4,12 @@ Roofline per op (Williams et al., 2009): time = max(FLOPs / (peak x efficiency(F
 bytes / achieved memory bandwidth) + a fixed launch overhead. Matrix products, convolutions and
 attention run at the profile's efficiency for their size (a grouped product, one per expert, at its groups' size
 and the profile's ``grouped_matmul_efficiency`` of it: ``product_groups``; a fused attention at the profile's measured
-``attention_efficiency`` of it, where the profiler measured one); other ops are memory-bound. Backward
+``attention_efficiency`` of it, where the profiler measured one); other ops are memory-bound. A fused attention under
+a causal mask computes only the key tiles on and below the diagonal, about half the FLOPs the graph counts
+(``graph.opinfo.causal_fraction``): a measured profile prices that work at the kernel's measured rate of it (the
+profiler times causal kernels and divides their work by the time), so a bidirectional attention costs twice a causal
+one; a datasheet profile prices every attention's counted FLOPs at the matmul curve, the convention its constants
+were fitted under on public runs (which mostly ran causal attention at 2-8K positions). Backward
 moves about twice the forward's bytes (it reads the output gradient and the saved inputs and
 writes input and weight gradients). Chains of memory-bound ops are priced as fused only where the plan
 runs compiled (or Megatron-style fused) kernels (``fused``: the plan's ``compile``) on a device whose profile
@@ -27,6 +32,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..graph.ir import Op
+from ..graph.opinfo import causal_work_fraction
 from .profile import DeviceProfile
 
 PRODUCT_KINDS = ("matmul", "conv", "attention")
@@ -48,6 +54,7 @@ class OpArrays:
     groups: np.ndarray               # products a grouped product (``_grouped_mm``) runs at once; 1 for the rest
     grouped_kernel: np.ndarray       # bool: a bf16 grouped product, run by the grouped kernel (not a loop of mm)
     attention: np.ndarray            # bool: a fused attention op (priced at ``attention_efficiency``)
+    work: np.ndarray                 # share of the op's FLOPs its kernel computes (a causal fused attention's ~1/2)
     measured_forward_s: np.ndarray   # profiler's time at the captured shapes, nan where not measured
     measured_backward_s: np.ndarray
     measured_sharded: tuple = ()     # (tp, forward_s array, backward_s array) at one rank's shapes
@@ -79,6 +86,7 @@ class OpArrays:
             grouped_kernel=(groups > 1) & np.array([bool(op.outputs) and op.outputs[0].dtype == "bfloat16"
                                                     for op in ops], dtype=bool),
             attention=np.array([op.kind == "attention" for op in ops], dtype=bool),
+            work=np.array([causal_work_fraction(op) for op in ops], dtype=float),
             measured_forward_s=_measured(ops, profile, "", 0),
             measured_backward_s=_measured(ops, profile, "", 1),
             measured_sharded=tuple((tp, _measured(ops, profile, f"@tp{tp}", 0), _measured(ops, profile, f"@tp{tp}", 1))
@@ -199,16 +207,22 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     # dtypes fall back to one mm per group: ``_grouped_mm_fallback`` in ATen's GroupedMMUtils.h)
     product_eff = efficiency(fwd_flops / arrays.groups, profile) \
         * np.where(arrays.grouped_kernel, profile.grouped_matmul_efficiency, 1.0)
+    work = 1.0
     if profile.attention_measured:
-        # the fused attention kernel at its measured fraction of a product of its FLOPs (``attention_efficiency``)
+        # the fused attention kernel at its measured rate of the work it does (``attention_efficiency``: a fraction
+        # of a product's rate at its FLOPs), on its work: a causal kernel's tiles on and below the diagonal, about
+        # half its FLOPs (``work``; under context parallelism each rank's chunks against the keys up to their ends,
+        # 1/cp of that work: ``cost.context_parallel``). A datasheet profile prices every attention on its FLOPs at
+        # the matmul curve, which its fitted constants were chosen under (the module docstring)
         product_eff = product_eff * np.where(arrays.attention,
                                              curve_efficiency(fwd_flops, profile.attention_efficiency), 1.0)
+        work = arrays.work
     product_eff = np.minimum(product_eff, 1.0)
     fwd_rate = arrays.peak_flops * np.where(arrays.product, product_eff, 1.0)
     bwd_rate = fwd_rate                     # the backward's matmuls run at the forward's shapes' efficiency
     overhead = profile.kernel_overhead_s
-    fwd = np.maximum(fwd_flops / fwd_rate, mem_s) + overhead
-    bwd = np.where(arrays.needs_backward, np.maximum(bwd_flops / bwd_rate, 2 * mem_s) + overhead, 0.0)
+    fwd = np.maximum(fwd_flops * work / fwd_rate, mem_s) + overhead
+    bwd = np.where(arrays.needs_backward, np.maximum(bwd_flops * work / bwd_rate, 2 * mem_s) + overhead, 0.0)
     # measured ops: the profiler's time at the captured shapes, scaled by the work this device does;
     # better, where it exists, its time at one tensor-parallel rank's own shapes
     scale = micro_batch / shard

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..graph.opinfo import causal_fraction
+
 
 def _sync(device: str) -> None:
     if device == "cuda":
@@ -81,9 +83,10 @@ def grouped_matmul(groups: int, rows: int, k: int, n: int, dtype: torch.dtype, d
 
 def attention(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
     """One causal fused attention as a training step runs it (``scaled_dot_product_attention``, forward then the
-    gradients of its three inputs): seconds, and its FLOPs counted as the graph counts them (forward 4 b h s^2 d,
-    causal masking not discounted; backward twice that: ``graph.opinfo``), so that the rate measured here is the one
-    the cost model gives the op."""
+    gradients of its three inputs): seconds, its FLOPs counted as the graph counts them (forward 4 b h s^2 d, causal
+    masking not discounted; backward twice that: ``graph.opinfo``), the share of them a fused kernel computes
+    (``work``: the tiles on and below the diagonal, ``graph.opinfo.causal_fraction``), and the rate of that work:
+    what the cost model prices the op's work at (``cost.ops.op_times``)."""
     q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device)
@@ -93,9 +96,10 @@ def attention(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtyp
         return torch.autograd.grad(out, (q, k, v), grad)
     seconds = timed(step, device, repeats)
     forward = 4.0 * batch * heads * seq * seq * head_dim
+    work = causal_fraction(seq, seq)
     return {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim,
             "dtype": str(dtype).removeprefix("torch."), "seconds": seconds, "forward_flops": forward,
-            "flops": 3 * forward, "flops_per_s": 3 * forward / seconds}
+            "flops": 3 * forward, "work": work, "flops_per_s": 3 * forward * work / seconds}
 
 
 def memory_bandwidth(numel: int, device: str, repeats: int) -> dict:

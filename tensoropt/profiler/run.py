@@ -8,8 +8,9 @@ Fits:
   bf16 curve's at one group's FLOPs (``grouped_efficiency``), what the cost model multiplies a grouped product's
   per-group efficiency by;
 - ``attention_efficiency``: causal fused attentions (``ATTENTION``, forward and backward, bf16) at their measured
-  rates over the bf16 curve's at their forward FLOPs (``attention_curve``), a (FLOPs, fraction) point each: what the
-  cost model multiplies an attention op's efficiency by;
+  rates of work (the FLOPs a causal kernel computes, about half the graph's count) over the bf16 curve's at their
+  forward FLOPs (``attention_curve``), a (FLOPs, fraction) point each: what the cost model multiplies an attention
+  op's efficiency by;
 - ``memory_bandwidth_bytes_per_s``: the best copy rate (``memory_efficiency`` 1: it is achieved);
 - links: the ring all-reduce model t = 2(n-1)/n * M/B + 2(n-1)*alpha fitted to every all-reduce by
   least squares, giving B (bytes/s per rank) and alpha (latency), for the workers' node. A
