@@ -138,9 +138,10 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   forward), above the committed H200 curve (the H100 SXM's unfitted earlier curve). With TP (2 or 4 ranks in a node)
   they run slower: TP over 2 GPUs of one node took their 7B step from 3.13 s on one GPU to 2.49 s for the same
   sequences (0.93 s over half the one-GPU step), where the price goes from 3.80 s to 2.07 s (0.17 s over half; its
-  collectives at the profile's 8-GPU NVSwitch rate). The source does not say what links its 4-GPU nodes have. Their TP plan without pipelining: norms sequence-parallel, the head's matmul
-  split by vocabulary (priced so), the embedding whole on each TP rank and the logits gathered for a whole-vocabulary
-  loss (not modelled, about +3% by hand). Rows without data parallelism are priced bf16-true (the model is bf16).
+  collectives at the profile's 8-GPU NVSwitch rate). The source does not say what links its 4-GPU nodes have. Their
+  TP plan without pipelining: norms sequence-parallel, the head's matmul split by vocabulary (priced so), the
+  embedding whole on each TP rank and the logits gathered for a whole-vocabulary loss (not modelled, about +3% by
+  hand). Rows without data parallelism are priced bf16-true (the model is bf16).
 - torchtitan's eight eager FSDP rows on 64 A100 80GB (micro-batch 1-2, Llama 2 13B/70B and Llama 3 8B/70B; in the data
   since issue 19, unpriced until now): validation only on the committed a100-80gb profile (whose curve was set on
   Megatron-LM's A100 runs, ``cost_calibration.md``, not on these).
