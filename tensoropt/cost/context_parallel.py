@@ -10,7 +10,7 @@ any GQA repeat) over the cp ranks to the whole sequence, one all-gather for K an
 overlapped with compute, and computes each of its two chunks' queries against the keys up to the chunk's end under
 a bottom-right causal mask (flash: the fused kernels skip the masked tiles; eager: the causal mask's rows). The
 load-balanced chunks give every rank 1/cp of the whole sequence's causal work, so the 1/cp scaling of every op holds
-for the attention core too (its causal share, ``graph.opinfo.causal_fraction``, with it). Its backward
+for the attention core too (its causal share, ``cost.ops.causal_fraction``, with it). Its backward
 reduce-scatters the gathered tensors' gradients back (the same volume); a fully recomputed copy runs its forward,
 all-gathers included, again in the backward.
 

@@ -6,7 +6,7 @@ attention run at the profile's efficiency for their size (a grouped product, one
 and the profile's ``grouped_matmul_efficiency`` of it: ``product_groups``; a fused attention at the profile's measured
 ``attention_efficiency`` of it, where the profiler measured one); other ops are memory-bound. A fused attention under
 a causal mask computes only the key tiles on and below the diagonal, about half the FLOPs the graph counts
-(``graph.opinfo.causal_fraction``): a measured profile prices that work at the kernel's measured rate of it (the
+(``causal_fraction``): a measured profile prices that work at the kernel's measured rate of it (the
 profiler times causal kernels and divides their work by the time), so a bidirectional attention costs twice a causal
 one; a datasheet profile prices every attention's counted FLOPs at the matmul curve, the convention its constants
 were fitted under on public runs (which mostly ran causal attention at 2-8K positions). Backward
@@ -32,7 +32,6 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..graph.ir import Op
-from ..graph.opinfo import causal_work_fraction
 from .profile import DeviceProfile
 
 PRODUCT_KINDS = ("matmul", "conv", "attention")
@@ -92,6 +91,29 @@ class OpArrays:
             measured_sharded=tuple((tp, _measured(ops, profile, f"@tp{tp}", 0), _measured(ops, profile, f"@tp{tp}", 1))
                                    for tp in profile.sharded_degrees),
         )
+
+
+# query and key rows per tile of the fused attention kernels (FlashAttention-2's forward runs 128-row query blocks)
+CAUSAL_TILE = 128
+
+
+def causal_fraction(s_q: int, s_k: int) -> float:
+    """The share of a causal attention's FLOPs (counted unmasked: ``graph.opinfo._attention_flops``) that a fused
+    kernel computes: flash, memory-efficient and cuDNN attention skip the key tiles wholly above the diagonal and
+    compute those on it masked, (n + 1) / (2 n) of the n x n tiles of a sequence of n tiles (Dao, FlashAttention-2,
+    2023, sec. 3.1.1, "causal masking"); 1 for queries and keys of different lengths, whose alignment is not known
+    here."""
+    if s_q != s_k:
+        return 1.0
+    tiles = -(-s_q // CAUSAL_TILE)
+    return (tiles + 1) / (2 * tiles)
+
+
+def causal_work_fraction(op: Op) -> float:
+    """``causal_fraction`` of a fused attention op run with ``is_causal``; 1 for every other op."""
+    if op.kind != "attention" or dict(op.attrs).get("is_causal") != "True" or len(op.inputs) < 2:
+        return 1.0
+    return causal_fraction(op.inputs[0].shape[-2], op.inputs[1].shape[-2])
 
 
 def product_groups(op: Op) -> int:

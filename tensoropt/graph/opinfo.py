@@ -77,28 +77,6 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
     return 4 * math.prod(batch) * s_q * s_k * d
 
 
-# query and key rows per tile of the fused attention kernels (FlashAttention-2's forward runs 128-row query blocks)
-CAUSAL_TILE = 128
-
-
-def causal_fraction(s_q: int, s_k: int) -> float:
-    """The share of a causal attention's FLOPs (counted unmasked, ``_attention_flops``) that a fused kernel computes:
-    flash, memory-efficient and cuDNN attention skip the key tiles wholly above the diagonal and compute those on it
-    masked, (n + 1) / (2 n) of the n x n tiles of a sequence of n tiles (Dao, FlashAttention-2, 2023, sec. 3.1.1,
-    "causal masking"); 1 for queries and keys of different lengths, whose alignment is not known here."""
-    if s_q != s_k:
-        return 1.0
-    tiles = -(-s_q // CAUSAL_TILE)
-    return (tiles + 1) / (2 * tiles)
-
-
-def causal_work_fraction(op) -> float:
-    """``causal_fraction`` of a fused attention op run with ``is_causal``; 1 for every other op."""
-    if op.kind != "attention" or dict(op.attrs).get("is_causal") != "True" or len(op.inputs) < 2:
-        return 1.0
-    return causal_fraction(op.inputs[0].shape[-2], op.inputs[1].shape[-2])
-
-
 def _grouped_mm_flops(a: torch.Tensor, out: torch.Tensor) -> int:
     """A grouped product (one matrix per expert, ``aten._grouped_mm``): every row of ``a`` meets one group's matrix,
     2 * rows * in * out whatever the grouping, so the routing's balance changes no FLOP count."""

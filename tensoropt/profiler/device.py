@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..graph.opinfo import causal_fraction
+from ..cost.ops import causal_fraction
 
 
 def _sync(device: str) -> None:
@@ -85,7 +85,7 @@ def attention(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtyp
     """One causal fused attention as a training step runs it (``scaled_dot_product_attention``, forward then the
     gradients of its three inputs): seconds, its FLOPs counted as the graph counts them (forward 4 b h s^2 d, causal
     masking not discounted; backward twice that: ``graph.opinfo``), the share of them a fused kernel computes
-    (``work``: the tiles on and below the diagonal, ``graph.opinfo.causal_fraction``), and the rate of that work:
+    (``work``: the tiles on and below the diagonal, ``cost.ops.causal_fraction``), and the rate of that work:
     what the cost model prices the op's work at (``cost.ops.op_times``)."""
     q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
                for _ in range(3))
