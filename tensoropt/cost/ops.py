@@ -229,7 +229,7 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     # dtypes fall back to one mm per group: ``_grouped_mm_fallback`` in ATen's GroupedMMUtils.h)
     product_eff = efficiency(fwd_flops / arrays.groups, profile) \
         * np.where(arrays.grouped_kernel, profile.grouped_matmul_efficiency, 1.0)
-    work = 1.0
+    fwd_work, bwd_work = fwd_flops, bwd_flops       # the FLOPs the kernels compute
     if profile.attention_measured:
         # the fused attention kernel at its measured rate of the work it does (``attention_efficiency``: a fraction
         # of a product's rate at its FLOPs), on its work: a causal kernel's tiles on and below the diagonal, about
@@ -238,13 +238,13 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
         # the matmul curve, which its fitted constants were chosen under (the module docstring)
         product_eff = product_eff * np.where(arrays.attention,
                                              curve_efficiency(fwd_flops, profile.attention_efficiency), 1.0)
-        work = arrays.work
+        fwd_work, bwd_work = fwd_flops * arrays.work, bwd_flops * arrays.work
     product_eff = np.minimum(product_eff, 1.0)
     fwd_rate = arrays.peak_flops * np.where(arrays.product, product_eff, 1.0)
     bwd_rate = fwd_rate                     # the backward's matmuls run at the forward's shapes' efficiency
     overhead = profile.kernel_overhead_s
-    fwd = np.maximum(fwd_flops * work / fwd_rate, mem_s) + overhead
-    bwd = np.where(arrays.needs_backward, np.maximum(bwd_flops * work / bwd_rate, 2 * mem_s) + overhead, 0.0)
+    fwd = np.maximum(fwd_work / fwd_rate, mem_s) + overhead
+    bwd = np.where(arrays.needs_backward, np.maximum(bwd_work / bwd_rate, 2 * mem_s) + overhead, 0.0)
     # measured ops: the profiler's time at the captured shapes, scaled by the work this device does;
     # better, where it exists, its time at one tensor-parallel rank's own shapes
     scale = micro_batch / shard
