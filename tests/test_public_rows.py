@@ -1,6 +1,11 @@
 """benchmarks/public_h100.py prices a published row as it ran: a row that says its tensor parallelism ran without
 sequence parallelism and with the vocabulary whole on every rank (KempnerForge under pipelining) is priced so, and
-differently from the layout torchtitan and Megatron run (norms sequence-parallel, vocabulary split)."""
+differently from the layout torchtitan and Megatron run (norms sequence-parallel, vocabulary split); and the data file
+it reads adds up."""
+
+import collections
+import json
+import re
 
 import pytest
 from conftest import REPO
@@ -45,3 +50,23 @@ def test_a_row_with_its_vocabulary_replicated_prices_the_vocabulary_whole(priced
     assert whole["breakdown"]["forward_backward_s"] == split["breakdown"]["forward_backward_s"]
     assert whole["breakdown"]["compute_s"] > split["breakdown"]["compute_s"]
     assert whole["predicted_step_s"] > split["predicted_step_s"]
+
+
+def test_every_public_row_names_its_commit_and_adds_up():
+    """The committed calibration data as the benchmark reads it: every public row names its source (listed, with its
+    row count) and the full commit it was read at; its mesh multiplies to its GPUs; and where it states gradient
+    accumulation, micro-batch x accumulation x data-parallel ranks is its global batch (a transcription slip in any
+    of these would price another run than the one measured)."""
+    data = json.loads((REPO / "benchmarks" / "data" / "public_h100.json").read_text())
+    sources = {s["id"]: s for s in data["sources"]}
+    counts = collections.Counter(r["source"] for r in data["rows"])
+    assert all(s.get("row_count") in (None, counts[name]) for name, s in sources.items())
+    for row in data["rows"]:
+        assert row["source"] in sources
+        if row["source"] != "tensoropt_issue12_h100":          # our own runs name this repository's commit
+            assert re.fullmatch(r"[0-9a-f]{40}", row["commit"]), row["group"]
+        p = row["parallelism"]
+        assert (p["dp"] or 1) * (p["tp"] or 1) * (p["pp"] or 1) * (p.get("cp") or 1) == row["gpus"], row["group"]
+        if row.get("gradient_accumulation") and row.get("engine") in ("torch", "deepspeed"):
+            micro = row.get("local_batch") or row["micro_batch"]
+            assert micro * row["gradient_accumulation"] * (p["dp"] or 1) == row["global_batch"], row["group"]
