@@ -78,10 +78,11 @@ class DeviceProfile:
     # together fills the device better than one group's product alone (the product is capped at 1); 1 where unknown.
     grouped_matmul_efficiency: float = 1.0
     # Fraction of a plain product's efficiency (``efficiency`` at the same FLOPs) that the device's fused attention
-    # kernel (``scaled_dot_product_attention``: flash / memory-efficient / cuDNN, forward and backward) reaches, as
-    # (forward FLOPs, fraction) points interpolated in log10 FLOPs like the matmul curve; FLOPs counted as the graph
-    # counts them (4 b h s_q s_k d forward, causal masking not discounted, ``graph.opinfo``). Measured by the
-    # profiler; 1 where unknown (the attention then runs at the matmul curve's rate).
+    # kernel (``scaled_dot_product_attention``: flash / memory-efficient / cuDNN, forward and backward) reaches on the
+    # work it does (a causal kernel's tiles on and below the diagonal: ``cost.ops.causal_fraction``), as (forward
+    # FLOPs, fraction) points interpolated in log10 FLOPs like the matmul curve; FLOPs counted as the graph counts them
+    # (4 b h s_q s_k d forward, causal masking not discounted, ``graph.opinfo``). Measured by the profiler; 1 where
+    # unknown (the attention's counted FLOPs then run at the matmul curve's rate).
     attention_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
 
     @cached_property

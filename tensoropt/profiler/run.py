@@ -247,8 +247,8 @@ def grouped_efficiency(grouped: dict, peak_flops_per_s: float, curve: list[tuple
 
 def attention_curve(attention: list[dict], peak_flops_per_s: float,
                     curve: list[tuple[float, float]]) -> list[list[float]]:
-    """``attention_efficiency``: per measured attention, (its forward FLOPs, its rate over a plain product's of
-    those FLOPs)."""
+    """``attention_efficiency``: per measured attention, (its forward FLOPs, its rate of work over a plain product's
+    rate at those FLOPs)."""
     return sorted([a["forward_flops"], over_curve(a["flops_per_s"], a["forward_flops"], peak_flops_per_s, curve)]
                   for a in attention)
 
