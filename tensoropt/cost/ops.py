@@ -98,7 +98,7 @@ CAUSAL_TILE = 128
 
 
 def causal_fraction(s_q: int, s_k: int) -> float:
-    """The share of a causal attention's FLOPs (counted unmasked: ``graph.opinfo._attention_flops``) that a fused
+    """The share of a causal attention's FLOPs (counted unmasked: ``graph.opinfo.attention_flops``) that a fused
     kernel computes: flash, memory-efficient and cuDNN attention skip the key tiles wholly above the diagonal and
     compute those on it masked, (n + 1) / (2 n) of the n x n tiles of a sequence of n tiles (Dao, FlashAttention-2,
     2023, sec. 3.1.1, "causal masking"); 1 for queries and keys of different lengths, whose alignment is not known

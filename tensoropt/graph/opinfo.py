@@ -69,7 +69,7 @@ def _numel(t: torch.Tensor) -> int:
     return math.prod(t.shape)
 
 
-def _attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
+def attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
     """Two batched products (Q K^T and P V): 4 * b * heads * s_q * s_k * d. Causal masking is not
     discounted, following the convention of Narayanan et al. (SC'21)."""
     *batch, s_q, d = q.shape
@@ -93,7 +93,7 @@ def forward_flops(func: torch._ops.OpOverload, kind: str, args: Sequence, kwargs
     if formula is not None:
         return int(formula(*args, **kwargs, out_val=out))
     if kind == "attention":
-        return _attention_flops(args[0], args[1])
+        return attention_flops(args[0], args[1])
     if kind in _NO_FLOPS or not out_tensors:
         return 0
     if kind in ("reduction", "loss"):

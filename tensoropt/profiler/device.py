@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..cost.ops import causal_fraction
+from ..graph.opinfo import attention_flops
 
 
 def _sync(device: str) -> None:
@@ -84,9 +85,9 @@ def grouped_matmul(groups: int, rows: int, k: int, n: int, dtype: torch.dtype, d
 def attention(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
     """One causal fused attention as a training step runs it (``scaled_dot_product_attention``, forward then the
     gradients of its three inputs): seconds, its FLOPs counted as the graph counts them (forward 4 b h s^2 d, causal
-    masking not discounted; backward twice that: ``graph.opinfo``), the share of them a fused kernel computes
-    (``work``: the tiles on and below the diagonal, ``cost.ops.causal_fraction``), and the rate of that work:
-    what the cost model prices the op's work at (``cost.ops.op_times``)."""
+    masking not discounted, ``graph.opinfo.attention_flops``; backward twice that), the share of them a fused kernel
+    computes (``work``: the tiles on and below the diagonal, ``cost.ops.causal_fraction``), and the rate of that
+    work: what the cost model prices the op's work at (``cost.ops.op_times``)."""
     q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device)
@@ -95,7 +96,7 @@ def attention(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtyp
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return torch.autograd.grad(out, (q, k, v), grad)
     seconds = timed(step, device, repeats)
-    forward = 4.0 * batch * heads * seq * seq * head_dim
+    forward = float(attention_flops(q, k))
     work = causal_fraction(seq, seq)
     return {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim,
             "dtype": str(dtype).removeprefix("torch."), "seconds": seconds, "forward_flops": forward,
