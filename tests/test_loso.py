@@ -5,6 +5,9 @@ Synthetic tables (no pricing): each row's error on the grid is that of a row who
 fit must find them."""
 
 import pytest
+from conftest import REPO
+
+from tensoropt.cost.profile import load_profile
 
 
 @pytest.fixture
@@ -81,9 +84,6 @@ def test_a_row_on_a_profile_no_fit_is_given_is_priced_on_it_as_committed(loso):
 
 
 def test_rows_on_unfitted_profiles_are_priced_as_committed_only(loso):
-    from conftest import REPO
-
-    from tensoropt.cost.profile import load_profile
     profiles = {name: load_profile(str(REPO / "profiles" / f"{name}.json")) for name in ("h100-80gb", "h200-141gb")}
     seen = []
 
