@@ -12,8 +12,10 @@ enters a fit: it is priced on that profile as committed. Sources named ``never_f
 (this project's own runs; ``public_h100.py`` says which) are validation only: their held-out prices are those of the
 fit on every other source.
 
-Each row is priced once per (curve factor, memory efficiency) of its own profile: ~30 prices a row, the fits are
-then sums over a table."""
+Each row is priced once per (curve factor, memory efficiency) of its own profile: ~190 prices a row, on a grid of
+0.025 in the factor and 0.05 in memory efficiency (at 0.05 and 0.1 a held-out fit hinged on where the grid points fell
+relative to the committed curve: Megatron's held-out median moved by 2 points when the committed curve it is relative
+to moved by 0.1); the fits are then sums over a table."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ import math
 import statistics
 from collections.abc import Callable
 
-CURVE_FACTORS = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2)   # x the committed matmul curve
-MEMORY_EFFICIENCIES = (0.5, 0.6, 0.7, 0.8, 0.9)
+CURVE_FACTORS = tuple(round(0.75 + 0.025 * i, 3) for i in range(21))    # 0.75 .. 1.25 x the committed matmul curve
+MEMORY_EFFICIENCIES = tuple(round(0.4 + 0.05 * i, 2) for i in range(9))   # 0.4 .. 0.8
 
 
 def varied(profile, factor: float, memory_efficiency: float):

@@ -121,13 +121,13 @@ def test_a_grouped_product_runs_each_experts_product_at_its_own_size(write_json,
     mm per group (its fallback) at the plain efficiency. At 64 tokens a micro-batch the products are compute-bound
     only on a device whose memory is free: priced with unlimited bandwidth, each is FLOPs / rate + the launch."""
     graph = tensoropt.capture(write_json("moe.json", QWEN3_MOE), seq_len=64, precision=precision).graph
-    h100 = load_profile("h100-80gb")
-    free = dataclasses.replace(h100, memory_bandwidth_bytes_per_s=1e30)
+    # the kernel's share set below 1 (the committed profiles' fit is 1.0), so that applying it shows
+    free = dataclasses.replace(load_profile("h100-80gb"), memory_bandwidth_bytes_per_s=1e30,
+                               grouped_matmul_efficiency=0.75)
     ops = tuple(op for op in graph.ops if op.target.startswith("aten._grouped_mm"))
     assert ops and all(op.inputs[1].shape[0] == 8 for op in ops)        # 8 experts: one group each
     forward, _ = op_times(OpArrays.of(ops, free), np.ones(len(ops)), 4, free)
     factor = free.grouped_matmul_efficiency if kernel else 1.0
-    assert h100.grouped_matmul_efficiency == 0.75
     for op, seconds in zip(ops, forward):
         flops = op.forward_flops * 4
         rate = free.peak(op.outputs[0].dtype) * free.efficiency(flops / 8) * factor

@@ -6,10 +6,10 @@ attention run at the profile's efficiency for their size (a grouped product, one
 and the profile's ``grouped_matmul_efficiency`` of it: ``product_groups``; a fused attention at the profile's measured
 ``attention_efficiency`` of it, where the profiler measured one); other ops are memory-bound. A fused attention under
 a causal mask computes only the key tiles on and below the diagonal, about half the FLOPs the graph counts
-(``causal_fraction``): a measured profile prices that work at the kernel's measured rate of it (the
-profiler times causal kernels and divides their work by the time), so a bidirectional attention costs twice a causal
-one; a datasheet profile prices every attention's counted FLOPs at the matmul curve, the convention its constants
-were fitted under on public runs (which mostly ran causal attention at 2-8K positions). Backward
+(``causal_fraction``), and is priced on that work: on a measured profile at the kernel's measured rate of it (the
+profiler times causal kernels and divides their work by the time), on a datasheet profile at the matmul curve (whose
+constants were fitted on public runs priced so, issue 35). A bidirectional attention costs twice a causal one; an
+explicit-softmax ("eager") attention, a product that computes every score, its counted FLOPs. Backward
 moves about twice the forward's bytes (it reads the output gradient and the saved inputs and
 writes input and weight gradients). Chains of memory-bound ops are priced as fused only where the plan
 runs compiled (or Megatron-style fused) kernels (``fused``: the plan's ``compile``) on a device whose profile
@@ -229,16 +229,15 @@ def op_times(arrays: OpArrays, shard: np.ndarray, micro_batch: int,
     # dtypes fall back to one mm per group: ``_grouped_mm_fallback`` in ATen's GroupedMMUtils.h)
     product_eff = efficiency(fwd_flops / arrays.groups, profile) \
         * np.where(arrays.grouped_kernel, profile.grouped_matmul_efficiency, 1.0)
-    fwd_work, bwd_work = fwd_flops, bwd_flops       # the FLOPs the kernels compute
+    # the FLOPs the kernels compute: a causal fused attention's tiles on and below the diagonal, about half the
+    # FLOPs counted (``work``; under context parallelism each rank's chunks against the keys up to their ends, 1/cp of
+    # that work: ``cost.context_parallel``)
+    fwd_work, bwd_work = fwd_flops * arrays.work, bwd_flops * arrays.work
     if profile.attention_measured:
         # the fused attention kernel at its measured rate of the work it does (``attention_efficiency``: a fraction
-        # of a product's rate at its FLOPs), on its work: a causal kernel's tiles on and below the diagonal, about
-        # half its FLOPs (``work``; under context parallelism each rank's chunks against the keys up to their ends,
-        # 1/cp of that work: ``cost.context_parallel``). A datasheet profile prices every attention on its FLOPs at
-        # the matmul curve, which its fitted constants were chosen under (the module docstring)
+        # of a product's rate at its FLOPs); a datasheet profile runs it at the matmul curve
         product_eff = product_eff * np.where(arrays.attention,
                                              curve_efficiency(fwd_flops, profile.attention_efficiency), 1.0)
-        fwd_work, bwd_work = fwd_flops * arrays.work, bwd_flops * arrays.work
     product_eff = np.minimum(product_eff, 1.0)
     fwd_rate = arrays.peak_flops * np.where(arrays.product, product_eff, 1.0)
     bwd_rate = fwd_rate                     # the backward's matmuls run at the forward's shapes' efficiency
