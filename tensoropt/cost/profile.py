@@ -82,7 +82,7 @@ class DeviceProfile:
     # work it does (a causal kernel's tiles on and below the diagonal: ``cost.ops.causal_fraction``), as (forward
     # FLOPs, fraction) points interpolated in log10 FLOPs like the matmul curve; FLOPs counted as the graph counts them
     # (4 b h s_q s_k d forward, causal masking not discounted, ``graph.opinfo``). Measured by the profiler; 1 where
-    # unknown (the attention's counted FLOPs then run at the matmul curve's rate).
+    # unknown (the attention's work then runs at the matmul curve's rate).
     attention_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
 
     @cached_property
