@@ -326,6 +326,18 @@ def test_estimate_prices_a_frontier_plan_of_two_blocks_as_the_frontier_does(writ
     assert report["peak_memory_bytes"] == pytest.approx(points[0]["peak_memory_bytes"], rel=1e-9)
 
 
+def test_a_plan_naming_a_block_twice_is_refused(write_json):
+    """A plan written before blocks sharing a pattern were told apart names both ``model.layers.*``: refused, not
+    priced or run as one block."""
+    model = _model(_graph(write_json, DENSE_FIRST))
+    plan = _by_block(model, "full", "none")
+    twice = dataclasses.replace(plan, blocks=tuple(BlockPlan("model.layers.*", bp.strategies) for bp in plan.blocks))
+    with pytest.raises(ValueError, match=r"block model\.layers\.\* is named 2 times"):
+        estimate(model, twice)
+    with pytest.raises(ValueError, match=r"block model\.layers\.\* is named 2 times"):
+        Plan.from_json(twice.to_json())
+
+
 def test_a_top_k_above_the_experts_is_one_line(write_json):
     code, out = run("inspect", "--model", write_json("bad.json", {**MIXTRAL, "num_experts_per_tok": 6}), "--no-cache")
     assert code != 0 and out.count("\n") == 1
