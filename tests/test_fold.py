@@ -66,9 +66,10 @@ def test_moe_alternating_layers_fold_as_pairs(write_json):
 def test_wide_resnet_stages_stay_apart():
     graph = tensoropt.capture("wide-resnet50-2").graph
     folded = folded_exactly(graph)
-    # each stage's first block downsamples; the others repeat with the stage's own shapes
-    assert blocks(folded) == [("stages.0.*", 16, 2), ("stages.1.*", 16, 3), ("stages.2.*", 16, 5),
-                              ("stages.3.*", 16, 2)]
+    # each stage's first block downsamples; the others repeat with the stage's own shapes, and are named by the
+    # copies they hold among the stage's blocks (``stages.0.*`` alone would find the downsampling one too)
+    assert blocks(folded) == [("stages.0.*[1:3]", 16, 2), ("stages.1.*[1:4]", 16, 3), ("stages.2.*[1:6]", 16, 5),
+                              ("stages.3.*[1:3]", 16, 2)]
 
 
 def test_user_model_with_arbitrary_names_and_two_widths():
@@ -256,3 +257,21 @@ def test_a_block_name_picking_copies_the_model_lacks_is_one_line():
     with pytest.raises(ValueError, match="slice 5:4 is empty or not after the one before it"):
         split_name("layers.*[0:2,5:4]")
     assert split_name("layers.[0-3]") == ("layers.[0-3]", None)      # an fnmatch class, not a slice
+
+
+class OddFirst(TwoKinds):
+    """A gated first layer no block holds, then one block of three plain layers (as a DeepSeek-V3 with one dense
+    layer: ``first_k_dense_replace`` 1)."""
+
+    KINDS = "GDDD"
+
+
+def test_a_block_whose_pattern_also_matches_a_lone_layer_is_named_by_its_copies():
+    """The block's pattern ``layers.*`` matches the lone first layer too, which the runtime would then recompute and
+    shard as one of the block's copies: the block is named by the copies it holds, and finds those only."""
+    with torch.device("meta"):
+        model = OddFirst()
+    graph = trace_module(model, (torch.empty(4, 32, device="meta"),))
+    folded = folded_exactly(graph)
+    assert [(b.name, b.repeats) for b in folded.blocks] == [("layers.*[1:4]", 3)]
+    assert copies_of(model, folded.blocks[0].name) == ["layers.1", "layers.2", "layers.3"]
