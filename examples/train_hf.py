@@ -55,6 +55,13 @@ CONFIGS = {
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                       decoder_sparse_step=1, mlp_only_layers=[], vocab_size=128, pad_token_id=0, bos_token_id=1,
                       eos_token_id=2, attention_dropout=0.0),
+    # Qwen3-MoE whose first two layers are dense (``mlp_only_layers``, as DeepSeek-V3's first three): two blocks
+    # whose copies share one module pattern (``graph.block_names``)
+    "qwen3_moe_dense_first": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
+                                  moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                  decoder_sparse_step=1, mlp_only_layers=[0, 1], vocab_size=128, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2, attention_dropout=0.0),
     "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
                         first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                         n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
@@ -65,7 +72,9 @@ CONFIGS = {
 
 def build(arch: str, seq_len: int) -> torch.nn.Module:
     positions = "n_positions" if arch == "gpt2" else "max_position_embeddings"
-    config = transformers.AutoConfig.for_model(arch, **CONFIGS[arch], **{positions: seq_len}, use_cache=False)
+    fields = dict(CONFIGS[arch])
+    model_type = fields.pop("model_type", arch)
+    config = transformers.AutoConfig.for_model(model_type, **fields, **{positions: seq_len}, use_cache=False)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 

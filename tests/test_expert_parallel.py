@@ -2,7 +2,8 @@
 experts; Qwen3-MoE, 8 experts; top-2) trained by 4 real gloo workers with each rank holding E / ep experts, tokens
 sent to them and back by all-to-all, reach the losses of ``examples/train_hf.py`` run alone (``LOSS_RTOL``) and its
 final weights (``assert_weights_alike``), under ZeRO 0 (DDP beside the experts' own reduction), 1, 2 and 3 (FSDP2 on
-the experts over the edp ranks), with tensor parallelism on the attention, and across a checkpoint that changes ep.
+the experts over the edp ranks), with tensor parallelism on the attention, across a checkpoint that changes ep, and
+with dense layers before the MoE ones (two blocks of one module pattern, each run as its own plan says).
 
 Why the weights are compared in every launch, not only the losses: AdamW divides each step by the gradient's own
 size, so a gradient scaled wrongly (an expert gradient divided by dp twice, as FSDP2 over one edp rank once did)
@@ -37,7 +38,8 @@ from tensoropt.runtime.parallel.expert_parallel import check_plan, experts_modul
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 HF_SCRIPT = str(EXAMPLES / "train_hf.py")
-STEPS = {"mixtral": 3, "qwen3_moe": 2, "deepseek_v3": 3}          # see the module doc: routing margins
+STEPS = {"mixtral": 3, "qwen3_moe": 2, "deepseek_v3": 3,        # see the module doc: routing margins
+         "qwen3_moe_dense_first": 3}
 _ALONE: dict[str, tuple[list[float], np.ndarray]] = {}
 
 
@@ -154,11 +156,13 @@ def test_dispatch_and_combine_match_hugging_faces_kernel_on_two_ranks(tmp_path):
                                             ("qwen3_moe", 2, 1), ("deepseek_v3", 2, 1)])
 def test_expert_parallel_plans_train_as_the_script_alone(arch, ep, zero, tmp_path, tmp_path_factory):
     """Each plan through the launcher. DeepSeek-V3-shaped (MLA attention, a shared expert beside 4 routed ones, grouped
-    sigmoid routing, its first layer dense: 3 block copies): its router is not replayed for margins, its launches
-    matched the script alone to 1e-7 over 5 steps."""
+    sigmoid routing, its first layer dense: 3 block copies, named by their slice of ``model.layers.*`` so that the
+    dense layer is not one of them): its router is not replayed for margins, its launches matched the script alone
+    to 1e-7 over 5 steps."""
     want_losses, want_params = _alone(arch, tmp_path_factory)
     copies = 3 if arch == "deepseek_v3" else 4
-    plan = _plan(ep, zero, blocks=(BlockPlan("model.layers.*", ((LayerStrategy("none"), copies),)),))
+    name = "model.layers.*[1:4]" if arch == "deepseek_v3" else "model.layers.*"
+    plan = _plan(ep, zero, blocks=(BlockPlan(name, ((LayerStrategy("none"), copies),)),))
     got = launched_with_plan(plan, tmp_path, 4, HF_SCRIPT, "--arch", arch, "--steps", STEPS[arch], params=True)
     assert got["plan"] == f"dp4 ep{ep} tp1 pp1 mb2x1 zero{zero} [{copies}xnone]"
     np.testing.assert_allclose(got["losses"], want_losses, rtol=LOSS_RTOL)
@@ -179,6 +183,29 @@ def test_expert_parallel_beside_tensor_parallel_attention(tmp_path, tmp_path_fac
     assert [b["branch"] for b in got["written"]["tp_layout"]["model.layers.*"]] == ["self_attn"]
     np.testing.assert_allclose(got["losses"], want_losses, rtol=LOSS_RTOL)
     assert_weights_alike(got["params"], want_params, STEPS["mixtral"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_a_dense_and_an_moe_block_of_one_pattern_run_each_its_own_plan(tmp_path, tmp_path_factory):
+    """Qwen3-MoE with two dense layers, then two MoE ones (``mlp_only_layers``): two blocks whose copies are all
+    ``model.layers.*``, named apart (``model.layers.*[0:2]``, ``[2:4]``). dp2 x tp2 with ep2 (ZeRO 1): the dense
+    copies recomputed and their MLP sharded over tp (the MoE block has no tensor-parallel branch), the MoE copies'
+    experts over ep; the workers find each block's copies by its name. Its routing margins over these 3 steps:
+    5.4e-6 and more."""
+    arch = "qwen3_moe_dense_first"
+    want_losses, want_params = _alone(arch, tmp_path_factory)
+    plan = Plan(devices=4, dp=2, tp=2, pp=1, micro_batch=2, global_batch=8, zero=1, ep=2, tp_branches=("mlp",),
+                precision="32-true", dtype="float32", master_weights=False,
+                blocks=(BlockPlan("model.layers.*[0:2]", ((LayerStrategy("full"), 2),)),
+                        BlockPlan("model.layers.*[2:4]", ((LayerStrategy("none"), 2),))))
+    got = launched_with_plan(plan, tmp_path, 4, HF_SCRIPT, "--arch", arch, "--steps", STEPS[arch], params=True)
+    assert got["plan"] == "dp2 ep2 tp2 pp1 mb2x2 zero1 tp:mlp [2xfull] [2xnone]"
+    # the attention is kept whole (Qwen3's q/k norms, examples/train_hf.py): the dense block's MLP is the one branch
+    assert {block: [b["branch"] for b in branches] for block, branches in got["written"]["tp_layout"].items()} == \
+        {"model.layers.*[0:2]": ["mlp"]}
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=LOSS_RTOL)
+    assert_weights_alike(got["params"], want_params, STEPS[arch])
 
 
 @pytest.mark.slow

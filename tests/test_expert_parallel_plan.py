@@ -261,6 +261,83 @@ def test_dense_layers_of_an_moe_model_run_as_without_ep(write_json):
     assert estimate(model, plan).time_breakdown["expert_parallel_comm_s"] > 0
 
 
+# two dense layers, then three MoE ones: two blocks of one pattern, with different numbers of copies
+DENSE_FIRST = {**QWEN3_MOE, "num_hidden_layers": 5, "mlp_only_layers": [0, 1]}
+
+
+def _by_block(model, dense: str, moe: str) -> Plan:
+    """dp4 ep2 mb2x1, the dense block's copies under ``dense`` recomputation, the MoE block's under ``moe``."""
+    (d, _), (m, _) = model.blocks
+    return Plan(devices=4, dp=4, tp=1, pp=1, micro_batch=2, global_batch=8, ep=2,
+                blocks=(BlockPlan(d.name, ((LayerStrategy(dense), d.repeats),)),
+                        BlockPlan(m.name, ((LayerStrategy(moe), m.repeats),))))
+
+
+def test_a_dense_and_an_moe_block_of_one_pattern_are_named_by_their_copies(write_json):
+    """The two blocks' copies are all ``model.layers.*``: each is named by the slice of them it holds (a plan naming
+    both ``model.layers.*`` gave the two one plan's strategies), and the runtime finds those copies by that name."""
+    from tensoropt.models.sources import resolve_model
+    from tensoropt.runtime.blocks import block_modules, copies_of
+    from tensoropt.runtime.memory.recompute import recomputed_modules
+    path = write_json("moe.json", DENSE_FIRST)
+    model = _model(_graph(write_json, DENSE_FIRST))
+    assert [(b.name, b.repeats) for b, _ in model.blocks] == [("model.layers.*[0:2]", 2), ("model.layers.*[2:5]", 3)]
+    module, _ = resolve_model(path).build(1, 64)
+    assert [copies_of(module, b.name) for b, _ in model.blocks] == [
+        ["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3", "model.layers.4"]]
+    plan = _by_block(model, "full", "none")
+    assert recomputed_modules(module, plan) == ["model.layers.0", "model.layers.1"]
+    assert block_modules(module, plan) == [f"model.layers.{i}" for i in range(5)]      # FSDP2's units, each once
+
+
+def test_each_block_is_priced_with_its_own_strategies(write_json):
+    """estimate of a plan recomputing the dense block only: the recomputation is the dense copies', the experts'
+    all-to-alls the MoE copies' (one micro-batch); and every point FT finds is priced by estimate as FT prices it,
+    points whose two blocks run different strategies among them."""
+    model = _model(_graph(write_json, DENSE_FIRST))
+    (_, dense), (_, moe) = model.blocks
+    full, none = dense.layer(LayerStrategy("full"), 1, (), 2, 1, 2), moe.layer(LayerStrategy("none"), 1, (), 2, 1, 2)
+    got = estimate(model, _by_block(model, "full", "none")).time_breakdown
+    assert full.recompute_s > 0 and none.recompute_s == 0
+    assert got["recompute_s"] == pytest.approx(2 * full.recompute_s, rel=1e-12)
+    assert got["forward_backward_s"] == pytest.approx(
+        2 * (full.forward_s + full.backward_s) + 3 * (none.forward_s + none.backward_s), rel=1e-12)
+    assert got["expert_parallel_comm_s"] == pytest.approx(3 * none.ep_comm_s, rel=1e-12)
+    ft = ft_equals_exhaustive(model, 4, SearchSpace(global_batch=8, micro_batches=(2,), eps=0.0,
+                                                    expert_parallel=(2,)))
+    assert any(p.plan.blocks[0].strategies != p.plan.blocks[1].strategies for p in ft.points)
+
+
+def test_estimate_prices_a_frontier_plan_of_two_blocks_as_the_frontier_does(write_json):
+    """``tensoropt estimate`` with a frontier point's flags (the same strategy in both blocks) gives its figures: it
+    had priced the dense block with the MoE block's three copies."""
+    common = ("--model", write_json("moe.json", DENSE_FIRST), "--gpus", 4, "--global-batch", 8, "--seq-len", 64,
+              "--device", "h100-80gb", "--ep", 2)
+    code, out = run("frontier", *common, "--json")
+    assert code == 0, out
+    points = [p for p in json.loads(out)["points"] if p["plan"]["summary"].endswith("zero2 [2xfull] [3xfull]")]
+    assert len(points) == 1 and points[0]["plan"]["micro_batch"] == 2
+    code, out = run("estimate", *common, "--tp", 1, "--pp", 1, "--micro-batch", 2, "--zero", 2, "--recompute", "full",
+                    "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["plan"]["blocks"] == points[0]["plan"]["blocks"]
+    assert report["iteration_time_s"] == pytest.approx(points[0]["iteration_time_s"], rel=1e-12)
+    assert report["peak_memory_bytes"] == pytest.approx(points[0]["peak_memory_bytes"], rel=1e-9)
+
+
+def test_a_plan_naming_a_block_twice_is_refused(write_json):
+    """A plan written before blocks sharing a pattern were told apart names both ``model.layers.*``: refused, not
+    priced or run as one block."""
+    model = _model(_graph(write_json, DENSE_FIRST))
+    plan = _by_block(model, "full", "none")
+    twice = dataclasses.replace(plan, blocks=tuple(BlockPlan("model.layers.*", bp.strategies) for bp in plan.blocks))
+    with pytest.raises(ValueError, match=r"block model\.layers\.\* is named 2 times"):
+        estimate(model, twice)
+    with pytest.raises(ValueError, match=r"block model\.layers\.\* is named 2 times"):
+        Plan.from_json(twice.to_json())
+
+
 def test_a_top_k_above_the_experts_is_one_line(write_json):
     code, out = run("inspect", "--model", write_json("bad.json", {**MIXTRAL, "num_experts_per_tok": 6}), "--no-cache")
     assert code != 0 and out.count("\n") == 1

@@ -8,8 +8,11 @@ from conftest import EXAMPLES, SMALL_GPT
 from torch import nn
 
 import tensoropt
+from tensoropt.errors import TensorOptError
+from tensoropt.graph.block_names import split_name
 from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
+from tensoropt.runtime.blocks import copies_of
 
 
 def assert_exact(graph, folded):
@@ -63,9 +66,10 @@ def test_moe_alternating_layers_fold_as_pairs(write_json):
 def test_wide_resnet_stages_stay_apart():
     graph = tensoropt.capture("wide-resnet50-2").graph
     folded = folded_exactly(graph)
-    # each stage's first block downsamples; the others repeat with the stage's own shapes
-    assert blocks(folded) == [("stages.0.*", 16, 2), ("stages.1.*", 16, 3), ("stages.2.*", 16, 5),
-                              ("stages.3.*", 16, 2)]
+    # each stage's first block downsamples; the others repeat with the stage's own shapes, and are named by the
+    # copies they hold among the stage's blocks (``stages.0.*`` alone would find the downsampling one too)
+    assert blocks(folded) == [("stages.0.*[1:3]", 16, 2), ("stages.1.*[1:4]", 16, 3), ("stages.2.*[1:6]", 16, 5),
+                              ("stages.3.*[1:3]", 16, 2)]
 
 
 def test_user_model_with_arbitrary_names_and_two_widths():
@@ -202,3 +206,72 @@ def test_runs_with_different_shared_inputs_unfold_exactly():
     graph = _capture(TwoStacks, (4, 32))
     folded = folded_exactly(graph)
     assert [(b.name, b.repeats) for b in folded.blocks] == [("first.*", 3), ("second.*", 3)]
+
+
+class Gated(nn.Module):
+    """A layer of ``Layer``'s width with other ops: the two never fold together."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.fc(x)) + x
+
+
+class TwoKinds(nn.Module):
+    """One list of layers of two kinds (as DeepSeek-V3's dense, then MoE layers): a gated one alone, two plain, three
+    gated, two plain."""
+
+    KINDS = "GDDGGGDD"
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Gated(32) if kind == "G" else Layer(32) for kind in self.KINDS)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_blocks_sharing_a_pattern_are_named_by_the_copies_they_hold():
+    """Both blocks' copies are ``layers.*`` modules: each is named by the slices of those modules it holds, counting
+    the lone layer no block holds, and the runtime finds each block's copies, and only those, by that name."""
+    with torch.device("meta"):
+        model = TwoKinds()
+    graph = trace_module(model, (torch.empty(4, 32, device="meta"),))
+    folded = folded_exactly(graph)
+    assert [(b.name, b.repeats) for b in folded.blocks] == [("layers.*[1:3,6:8]", 4), ("layers.*[3:6]", 3)]
+    assert [copies_of(model, b.name) for b in folded.blocks] == [[o.scope for o in b.occurrences]
+                                                                for b in folded.blocks]
+    assert copies_of(model, "layers.*[1:3,6:8]") == ["layers.1", "layers.2", "layers.6", "layers.7"]
+    assert copies_of(model, "layers.*") == [f"layers.{i}" for i in range(8)]
+
+
+def test_a_block_name_picking_copies_the_model_lacks_is_one_line():
+    with torch.device("meta"):
+        model = TwoKinds()
+    with pytest.raises(TensorOptError, match=r"picks copy 8 of 'layers\.\*', which matches 8 modules here"):
+        copies_of(model, "layers.*[3:9]")
+    with pytest.raises(ValueError, match="slice 5:4 is empty or not after the one before it"):
+        split_name("layers.*[0:2,5:4]")
+    assert split_name("layers.[0-3]") == ("layers.[0-3]", None)      # an fnmatch class, not a slice
+
+
+class OddFirst(TwoKinds):
+    """A gated first layer no block holds, then one block of three plain layers (as a DeepSeek-V3 with one dense
+    layer: ``first_k_dense_replace`` 1)."""
+
+    KINDS = "GDDD"
+
+
+def test_a_block_whose_pattern_also_matches_a_lone_layer_is_named_by_its_copies():
+    """The block's pattern ``layers.*`` matches the lone first layer too, which the runtime would then recompute and
+    shard as one of the block's copies: the block is named by the copies it holds, and finds those only."""
+    with torch.device("meta"):
+        model = OddFirst()
+    graph = trace_module(model, (torch.empty(4, 32, device="meta"),))
+    folded = folded_exactly(graph)
+    assert [(b.name, b.repeats) for b in folded.blocks] == [("layers.*[1:4]", 3)]
+    assert copies_of(model, folded.blocks[0].name) == ["layers.1", "layers.2", "layers.3"]

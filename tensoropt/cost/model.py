@@ -46,7 +46,7 @@ from ..graph.fold import Block, FoldedGraph
 from ..graph.ir import OpGraph
 from ..space.block import BlockSpace, analyse_block
 from ..space.experts import Experts, expert_ops
-from ..space.plan import LayerStrategy, Plan
+from ..space.plan import LayerStrategy, Plan, blocks_named_twice
 from ..space.tp_meta import tp_checks
 from ..space.vocab import VocabLayout, vocab_layout
 from .comm import p2p_s
@@ -395,8 +395,11 @@ def estimate(model: ModelCost, plan: Plan, megatron_tp_comm_overlap: bool = Fals
 
 def _stage_counts(model: ModelCost, plan: Plan) -> list[tuple[BlockCost, list[tuple[LayerStrategy, int]]]]:
     """Each block's cost model and the plan's (strategy, copies) chain for one stage (a block the
-    plan does not name runs its copies with no recomputation)."""
+    plan does not name runs its copies with no recomputation). Blocks are found by name (``graph.block_names``
+    tells apart blocks sharing a pattern): a plan naming one twice is refused, its entries would price as one."""
     by_block = {bp.block: list(bp.strategies) for bp in plan.blocks}
+    if len(by_block) < len(plan.blocks):
+        raise ValueError("; ".join(blocks_named_twice([bp.block for bp in plan.blocks])))
     return [(cost, by_block.get(block.name, [(LayerStrategy(), block.repeats // plan.pp)]))
             for block, cost in model.blocks]
 

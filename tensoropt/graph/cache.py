@@ -16,7 +16,7 @@ from typing import Any
 from .ir import OpGraph
 
 # Bump when capture, op rules or the IR change what a captured graph contains (part of every cache key).
-CAPTURE_VERSION = 17
+CAPTURE_VERSION = 18
 
 
 def default_cache_dir() -> Path:

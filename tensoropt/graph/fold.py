@@ -12,14 +12,19 @@ Search: for each period L, one vectorised comparison of the label array with its
 L gives the runs; the run covering most ops wins (shortest period on ties), is verified edge by
 edge and cut where an edge breaks the pattern; the segments left of and right of it are folded
 recursively. Runs of identical blocks anywhere in the graph merge into one unique block.
+
+A block is named by the module-path pattern of its copies (``layers.*``); two blocks of one pattern (a model whose
+first layers differ from the rest) are told apart by the copies each holds (``layers.*[0:3]``, ``graph.block_names``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .block_names import matching, sliced
 from .ir import Op, OpGraph, Ref
 
 MIN_BLOCK_OPS = 2
@@ -357,4 +362,39 @@ def fold(graph: OpGraph) -> FoldedGraph:
               for i, (tmpl, occs) in enumerate(groups.values())]
     blocks.sort(key=lambda b: b.positions[0])
     loose = tuple(op for op in ops if not covered[op.index])
-    return FoldedGraph(graph.name, len(ops), tuple(blocks), loose)
+    return FoldedGraph(graph.name, len(ops), _distinct_names(blocks, ops), loose)
+
+
+def _distinct_names(blocks: list[Block], ops: tuple[Op, ...]) -> tuple[Block, ...]:
+    """The blocks, each name finding its own copies and no other module: everything keyed by block name (plans, the
+    cost model, the runtime's copies) would take two blocks of one name for one, and the runtime would recompute or
+    shard as the block's copies every module its pattern matches. A pattern whose matches are the block's copies
+    stays as it is; a block whose pattern matches more (a model whose first layers differ from the rest: DeepSeek-V3's
+    dense layers, then MoE ones; one odd layer outside any block) is named by the copies it holds among those the
+    pattern matches, ``layers.*[1:4]`` (``graph.block_names``); a shared name that finds no copies (``block<i>``-like
+    names, copies the pattern does not list in order) gets the block's rank among them, ``name#2``: distinct, though
+    the runtime finds no copies by it, as by the name alone."""
+    counts = Counter(b.name for b in blocks)
+    seen: Counter = Counter()
+    out = []
+    for block in blocks:
+        seen[block.name] += 1
+        name = _sliced_name(block, ops)
+        if name is None and counts[block.name] > 1:
+            name = f"{block.name}#{seen[block.name]}"
+        out.append(replace(block, name=name) if name else block)
+    return tuple(out)
+
+
+def _sliced_name(block: Block, ops: tuple[Op, ...]) -> str | None:
+    """``block``'s pattern and the slices of its copies among the modules the pattern matches in the graph (each
+    at the pattern's depth, in the order the forward first enters it: the model's order, which the runtime reads
+    from ``named_modules``); None where the pattern matches the copies and nothing else (the name finds them as it
+    is), or where its copies' scopes are not such modules in increasing order."""
+    depth = block.name.count(".") + 1
+    scopes = matching((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
+    index = {scope: i for i, scope in enumerate(scopes)}
+    picks = [index.get(o.scope) for o in block.occurrences]
+    if None in picks or any(b <= a for a, b in zip(picks, picks[1:])) or len(picks) == len(scopes):
+        return None
+    return sliced(block.name, picks)

@@ -1,21 +1,25 @@
 """The plan's blocks in a model: which modules are the copies of each block the plan names (plan.json's
-``blocks[].block`` patterns, ``layers.*``), and replacing one by a wrapper. Every part of the runtime that acts
-per block copy (tensor and sequence parallelism, recomputation, FSDP2 units, pipeline cuts) finds the copies
-here, so they all agree on which modules they are."""
+``blocks[].block`` patterns, ``layers.*``, or slices of a pattern's matches, ``layers.*[0:3]``), and replacing one by
+a wrapper. Every part of the runtime that acts per block copy (tensor and sequence parallelism, recomputation, FSDP2
+units, pipeline cuts) finds the copies here, so they all agree on which modules they are."""
 
 from __future__ import annotations
 
-import fnmatch
-
 from torch import nn
 
+from ..errors import TensorOptError
+from ..graph.block_names import picked
 from ..space.plan import Plan
 
 
-def copies_of(model: nn.Module, pattern: str) -> list[str]:
-    """Module names of every copy of one block (``layers.*`` -> layers.0, layers.1, ...), in model order."""
-    depth = pattern.count(".")
-    return [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, pattern) and n.count(".") == depth]
+def copies_of(model: nn.Module, block: str) -> list[str]:
+    """Module names of every copy of one block, in model order: ``layers.*`` -> layers.0, layers.1, ...; a block
+    sharing its pattern with another holds a slice of them, ``layers.*[3:61]`` -> layers.3 ... layers.60
+    (``graph.block_names``)."""
+    try:
+        return picked((n for n, _ in model.named_modules()), block)
+    except ValueError as exc:
+        raise TensorOptError(str(exc)) from None
 
 
 def block_modules(model: nn.Module, plan: Plan) -> list[str]:

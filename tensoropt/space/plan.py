@@ -270,7 +270,17 @@ def _block_problems(blocks: object, virtual: int) -> list[str]:
         if copies < 1 or (i == 0 and copies % virtual):   # the first block's copies are cut into virtual stages
             problems.append(f'block {block["block"]}: its {copies} copies per stage must be at least 1'
                             + (f' and a multiple of virtual_stages {virtual}' if i == 0 else ''))
-    return problems
+    return problems + blocks_named_twice([b["block"] for b in blocks if isinstance(b, dict)
+                                          and isinstance(b.get("block"), str)])
+
+
+def blocks_named_twice(names: list[str]) -> list[str]:
+    """A line for each block a plan names more than once: the cost model and the runtime find a block's strategies
+    and copies by its name, so two entries of one name would run as one. Plans written before blocks sharing a
+    pattern were told apart (``graph.block_names``) named DeepSeek-V3's dense and MoE blocks both ``model.layers.*``."""
+    return [f'block {name} is named {names.count(name)} times: name each block of the model once (re-plan: blocks '
+            'sharing a pattern are named by their copies, "model.layers.*[0:3]")'
+            for name in dict.fromkeys(names) if names.count(name) > 1]
 
 
 def chain_order(pairs) -> tuple[tuple[LayerStrategy, int], ...]:

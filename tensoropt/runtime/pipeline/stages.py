@@ -69,6 +69,7 @@ from .tp import (
     shard_stage,
     shard_stream,
     shard_vocabulary,
+    stage_copies,
     stream_message,
 )
 from .trace import trace_pipeline
@@ -98,6 +99,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
     saved = saved_buffers(model)
     compiled = set(compiled_modules(model, plan))
     signature = inspect.signature(model.forward)
+    block_copies = stage_copies(model, run_plan)
     if tp > 1:
         check_before_cutting(model, run_plan, mesh["tp"], device, example_inputs)
     if materializer is not None:        # a meta-built model is cut on meta, buffers too (their values are kept)
@@ -125,7 +127,7 @@ def apply_pipeline(model: nn.Module, optimizer_fn: Callable[[object], torch.opti
         received, sent = (shard_stream(received, tp) if boundaries[0] else received,
                           shard_stream(sent, tp) if boundaries[1] else sent)
         if tp > 1:                                  # before recomputation wraps the copies
-            shard_stage(module, run_plan, mesh["tp"], s, boundaries)
+            shard_stage(module, run_plan, mesh["tp"], block_copies, s, boundaries)
             vocab_split |= shard_vocabulary(module, run_plan, mesh["tp"])
         if run_plan.lean_loss:                      # the loss on whole logits runs lean too (vocab_loss)
             route_cross_entropy(module)

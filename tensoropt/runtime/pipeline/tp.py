@@ -29,6 +29,8 @@ block copies (sequence-parallel ones as such).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
@@ -58,19 +60,22 @@ def check_before_cutting(model: nn.Module, run_plan: RunPlan, tp_mesh, device: t
     check_sharded_blocks(model, example_inputs, first, tp_mesh, device, sp_layouts)
 
 
-def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int = 0,
-                boundaries: tuple[bool, bool] = (False, False)) -> None:
+def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, block_copies: Mapping[str, list[str]],
+                stage: int = 0, boundaries: tuple[bool, bool] = (False, False)) -> None:
     """Shard, in place, the linears of every block copy this stage holds over ``tp_mesh``, and run the copies the
     plan marks sequence-parallel on the rank's share of the sequence within the stage (module doc).
 
     ``stage`` is the stage's index among all ``pp * virtual_stages``: the plan's strategies list a DEVICE's
     copies, and with virtual stages a device holds stages r, r + pp, ..., so a stage's copies are the slice
     ``(stage // pp) * size`` on of them (as ``recompute.recomputed_modules`` reads them). ``boundaries``: whether
-    the stage receives, and hands on, the stream as the rank's share (``sequence_parallel_boundaries``)."""
+    the stage receives, and hands on, the stream as the rank's share (``sequence_parallel_boundaries``).
+    ``block_copies``: each block's copies in the uncut model (``stage_copies``): a block named by a slice of its
+    pattern's matches (``layers.*[3:61]``) counts them among the whole model's, not the stage's."""
     sharded = sharded_branches(run_plan)
+    held = {name for name, _ in stage_module.named_modules()}
     for bp in run_plan.plan.blocks:
         branches = sharded.get(bp.block, ())
-        copies = copies_of(stage_module, bp.block)
+        copies = [name for name in block_copies[bp.block] if name in held]
         first = (stage // run_plan.plan.pp) * len(copies)
         flags = _sequence_parallel(bp)[first:first + len(copies)]
         if len(copies) > len(flags):
@@ -88,6 +93,11 @@ def shard_stage(stage_module: nn.Module, run_plan: RunPlan, tp_mesh, stage: int 
             if branches or flags[j]:
                 shard_copy(copy, branches, tp_mesh, run_plan.layout_of(bp.block) if flags[j] else None, name,
                            handoff, relay, _stream_argument(copy, name) if flags[j] else None)
+
+
+def stage_copies(model: nn.Module, run_plan: RunPlan) -> dict[str, list[str]]:
+    """{block: its copies' module names} in the uncut ``model``, which the stage modules keep (``shard_stage``)."""
+    return {bp.block: copies_of(model, bp.block) for bp in run_plan.plan.blocks}
 
 
 def sequence_parallel_boundaries(plan, stage: int, streams: tuple[bool, bool]) -> tuple[bool, bool]:
@@ -245,4 +255,4 @@ def _restore(owner_module: nn.Module, name: str, full_name: str, kind: type) -> 
 
 
 __all__ = ["check_before_cutting", "route_cross_entropy", "sequence_parallel_boundaries", "shard_stage", "shard_stream",
-           "shard_vocabulary", "stream_message"]
+           "shard_vocabulary", "stage_copies", "stream_message"]
