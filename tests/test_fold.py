@@ -1,5 +1,6 @@
 """Folding finds repeated blocks from graph structure and reconstructs the graph exactly."""
 
+import importlib.util
 from collections import Counter
 
 import pytest
@@ -275,3 +276,43 @@ def test_a_block_whose_pattern_also_matches_a_lone_layer_is_named_by_its_copies(
     folded = folded_exactly(graph)
     assert [(b.name, b.repeats) for b in folded.blocks] == [("layers.*[1:4]", 3)]
     assert copies_of(model, folded.blocks[0].name) == ["layers.1", "layers.2", "layers.3"]
+
+
+def test_copies_with_unrelated_names_are_found_by_their_range():
+    """``alpha..delta``: the runtime finds a block of unrelated names as the modules from its first to its last copy,
+    the copies the fold found (examples/custom_model.py)."""
+    graph = tensoropt.capture(f"{EXAMPLES / 'custom_model.py'}:build").graph
+    spec = importlib.util.spec_from_file_location("custom_model", EXAMPLES / "custom_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        model, _ = module.build()
+    for block in fold(graph).blocks:
+        assert copies_of(model, block.name) == [o.scope for o in block.occurrences]
+    assert copies_of(model, "alpha..delta") == ["alpha", "beta", "gamma", "delta"]
+
+
+class Interloper(nn.Module):
+    """Four equal layers of unrelated names with another layer between the second and the third (after a first one
+    of the same kind, which reads the model's input and so folds with none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.alpha, self.beta = Layer(32), Layer(32), Layer(32)
+        self.other = Gated(32)
+        self.gamma, self.delta = Layer(32), Layer(32)
+
+    def forward(self, x):
+        for layer in (self.pre, self.alpha, self.beta, self.other, self.gamma, self.delta):
+            x = layer(x)
+        return x.sum()
+
+
+def test_a_range_that_would_hold_another_module_finds_no_copies():
+    """``alpha..delta`` would take ``other`` for a copy: the block gets a name the runtime finds no copies by."""
+    with torch.device("meta"):
+        model = Interloper()
+    folded = folded_exactly(trace_module(model, (torch.empty(4, 32, device="meta"),)))
+    assert [(b.name, b.repeats) for b in folded.blocks] == [("alpha..delta#1", 4)]
+    assert copies_of(model, "alpha..delta#1") == []
+    assert copies_of(model, "alpha..delta") == ["alpha", "beta", "other", "gamma", "delta"]

@@ -5,8 +5,10 @@ that it matches, in model order. A model whose first layers differ from the rest
 before 58 MoE ones, Qwen3-MoE's ``mlp_only_layers``) folds into two blocks of one pattern; each is then named by the
 pattern and the copies it holds among those the pattern matches, as slices: ``model.layers.*[0:3]`` and
 ``model.layers.*[3:61]``, or ``layers.*[0:2,5:7]`` for copies apart. Module names cannot hold ``[``, so the suffix
-never reads as part of a name. The fold (``graph.fold``) writes these names from the captured graph's module paths,
-the runtime (``runtime.blocks``) reads them against the model's modules; both match patterns here, so they agree.
+never reads as part of a name. Copies with unrelated names (``self.alpha``, ``self.beta``, ...) are named by their
+first and last, ``alpha..delta``: the modules at that depth from the one to the other (a module name has no empty
+part, so ``..`` never reads as one). The fold (``graph.fold``) writes these names from the captured graph's module
+paths, the runtime (``runtime.blocks``) reads them against the model's modules; both match patterns here, so they agree.
 
 No torch here: the planner names blocks from a cached graph without importing it.
 """
@@ -55,9 +57,29 @@ def split_name(name: str) -> tuple[str, tuple[int, ...] | None]:
     return found["pattern"], tuple(picks)
 
 
+def in_range(names: Iterable[str], name: str) -> list[str] | None:
+    """The copies of a block named ``first..last`` (copies with unrelated names, ``alpha..delta``): the modules at
+    ``first``'s depth from ``first`` to ``last`` in model order; None for a name of another form. A ``ValueError``
+    when ``first`` or ``last`` is not among ``names`` in that order (the name was made for another model)."""
+    first, dots, last = name.partition("..")
+    if not dots or not first or not last or any(c in name for c in "*[#") or first.count(".") != last.count("."):
+        return None
+    depth = first.count(".")
+    level = list(dict.fromkeys(n for n in names if n.count(".") == depth))
+    if first not in level or last not in level or level.index(last) < level.index(first):
+        raise ValueError(f"block {name!r}: no modules {first!r} to {last!r} in this model, in that order: the name "
+                         "was made for another model")
+    return level[level.index(first):level.index(last) + 1]
+
+
 def picked(names: Iterable[str], name: str) -> list[str]:
-    """The names of the copies block ``name`` holds among ``names`` (a model's modules, in model order). A
-    ``ValueError`` when it picks more copies than the pattern matches (the name was made for another model)."""
+    """The names of the copies block ``name`` holds among ``names`` (a model's modules, in model order): a pattern's
+    matches, a slice of them, or a ``first..last`` range. A ``ValueError`` when it picks more copies than the pattern
+    matches (the name was made for another model)."""
+    names = list(names)
+    ranged = in_range(names, name)
+    if ranged is not None:
+        return ranged
     pattern, picks = split_name(name)
     matched = matching(names, pattern)
     if picks is None:
@@ -68,4 +90,4 @@ def picked(names: Iterable[str], name: str) -> list[str]:
     return [matched[i] for i in picks]
 
 
-__all__ = ["matching", "picked", "sliced", "split_name"]
+__all__ = ["in_range", "matching", "picked", "sliced", "split_name"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .block_names import matching, sliced
+from .block_names import in_range, matching, sliced
 from .ir import Op, OpGraph, Ref
 
 MIN_BLOCK_OPS = 2
@@ -379,7 +379,7 @@ def _distinct_names(blocks: list[Block], ops: tuple[Op, ...]) -> tuple[Block, ..
     out = []
     for block in blocks:
         seen[block.name] += 1
-        name = _sliced_name(block, ops)
+        name = _sliced_name(block, ops) or _unfound_range(block, ops)
         if name is None and counts[block.name] > 1:
             name = f"{block.name}#{seen[block.name]}"
         out.append(replace(block, name=name) if name else block)
@@ -398,3 +398,18 @@ def _sliced_name(block: Block, ops: tuple[Op, ...]) -> str | None:
     if None in picks or any(b <= a for a, b in zip(picks, picks[1:])) or len(picks) == len(scopes):
         return None
     return sliced(block.name, picks)
+
+
+def _unfound_range(block: Block, ops: tuple[Op, ...]) -> str | None:
+    """For a block named ``first..last`` whose range of modules in the graph is not its copies (another module sits
+    between two of them): ``name#1``, a name the runtime finds no copies by, rather than one that finds the wrong
+    modules; None for any other block, or a range that is its copies."""
+    depth = block.name.partition("..")[0].count(".") + 1
+    try:
+        ranged = in_range((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
+    except ValueError:
+        ranged = []
+    if ranged is None or ranged == [o.scope for o in block.occurrences]:
+        return None
+    return f"{block.name}#1"
+
