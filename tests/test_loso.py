@@ -42,8 +42,8 @@ def test_each_source_is_priced_with_constants_fitted_on_the_others(loso):
     assert by_source["A"]["fitted_error"] == pytest.approx(0.8 / 1.1 - 1)
     # C held out: A's one row against B's two: 1.1, exact for C
     assert by_source["C"]["held_out_error"] == pytest.approx(0.0)
-    # B held out: A and C pull alike; the median-like loss sits on one of their truths
-    assert all(r["constants"]["curve_factors"]["p1"] in (0.8, 1.1) for r in held if r["source"] == "B")
+    # B held out: A and C pull alike; the median-like loss is least anywhere between their truths
+    assert all(0.8 <= r["constants"]["curve_factors"]["p1"] <= 1.1 for r in held if r["source"] == "B")
 
 
 def test_a_never_fitted_source_moves_no_fit(loso):
