@@ -13,7 +13,8 @@ from tensoropt.errors import TensorOptError
 from tensoropt.graph.block_names import split_name
 from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
-from tensoropt.runtime.blocks import copies_of
+from tensoropt.runtime.blocks import check_copies, copies_of
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 
 def assert_exact(graph, folded):
@@ -316,3 +317,27 @@ def test_a_range_that_would_hold_another_module_finds_no_copies():
     assert [(b.name, b.repeats) for b in folded.blocks] == [("alpha..delta#1", 4)]
     assert copies_of(model, "alpha..delta#1") == []
     assert copies_of(model, "alpha..delta") == ["alpha", "beta", "other", "gamma", "delta"]
+
+
+def _plan(block: str, copies: int, recompute: str = "none", zero: int = 0) -> Plan:
+    return Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=1, global_batch=2, zero=zero,
+                blocks=(BlockPlan(block, ((LayerStrategy(recompute), copies),)),))
+
+
+def test_an_engine_refuses_to_act_on_copies_it_cannot_find():
+    """``layers.{0,1}`` (a copy spanning two layers) names no module: recomputing its copies, or the torch engine's
+    FSDP2 units, would act on none of them, so the plan is refused in one line; run whole (DDP, no copy-wise
+    strategy) it runs as priced. A name finding other modules than the plan's copies is refused too."""
+    with torch.device("meta"):
+        model = Rewired()
+    (block,) = fold(_capture(Rewired, (4, 32))).blocks
+    assert (block.name, block.repeats) == ("layers.{0,1}", 4)
+    check_copies(model, _plan(block.name, 4), "torch")
+    for plan, engine in ((_plan(block.name, 4, "full"), "deepspeed"), (_plan(block.name, 4, zero=3), "torch")):
+        with pytest.raises(TensorOptError, match=r"block 'layers.\{0,1\}': the plan runs 4 copies of it, and its "
+                                                 r"name finds 0 modules of this model: the \w+ engine acts"):
+            check_copies(model, plan, engine)
+    with pytest.raises(TensorOptError, match=r"runs 4 copies of it, and its name finds 8 modules of this model "
+                                             r"\(layers.0, layers.1, layers.2, layers.3\)"):
+        check_copies(model, _plan("layers.*", 4), "torch")
+    check_copies(model, _plan("layers.*", 8, "full", zero=3), "torch")

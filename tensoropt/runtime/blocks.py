@@ -22,6 +22,27 @@ def copies_of(model: nn.Module, block: str) -> list[str]:
         raise TensorOptError(str(exc)) from None
 
 
+def check_copies(model: nn.Module, plan: Plan, engine: str) -> None:
+    """A one-line ``TensorOptError`` where the modules a plan block's name finds are not its copies (as many as the
+    plan runs, ``copies x pp``) and the engine acts on them one by one: recomputation, sequence or tensor
+    parallelism, pipeline cuts, compilation, the torch engine's FSDP2 units. The plan was priced for those copies;
+    run on other modules, or on none (a copy spanning two modules, ``layers.{0,1}``; copies of no common scope,
+    ``block<i>``), it would use another memory and time than priced, silently. A block whose name finds no module
+    and that the engine runs as a whole (DDP or DeepSpeed, no copy-wise strategy) runs as priced."""
+    for bp in plan.blocks:
+        found = copies_of(model, bp.block)
+        if len(found) == bp.copies * plan.pp:
+            continue
+        per_copy = plan.pp > 1 or plan.tp > 1 or plan.compile or (engine == "torch" and plan.zero >= 1) or any(
+            s.recompute != "none" or s.sequence_parallel for s, _ in bp.strategies)
+        if found or per_copy:
+            raise TensorOptError(
+                f"block {bp.block!r}: the plan runs {bp.copies * plan.pp} copies of it, and its name finds "
+                f"{len(found)} modules of this model{' (' + ', '.join(found[:4]) + ')' if found else ''}: the "
+                f"{engine} engine acts on a block's copies by name; run this model with a plan that recomputes "
+                "none of its copies, without tensor, pipeline or sequence parallelism, compile or torch FSDP2")
+
+
 def block_modules(model: nn.Module, plan: Plan) -> list[str]:
     """Module names of every copy of the plan's blocks, block by block, each in model order."""
     return [name for bp in plan.blocks for name in copies_of(model, bp.block)]
@@ -40,4 +61,4 @@ def replace_module(model: nn.Module, name: str, wrap) -> None:
     setattr(parent, child, wrap(getattr(parent, child)))
 
 
-__all__ = ["block_modules", "copies_of", "largest_block_bytes", "replace_module"]
+__all__ = ["block_modules", "check_copies", "copies_of", "largest_block_bytes", "replace_module"]

@@ -19,7 +19,7 @@ from torch import nn
 
 from ...space.plan import Plan
 from ...space.run_plan import RunPlan
-from ..blocks import largest_block_bytes
+from ..blocks import check_copies, largest_block_bytes
 from ..device import check_placement, init_process_group
 from ..memory.materialize import Materializer, place
 from ..memory.recompute import recomputed_modules
@@ -73,6 +73,7 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     plan, path = run_plan.plan, run_plan.deepspeed_config
     config = json.loads(Path(path).read_text()) if path else deepspeed_config(plan, parameter_count(model))
+    check_copies(model, plan, "deepspeed")  # its recomputation finds the copies the plan was priced for
     if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
         materializer.block_bytes = largest_block_bytes(model, plan)
     if named := of_plan(plan):        # the weights in the dtype DeepSpeed trains them in (bf16 mode: bf16)

@@ -27,7 +27,7 @@ from torch import nn
 
 from ...errors import TensorOptError
 from ...space.run_plan import RunPlan
-from ..blocks import largest_block_bytes
+from ..blocks import check_copies, largest_block_bytes
 from ..device import init_process_group
 from ..memory.materialize import Materializer, place
 from ..memory.recompute import apply_recompute
@@ -56,6 +56,7 @@ def apply(model: nn.Module, optimizer_fn, run_plan: RunPlan, device: torch.devic
     if world != plan.devices:
         raise TensorOptError(f"plan {plan.summary()} is for {plan.devices} devices but {world} workers were "
                              "started")
+    check_copies(model, plan, "torch")      # every copy-wise step below finds the copies the plan was priced for
     if materializer is not None:      # an init_fn call wider than a block copy is said (see materialize)
         materializer.block_bytes = largest_block_bytes(model, plan)
     precision = of_plan(plan)
