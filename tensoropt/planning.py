@@ -27,6 +27,7 @@ from .cost.profile import Cluster
 from .errors import TensorOptError
 from .frontier import Frontier
 from .graph.bf16_meta import bf16_weights_graph
+from .graph.block_names import picked
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
 from .search.engines import (
@@ -46,7 +47,7 @@ from .search.limits import NO_LIMITS, Limits
 from .search.pareto import nondominated
 from .space.context_parallel import graph_refusal
 from .space.experts import Experts
-from .space.plan import Plan, compute_dtype
+from .space.plan import Plan, acts_per_copy, compute_dtype
 from .units import parse_bytes
 
 if TYPE_CHECKING:       # capturing needs torch; planning a graph already captured does not
@@ -194,8 +195,9 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
     the whole space (module doc): the torch engine's states for every plan without offload, DeepSpeed's for its own
     part and for the offloading plans no engine runs (none with ``compile``: DeepSpeed runs eager). A part the
     ``limits`` empty is not searched."""
+    unfound = unfound_blocks(graph)
     torch_runs = _runs_on("torch", staged=pipeline_refused(graph) is None,
-                          staged_tp=staged_tp_refused(graph) is None)
+                          staged_tp=staged_tp_refused(graph) is None, unfound=unfound)
     if engines is None:
         whole = {} if pipeline else {"pipeline_stages": (1,)}
         parts = [("torch", whole | {"offload": False}, lambda p: torch_runs(p) or "")]
@@ -209,7 +211,8 @@ def _spaces(graph: OpGraph, global_batch: int, engines: Sequence[str] | None, pr
         split = pipeline and pipeline_refused(graph) is None
         parts = [(e, ENGINE_SPACES[e] | (COMPILE_SPACES[e] if compile else {})
                   | ({} if split else {"pipeline_stages": (1,)}),
-                  torch_runs if e == "torch" else _runs_on(e)) for e in engines if not compile or e in COMPILE_SPACES]
+                  torch_runs if e == "torch" else _runs_on(e, unfound=unfound))
+                 for e in engines if not compile or e in COMPILE_SPACES]
     spaces = []
     for engine, part, runs in parts:
         space = limits.restrict(SearchSpace(global_batch=global_batch, dtype=compute_dtype(precision),
@@ -255,15 +258,38 @@ def _check_degrees(flag: str, what: str, degrees: tuple[int, ...] | None, refusa
             raise TensorOptError(f"{flag} {degree}: {why}")
 
 
-def _runs_on(engine: str, staged: bool = True, staged_tp: bool = True) -> Callable[[Plan], str | None]:
+def _runs_on(engine: str, staged: bool = True, staged_tp: bool = True,
+             unfound: frozenset[str] = frozenset()) -> Callable[[Plan], str | None]:
     """``engine`` for the plans it runs, None for the others (its part of the space holds some it does not). Of a
     model whose output the stages cannot split (``staged=False``: ``search.engines.pipeline_refused``) it runs no
     pipeline plan; of one whose stages run without tensor parallelism (``staged_tp=False``: ``staged_tp_refused``)
-    none with both."""
+    none with both; of a block whose name finds no copies (``unfound``: ``unfound_blocks``) none that acts on them
+    one by one (``space.plan.acts_per_copy``: the runtime refuses it)."""
     def runs(plan: Plan) -> str | None:
-        refused = unsupported(plan, engine) or (plan.pp > 1 and not staged) or (tp_in_stages(plan) and not staged_tp)
+        refused = unsupported(plan, engine) or (plan.pp > 1 and not staged) or (tp_in_stages(plan) and not staged_tp) \
+            or any(bp.block in unfound and acts_per_copy(plan, bp, engine) for bp in plan.blocks)
         return None if refused else engine
     return runs
+
+
+def unfound_blocks(graph: OpGraph) -> frozenset[str]:
+    """The names of the graph's blocks that find other modules than their copies among those its ops ran in
+    (``graph.block_names.picked``, what the runtime reads off the model): a copy spanning two modules
+    (``layers.{0,1}``), copies of no common scope (``block<i>``)."""
+    paths = [p for op in graph.ops for p in _prefixes(op.module_path)]
+    return frozenset(b.name for b in folded(graph).blocks if _picked(paths, b.name) != [o.scope for o in b.occurrences])
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+
+
+def _picked(paths: list[str], name: str) -> list[str] | None:
+    try:
+        return picked(paths, name)
+    except ValueError:
+        return None
 
 
 def by_graph(graph: OpGraph, engine: str, space: SearchSpace, devices: int) -> list[tuple[OpGraph, SearchSpace]]:

@@ -9,12 +9,13 @@ from conftest import EXAMPLES, SMALL_GPT
 from torch import nn
 
 import tensoropt
+from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.errors import TensorOptError
 from tensoropt.graph.block_names import split_name
 from tensoropt.graph.capture import trace_module
 from tensoropt.graph.fold import fold
 from tensoropt.runtime.blocks import check_copies, copies_of
-from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan, acts_per_copy
 
 
 def assert_exact(graph, folded):
@@ -341,3 +342,24 @@ def test_an_engine_refuses_to_act_on_copies_it_cannot_find():
                                              r"\(layers.0, layers.1, layers.2, layers.3\)"):
         check_copies(model, _plan("layers.*", 4), "torch")
     check_copies(model, _plan("layers.*", 8, "full", zero=3), "torch")
+
+
+def test_the_planner_offers_no_plan_an_engine_would_refuse_for_copies_it_cannot_find():
+    """``layers.{0,1}`` finds no module: of every plan the engines run, none recomputes, shards or wraps its
+    copies one by one; the planner's whole space (``engines=None``) holds such plans, each on no engine."""
+    with torch.device("meta"):
+        model = Rewired()
+    cluster = Cluster(2, 2, load_profile("h100-80gb"))
+    offered = tensoropt.plan(model, cluster, example_inputs=(torch.empty(4, 32, device="meta"),), global_batch=4,
+                             fits=False)
+    assert offered.points
+    for point in offered.points:
+        (bp,) = point.plan.blocks
+        assert bp.block == "layers.{0,1}"
+        assert not acts_per_copy(point.plan, bp, offered.engine_of(point))
+        check_copies(model, point.plan, offered.engine_of(point))
+    whole = tensoropt.plan(model, cluster, example_inputs=(torch.empty(4, 32, device="meta"),), global_batch=4,
+                           fits=False, engines=None)
+    # what DeepSpeed would act on copy by copy, the torch engine would too: no engine runs those
+    refused = [p for p in whole.points if acts_per_copy(p.plan, p.plan.blocks[0], "deepspeed")]
+    assert refused and all(whole.engine_of(p) == "" for p in refused)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..errors import TensorOptError
 from ..graph.block_names import picked
-from ..space.plan import Plan
+from ..space.plan import Plan, acts_per_copy
 
 
 def copies_of(model: nn.Module, block: str) -> list[str]:
@@ -28,14 +28,13 @@ def check_copies(model: nn.Module, plan: Plan, engine: str) -> None:
     parallelism, pipeline cuts, compilation, the torch engine's FSDP2 units. The plan was priced for those copies;
     run on other modules, or on none (a copy spanning two modules, ``layers.{0,1}``; copies of no common scope,
     ``block<i>``), it would use another memory and time than priced, silently. A block whose name finds no module
-    and that the engine runs as a whole (DDP or DeepSpeed, no copy-wise strategy) runs as priced."""
+    and that the engine runs as a whole (DDP or DeepSpeed, no copy-wise strategy) runs as priced; the planner offers
+    no other plan for it (``planning``)."""
     for bp in plan.blocks:
         found = copies_of(model, bp.block)
         if len(found) == bp.copies * plan.pp:
             continue
-        per_copy = plan.pp > 1 or plan.tp > 1 or plan.compile or (engine == "torch" and plan.zero >= 1) or any(
-            s.recompute != "none" or s.sequence_parallel for s, _ in bp.strategies)
-        if found or per_copy:
+        if found or acts_per_copy(plan, bp, engine):
             raise TensorOptError(
                 f"block {bp.block!r}: the plan runs {bp.copies * plan.pp} copies of it, and its name finds "
                 f"{len(found)} modules of this model{' (' + ', '.join(found[:4]) + ')' if found else ''}: the "

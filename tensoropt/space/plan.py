@@ -59,6 +59,14 @@ class BlockPlan:
         return sum(n for _, n in self.strategies)
 
 
+def acts_per_copy(plan: Plan, block: BlockPlan, engine: str) -> bool:
+    """Whether ``engine`` running ``plan`` acts on ``block``'s copies one by one, finding them by the block's name
+    (``runtime.blocks``): recomputing or sequence-splitting them, sharding them for tensor parallelism, cutting
+    pipeline stages between them, compiling them, or (the torch engine under ZeRO) wrapping each in FSDP2."""
+    return plan.pp > 1 or plan.tp > 1 or plan.compile or (engine == "torch" and plan.zero >= 1) or any(
+        s.recompute != "none" or s.sequence_parallel for s, _ in block.strategies)
+
+
 @dataclass(frozen=True)
 class Plan:
     devices: int
