@@ -7,8 +7,9 @@ pattern and the copies it holds among those the pattern matches, as slices: ``mo
 ``model.layers.*[3:61]``, or ``layers.*[0:2,5:7]`` for copies apart. Module names cannot hold ``[``, so the suffix
 never reads as part of a name. Copies with unrelated names (``self.alpha``, ``self.beta``, ...) are named by their
 first and last, ``alpha..delta``: the modules at that depth from the one to the other (a module name has no empty
-part, so ``..`` never reads as one). The fold (``graph.fold``) writes these names from the captured graph's module
-paths, the runtime (``runtime.blocks``) reads them against the model's modules; both match patterns here, so they agree.
+part, so ``..`` never reads as one). The fold (``graph.fold``) names its blocks here (``block_name``,
+``distinct_names``) from the captured graph's module paths, the runtime (``runtime.blocks``) reads the names against
+the model's modules; both match patterns here, so they agree.
 
 No torch here: the planner names blocks from a cached graph without importing it.
 """
@@ -17,7 +18,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .fold import Block
+    from .ir import Op
 
 _SLICED = re.compile(r"(?P<pattern>.*)\[(?P<spans>\d+:\d+(?:,\d+:\d+)*)\]")
 
@@ -90,4 +98,73 @@ def picked(names: Iterable[str], name: str) -> list[str]:
     return [matched[i] for i in picks]
 
 
-__all__ = ["in_range", "matching", "picked", "sliced", "split_name"]
+def block_name(scopes: list[str], first_copy: tuple[Op, ...], index: int) -> str:
+    """``layers.*`` for one layer per copy, ``alpha..delta`` for copies with unrelated names,
+    ``layers.{0,1}`` for copies spanning two children of one scope, else ``block<i>``."""
+    parts = [s.split(".") for s in scopes]
+    if all(scopes) and len({len(p) for p in parts}) == 1:
+        pattern = [names[0] if len(set(names)) == 1 else "*" for names in zip(*parts)]
+        if any(c != "*" for c in pattern) and "*" in pattern:
+            return ".".join(pattern)
+        if "*" in pattern:
+            return f"{scopes[0]}..{scopes[-1]}"
+    scope = scopes[0]
+    if scope and all(s == scope for s in scopes):
+        depth = len(parts[0])
+        children = sorted({op.module_path.split(".")[depth] for op in first_copy
+                           if op.module_path.startswith(scope + ".")}, key=lambda c: (len(c), c))
+        if len(children) > 1:
+            return f"{scope}.{{{','.join(children)}}}"
+    return f"block{index}"
+
+
+def distinct_names(blocks: list[Block], ops: tuple[Op, ...]) -> tuple[Block, ...]:
+    """The blocks, each name finding its own copies and no other module: everything keyed by block name (plans, the
+    cost model, the runtime's copies) would take two blocks of one name for one, and the runtime would recompute or
+    shard as the block's copies every module its pattern matches. A pattern whose matches are the block's copies
+    stays as it is; a block whose pattern matches more (a model whose first layers differ from the rest: DeepSeek-V3's
+    dense layers, then MoE ones; one odd layer outside any block) is named by the copies it holds among those the
+    pattern matches, ``layers.*[1:4]`` (``graph.block_names``); a shared name that finds no copies (``block<i>``-like
+    names, copies the pattern does not list in order) gets the block's rank among them, ``name#2``: distinct, though
+    the runtime finds no copies by it, as by the name alone."""
+    counts = Counter(b.name for b in blocks)
+    seen: Counter = Counter()
+    out = []
+    for block in blocks:
+        seen[block.name] += 1
+        name = _sliced_name(block, ops) or _unfound_range(block, ops)
+        if name is None and counts[block.name] > 1:
+            name = f"{block.name}#{seen[block.name]}"
+        out.append(replace(block, name=name) if name else block)
+    return tuple(out)
+
+
+def _sliced_name(block: Block, ops: tuple[Op, ...]) -> str | None:
+    """``block``'s pattern and the slices of its copies among the modules the pattern matches in the graph (each
+    at the pattern's depth, in the order the forward first enters it: the model's order, which the runtime reads
+    from ``named_modules``); None where the pattern matches the copies and nothing else (the name finds them as it
+    is), or where its copies' scopes are not such modules in increasing order."""
+    depth = block.name.count(".") + 1
+    scopes = matching((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
+    index = {scope: i for i, scope in enumerate(scopes)}
+    picks = [index.get(o.scope) for o in block.occurrences]
+    if None in picks or any(b <= a for a, b in zip(picks, picks[1:])) or len(picks) == len(scopes):
+        return None
+    return sliced(block.name, picks)
+
+
+def _unfound_range(block: Block, ops: tuple[Op, ...]) -> str | None:
+    """For a block named ``first..last`` whose range of modules in the graph is not its copies (another module sits
+    between two of them): ``name#1``, a name the runtime finds no copies by, rather than one that finds the wrong
+    modules; None for any other block, or a range that is its copies."""
+    depth = block.name.partition("..")[0].count(".") + 1
+    try:
+        ranged = in_range((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
+    except ValueError:
+        ranged = []
+    if ranged is None or ranged == [o.scope for o in block.occurrences]:
+        return None
+    return f"{block.name}#1"
+
+
+__all__ = ["block_name", "distinct_names", "in_range", "matching", "picked", "sliced", "split_name"]

@@ -19,12 +19,11 @@ first layers differ from the rest) are told apart by the copies each holds (``la
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .block_names import in_range, matching, sliced
+from .block_names import block_name, distinct_names
 from .ir import Op, OpGraph, Ref
 
 MIN_BLOCK_OPS = 2
@@ -299,26 +298,6 @@ def _template(ops: tuple[Op, ...], start: int, period: int) -> tuple[Op, ...] | 
     return tuple(_renamed(op, rename) for op in out)
 
 
-def _block_name(scopes: list[str], first_copy: tuple[Op, ...], index: int) -> str:
-    """``layers.*`` for one layer per copy, ``alpha..delta`` for copies with unrelated names,
-    ``layers.{0,1}`` for copies spanning two children of one scope, else ``block<i>``."""
-    parts = [s.split(".") for s in scopes]
-    if all(scopes) and len({len(p) for p in parts}) == 1:
-        pattern = [names[0] if len(set(names)) == 1 else "*" for names in zip(*parts)]
-        if any(c != "*" for c in pattern) and "*" in pattern:
-            return ".".join(pattern)
-        if "*" in pattern:
-            return f"{scopes[0]}..{scopes[-1]}"
-    scope = scopes[0]
-    if scope and all(s == scope for s in scopes):
-        depth = len(parts[0])
-        children = sorted({op.module_path.split(".")[depth] for op in first_copy
-                           if op.module_path.startswith(scope + ".")}, key=lambda c: (len(c), c))
-        if len(children) > 1:
-            return f"{scope}.{{{','.join(children)}}}"
-    return f"block{index}"
-
-
 def _occurrences(ops, template, start, period, repeats) -> list[Occurrence] | None:
     occs = []
     for k in range(repeats):
@@ -358,58 +337,8 @@ def fold(graph: OpGraph) -> FoldedGraph:
         groups.setdefault(key, (tmpl, []))[1].extend(occs)
         covered[start:start + period * repeats] = True
 
-    blocks = [Block(_block_name([o.scope for o in occs], tmpl, i), tmpl, tuple(occs))
+    blocks = [Block(block_name([o.scope for o in occs], tmpl, i), tmpl, tuple(occs))
               for i, (tmpl, occs) in enumerate(groups.values())]
     blocks.sort(key=lambda b: b.positions[0])
     loose = tuple(op for op in ops if not covered[op.index])
-    return FoldedGraph(graph.name, len(ops), _distinct_names(blocks, ops), loose)
-
-
-def _distinct_names(blocks: list[Block], ops: tuple[Op, ...]) -> tuple[Block, ...]:
-    """The blocks, each name finding its own copies and no other module: everything keyed by block name (plans, the
-    cost model, the runtime's copies) would take two blocks of one name for one, and the runtime would recompute or
-    shard as the block's copies every module its pattern matches. A pattern whose matches are the block's copies
-    stays as it is; a block whose pattern matches more (a model whose first layers differ from the rest: DeepSeek-V3's
-    dense layers, then MoE ones; one odd layer outside any block) is named by the copies it holds among those the
-    pattern matches, ``layers.*[1:4]`` (``graph.block_names``); a shared name that finds no copies (``block<i>``-like
-    names, copies the pattern does not list in order) gets the block's rank among them, ``name#2``: distinct, though
-    the runtime finds no copies by it, as by the name alone."""
-    counts = Counter(b.name for b in blocks)
-    seen: Counter = Counter()
-    out = []
-    for block in blocks:
-        seen[block.name] += 1
-        name = _sliced_name(block, ops) or _unfound_range(block, ops)
-        if name is None and counts[block.name] > 1:
-            name = f"{block.name}#{seen[block.name]}"
-        out.append(replace(block, name=name) if name else block)
-    return tuple(out)
-
-
-def _sliced_name(block: Block, ops: tuple[Op, ...]) -> str | None:
-    """``block``'s pattern and the slices of its copies among the modules the pattern matches in the graph (each
-    at the pattern's depth, in the order the forward first enters it: the model's order, which the runtime reads
-    from ``named_modules``); None where the pattern matches the copies and nothing else (the name finds them as it
-    is), or where its copies' scopes are not such modules in increasing order."""
-    depth = block.name.count(".") + 1
-    scopes = matching((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
-    index = {scope: i for i, scope in enumerate(scopes)}
-    picks = [index.get(o.scope) for o in block.occurrences]
-    if None in picks or any(b <= a for a, b in zip(picks, picks[1:])) or len(picks) == len(scopes):
-        return None
-    return sliced(block.name, picks)
-
-
-def _unfound_range(block: Block, ops: tuple[Op, ...]) -> str | None:
-    """For a block named ``first..last`` whose range of modules in the graph is not its copies (another module sits
-    between two of them): ``name#1``, a name the runtime finds no copies by, rather than one that finds the wrong
-    modules; None for any other block, or a range that is its copies."""
-    depth = block.name.partition("..")[0].count(".") + 1
-    try:
-        ranged = in_range((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
-    except ValueError:
-        ranged = []
-    if ranged is None or ranged == [o.scope for o in block.occurrences]:
-        return None
-    return f"{block.name}#1"
-
+    return FoldedGraph(graph.name, len(ops), distinct_names(blocks, ops), loose)
