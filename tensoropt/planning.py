@@ -56,7 +56,7 @@ if TYPE_CHECKING:       # capturing needs torch; planning a graph already captur
     from .api import Captured
 
 # the graphs analysed last, newest first: each with its folding, its whole-graph facts and its cost models
-_FOLDED: list[tuple[OpGraph, FoldedGraph, GraphFacts, dict[tuple[Cluster, bool], ModelCost]]] = []
+_FOLDED: list[tuple[OpGraph, FoldedGraph, GraphFacts, dict[tuple[Cluster, bool], ModelCost], frozenset[str]]] = []
 
 
 class NoPlanError(TensorOptError):
@@ -94,11 +94,13 @@ def model_cost(graph: OpGraph, cluster: Cluster, compile: bool = False) -> Model
     return costs[(cluster, compile)]
 
 
-def _analysed(graph: OpGraph) -> tuple[OpGraph, FoldedGraph, GraphFacts, dict[tuple[Cluster, bool], ModelCost]]:
+def _analysed(graph: OpGraph) -> tuple[OpGraph, FoldedGraph, GraphFacts, dict[tuple[Cluster, bool], ModelCost],
+                                       frozenset[str]]:
     for seen in _FOLDED:
         if seen[0] is graph:
             return seen
-    _FOLDED[:] = [(graph, fold(graph), GraphFacts.of(graph), {}), *_FOLDED[:1]]
+    folding = fold(graph)
+    _FOLDED[:] = [(graph, folding, GraphFacts.of(graph), {}, _unfound(graph, folding)), *_FOLDED[:1]]
     return _FOLDED[0]
 
 
@@ -275,9 +277,14 @@ def _runs_on(engine: str, staged: bool = True, staged_tp: bool = True,
 def unfound_blocks(graph: OpGraph) -> frozenset[str]:
     """The names of the graph's blocks that find other modules than their copies among those its ops ran in
     (``graph.block_names.picked``, what the runtime reads off the model): a copy spanning two modules
-    (``layers.{0,1}``), copies of no common scope (``block<i>``)."""
-    paths = [p for op in graph.ops for p in _prefixes(op.module_path)]
-    return frozenset(b.name for b in folded(graph).blocks if _picked(paths, b.name) != [o.scope for o in b.occurrences])
+    (``layers.{0,1}``), copies of no common scope (``block<i>``). Kept beside the graph's folding."""
+    return _analysed(graph)[4]
+
+
+def _unfound(graph: OpGraph, folding: FoldedGraph) -> frozenset[str]:
+    paths = list(dict.fromkeys(p for path in dict.fromkeys(op.module_path for op in graph.ops)
+                               for p in _prefixes(path)))
+    return frozenset(b.name for b in folding.blocks if _picked(paths, b.name) != [o.scope for o in b.occurrences])
 
 
 def _prefixes(path: str) -> list[str]:
