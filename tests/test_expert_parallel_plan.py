@@ -4,6 +4,7 @@ exhaustive enumeration with ep contexts, and the --ep flags of estimate and fron
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -336,6 +337,18 @@ def test_a_plan_naming_a_block_twice_is_refused(write_json):
         estimate(model, twice)
     with pytest.raises(ValueError, match=r"block model\.layers\.\* is named 2 times"):
         Plan.from_json(twice.to_json())
+
+
+def test_a_plan_naming_a_block_the_model_lacks_is_refused(write_json):
+    """A plan of the MoE block alone, under its old name: its strategies would be lost and both blocks priced with
+    none (a stale plan.json); refused, naming the model's blocks."""
+    model = _model(_graph(write_json, DENSE_FIRST))
+    plan = _by_block(model, "full", "none")
+    stale = dataclasses.replace(plan, blocks=(BlockPlan("model.layers.*", plan.blocks[1].strategies),))
+    names = ", ".join(block.name for block, _ in model.blocks)
+    with pytest.raises(ValueError, match=rf"names block 'model\.layers\.\*', which this model does not have \(its "
+                                         rf"blocks: {re.escape(names)}\)"):
+        estimate(model, stale)
 
 
 def test_a_top_k_above_the_experts_is_one_line(write_json):

@@ -394,12 +394,17 @@ def estimate(model: ModelCost, plan: Plan, megatron_tp_comm_overlap: bool = Fals
 
 
 def _stage_counts(model: ModelCost, plan: Plan) -> list[tuple[BlockCost, list[tuple[LayerStrategy, int]]]]:
-    """Each block's cost model and the plan's (strategy, copies) chain for one stage (a block the
-    plan does not name runs its copies with no recomputation). Blocks are found by name (``graph.block_names``
-    tells apart blocks sharing a pattern): a plan naming one twice is refused, its entries would price as one."""
+    """Each block's cost model and the plan's (strategy, copies) chain for one stage (a block the plan does not
+    name runs its copies with no recomputation; a name the model lacks is refused). Blocks are found by name
+    (``graph.block_names`` tells apart blocks sharing a pattern): a plan naming one twice is refused, its entries
+    would price as one."""
     by_block = {bp.block: list(bp.strategies) for bp in plan.blocks}
     if len(by_block) < len(plan.blocks):
         raise ValueError("; ".join(blocks_named_twice([bp.block for bp in plan.blocks])))
+    unknown = sorted(set(by_block) - {block.name for block, _ in model.blocks})
+    if unknown:     # a plan made for another model, or before its blocks were renamed: its strategies would be lost
+        raise ValueError(f"the plan names block {unknown[0]!r}, which this model does not have (its blocks: "
+                         f"{', '.join(block.name for block, _ in model.blocks) or 'none'})")
     return [(cost, by_block.get(block.name, [(LayerStrategy(), block.repeats // plan.pp)]))
             for block, cost in model.blocks]
 
