@@ -27,7 +27,7 @@ from .cost.profile import Cluster
 from .errors import TensorOptError
 from .frontier import Frontier
 from .graph.bf16_meta import bf16_weights_graph
-from .graph.block_names import picked
+from .graph.block_names import module_names, picked
 from .graph.fold import FoldedGraph, fold
 from .graph.ir import OpGraph
 from .search.engines import (
@@ -282,14 +282,8 @@ def unfound_blocks(graph: OpGraph) -> frozenset[str]:
 
 
 def _unfound(graph: OpGraph, folding: FoldedGraph) -> frozenset[str]:
-    paths = list(dict.fromkeys(p for path in dict.fromkeys(op.module_path for op in graph.ops)
-                               for p in _prefixes(path)))
-    return frozenset(b.name for b in folding.blocks if _picked(paths, b.name) != [o.scope for o in b.occurrences])
-
-
-def _prefixes(path: str) -> list[str]:
-    parts = path.split(".") if path else []
-    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+    modules = module_names(graph.ops)
+    return frozenset(b.name for b in folding.blocks if _picked(modules, b.name) != [o.scope for o in b.occurrences])
 
 
 def _picked(paths: list[str], name: str) -> list[str] | None:

@@ -118,6 +118,14 @@ def block_name(scopes: list[str], first_copy: tuple[Op, ...], index: int) -> str
     return f"block{index}"
 
 
+def module_names(ops: Iterable[Op]) -> list[str]:
+    """Every module the ops ran in, and each one's ancestors, once each in the order the forward first entered them:
+    the graph's side of what the runtime reads from ``named_modules`` (``picked`` matches a name against either)."""
+    paths = dict.fromkeys(op.module_path for op in ops if op.module_path)
+    return list(dict.fromkeys(".".join(parts[:k]) for parts in (p.split(".") for p in paths)
+                              for k in range(1, len(parts) + 1)))
+
+
 def distinct_names(blocks: list[Block], ops: tuple[Op, ...]) -> tuple[Block, ...]:
     """The blocks, each name finding its own copies and no other module: everything keyed by block name (plans, the
     cost model, the runtime's copies) would take two blocks of one name for one, and the runtime would recompute or
@@ -129,23 +137,23 @@ def distinct_names(blocks: list[Block], ops: tuple[Op, ...]) -> tuple[Block, ...
     the runtime finds no copies by it, as by the name alone."""
     counts = Counter(b.name for b in blocks)
     seen: Counter = Counter()
+    modules = module_names(ops)
     out = []
     for block in blocks:
         seen[block.name] += 1
-        name = _sliced_name(block, ops) or _unfound_range(block, ops)
+        name = _sliced_name(block, modules) or _unfound_range(block, modules)
         if name is None and counts[block.name] > 1:
             name = f"{block.name}#{seen[block.name]}"
         out.append(replace(block, name=name) if name else block)
     return tuple(out)
 
 
-def _sliced_name(block: Block, ops: tuple[Op, ...]) -> str | None:
-    """``block``'s pattern and the slices of its copies among the modules the pattern matches in the graph (each
-    at the pattern's depth, in the order the forward first enters it: the model's order, which the runtime reads
-    from ``named_modules``); None where the pattern matches the copies and nothing else (the name finds them as it
-    is), or where its copies' scopes are not such modules in increasing order."""
-    depth = block.name.count(".") + 1
-    scopes = matching((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
+def _sliced_name(block: Block, modules: list[str]) -> str | None:
+    """``block``'s pattern and the slices of its copies among the graph's ``modules`` the pattern matches (at the
+    pattern's depth, in the order the forward first enters them: the model's order, which the runtime reads from
+    ``named_modules``); None where the pattern matches the copies and nothing else (the name finds them as it is),
+    or where its copies' scopes are not such modules in increasing order."""
+    scopes = matching(modules, block.name)
     index = {scope: i for i, scope in enumerate(scopes)}
     picks = [index.get(o.scope) for o in block.occurrences]
     if None in picks or any(b <= a for a, b in zip(picks, picks[1:])) or len(picks) == len(scopes):
@@ -153,13 +161,12 @@ def _sliced_name(block: Block, ops: tuple[Op, ...]) -> str | None:
     return sliced(block.name, picks)
 
 
-def _unfound_range(block: Block, ops: tuple[Op, ...]) -> str | None:
-    """For a block named ``first..last`` whose range of modules in the graph is not its copies (another module sits
-    between two of them): ``name#1``, a name the runtime finds no copies by, rather than one that finds the wrong
-    modules; None for any other block, or a range that is its copies."""
-    depth = block.name.partition("..")[0].count(".") + 1
+def _unfound_range(block: Block, modules: list[str]) -> str | None:
+    """For a block named ``first..last`` whose range of the graph's ``modules`` is not its copies (another module
+    sits between two of them): ``name#1``, a name the runtime finds no copies by, rather than one that finds the
+    wrong modules; None for any other block, or a range that is its copies."""
     try:
-        ranged = in_range((".".join(op.module_path.split(".")[:depth]) for op in ops), block.name)
+        ranged = in_range(modules, block.name)
     except ValueError:
         ranged = []
     if ranged is None or ranged == [o.scope for o in block.occurrences]:
@@ -167,4 +174,5 @@ def _unfound_range(block: Block, ops: tuple[Op, ...]) -> str | None:
     return f"{block.name}#1"
 
 
-__all__ = ["block_name", "distinct_names", "in_range", "matching", "picked", "sliced", "split_name"]
+__all__ = ["block_name", "distinct_names", "in_range", "matching", "module_names", "picked", "sliced",
+           "split_name"]
