@@ -162,27 +162,27 @@ _GRAPHS: dict[str, tuple] = {}
 
 
 def graph_of(row: dict) -> tuple:
-    """The row's model captured once, with the whole-graph facts the cost model reads of it (a scan of every op):
-    the leave-one-source-out table prices each row on a fitted profile ~70 times."""
+    """The row's model captured once, with its folding and the whole-graph facts the cost model reads of it (each a
+    scan of every op): the leave-one-source-out table prices each row on a fitted profile ~190 times."""
     config = json.dumps(model_config(row), sort_keys=True)
     if config not in _GRAPHS:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / f"{row['model']['id']}-s{row['seq_len']}.json"
             path.write_text(config)
             graph = tensoropt.capture(str(path)).graph
-        _GRAPHS[config] = graph, GraphFacts.of(graph)
+        _GRAPHS[config] = graph, tensoropt.fold(graph), GraphFacts.of(graph)
     return _GRAPHS[config]
 
 
 def price(row: dict, profile) -> dict:
-    graph, facts = graph_of(row)
+    graph, folding, facts = graph_of(row)
     if vocab_replicated(row):
         # the cost model then prices the vocabulary's ops whole on every rank, as it does for a model that refuses
         # the split
         facts = dataclasses.replace(facts, vocab=dataclasses.replace(
             facts.vocab, refused="the row ran its vocabulary replicated over tensor-parallel ranks"))
-    model = ModelCost(graph, tensoropt.fold(graph), Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE),
-                                                            profile), facts=facts)
+    model = ModelCost(graph, folding, Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE), profile),
+                      facts=facts)
     plan = build_plan(row, model)
     megatron = row["source"] in MEGATRON
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
