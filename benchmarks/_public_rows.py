@@ -13,7 +13,7 @@ from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 # torchtitan's H100s (Grand Teton: 96 GB HBM2e, 500 W cap) are another part than the 700 W SXM5 80 GB HBM3 of
 # DGX H100 that Megatron-LM's, fms-fsdp's and FlagPerf's rows ran on, and KempnerForge's ran on H200s; each row is
 # priced on its own hardware's profile
-PROFILES = {"torchtitan": "h100-96gb-500w", "h200": "h200-141gb", "a100": "a100-80gb", "other": "h100-80gb"}
+PROFILES = {"torchtitan": "h100-96gb-500w", "h200": "h200-141gb-4gpu", "a100": "a100-80gb", "other": "h100-80gb"}
 # the profiles whose constants the fits choose (the committed ones were chosen on these rows); rows on others
 # enter no fit and are priced on their profile as committed
 FITTED_PROFILES = ("h100-80gb", "h100-96gb-500w")

@@ -11,7 +11,7 @@ row that the cost model can price is rebuilt as it ran (model shape, dp/FSDP, tp
 bf16 mixed precision, compiled or eager kernels), priced with ``cost.model.estimate`` (what ``tensoropt estimate``
 calls) on the profile of the hardware it ran on (``profile_name``: torchtitan's 96 GB HBM2e parts capped at 500 W on
 ``profiles/h100-96gb-500w.json``, fms-fsdp's, Megatron-LM's and FlagPerf's SXM parts on ``profiles/h100-80gb.json``,
-KempnerForge's H200s, 4 to a node, on ``profiles/h200-141gb.json``), and compared with the measured step time:
+KempnerForge's H200s, 4 to a node, on ``profiles/h200-141gb-4gpu.json``), and compared with the measured step time:
 - torchtitan / fms-fsdp: tokens of one step on one data-parallel rank over its tokens/s/GPU, as the row's
   ``derived.step_time_s`` gives it (local batch x seq / (tps x tp x pp x cp), torchtitan's metric).
 - Megatron-LM: the README prints TFLOP/s per GPU, counted with Megatron-Core's ``num_floating_point_operations``
@@ -126,7 +126,8 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   (FSDP2 holds the unsharded gradients through the accumulation): their 13B run's 88.5 GiB allocated against our
   60.7 GiB for the plan is about that (~28 GiB of bf16 gradients); memory is not compared here. These run on
   hardware no fit covers (``FITTED_PROFILES``):
-  validation only, priced on the committed h200-141gb profile. Under pipelining KempnerForge's tensor parallelism is
+  validation only, priced on the committed h200-141gb-4gpu profile. Under pipelining KempnerForge's tensor parallelism
+  is
   another than torchtitan's (its ``tensor_parallel.py``: no sequence parallelism on pipeline stages, and the token
   embedding, output head and cross-entropy whole on every TP rank): priced so since 2026-11-30 (plans without ``+sp``,
   "vocab replicated"); priced with both, as before, the three rows read -40.9%, -16.1%, -27.8%. Not modelled: under
@@ -139,13 +140,19 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   pipelined rows' -12.4% is about that TP gap, not one of the pipeline's.
 - KempnerForge's 17 compiled runs on 1 to 32 H200s (added 2026-11-30; 7B, 13B, 70B; micro-batch 2-8 x 2-8
   accumulation steps, seq 4096, full recomputation; torch.compile of the whole model, the loss eager outside it):
-  validation only, on the committed h200-141gb profile, in two families since the prices miss them in opposite
+  validation only, on the committed h200-141gb-4gpu profile, in two families since the prices miss them in opposite
   directions. Without TP (one GPU, FSDP2 over 2-32 GPUs) they run faster than priced: the single-GPU 7B step is
   ~67% of the bf16 peak in the FLOPs it computes (6 per parameter and token, causal attention halved, the recomputed
   forward), above the committed H200 curve (the H100 SXM's unfitted earlier curve). With TP (2 or 4 ranks in a node)
   they run slower: TP over 2 GPUs of one node took their 7B step from 3.13 s on one GPU to 2.49 s for the same
-  sequences (0.93 s over half the one-GPU step), where the price goes from 3.61 s to 1.98 s (0.18 s over half; its
-  collectives at the profile's 8-GPU NVSwitch rate). The source does not say what links its 4-GPU nodes have. Their
+  sequences (0.93 s over half the one-GPU step), where the price went from 3.61 s to 1.98 s (0.18 s over half) with
+  its collectives at an 8-GPU NVSwitch node's rate. The source says 4 H200s a node with NVLink (the Kempner AI
+  cluster, kempner-computing-handbook's overview; "NVIDIA H200", the SXM part, in its logs): 4-GPU Hopper boards have
+  no NVSwitch and wire each GPU's 18 NVLinks 6 to each peer (``nvidia-smi topo -m``: NV6), so since 2026-11-30 the
+  rows are priced on ``h200-141gb-4gpu`` (``intra_node.direct_peers`` 3: a pair reaches a third of the GPU's rate,
+  4 GPUs all of it): the TP2 step is priced 2.32 s (-6.9%; the TP2 + FSDP2 row -20.1% -> -6.5%), the TP4 rows are
+  unchanged (-4.5% .. -23.4%; with FSDP2 across nodes the gap grows with its degree at 7B: 0.09 s at TP4 alone, 0.25,
+  0.36, 0.39 s at FSDP2 2, 4, 8; the nodes' InfiniBand ports are not stated). Their
   TP plan without pipelining: norms sequence-parallel, the head's matmul split by vocabulary (priced so), the
   embedding whole on each TP rank and the logits gathered for a whole-vocabulary loss (not modelled, about +3% by
   hand). Rows without data parallelism are priced bf16-true (the model is bf16).

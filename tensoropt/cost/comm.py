@@ -10,6 +10,8 @@ TAPS). Ring costs: all-reduce 2(n-1)/n * M/B + 2(n-1)*alpha; all-gather and redu
 (n-1)/n * M/B + (n-1)*alpha (Thakur et al., 2005; Patarasuk & Yuan, 2009). B is the bandwidth the
 profile measured for that collective (``Link.bytes_per_s``). A tensor sent as ``units`` separate
 collectives (ZeRO-3 and FSDP gather and reduce layer by layer) pays the latency once per unit.
+In a node without a switch (``Link.direct_peers``: a 4-GPU board wiring each GPU's NVLinks to its peers) a group
+reaches only the links between its members: (m - 1) / direct_peers of the GPU's rate (``Link.share``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def _ring(nbytes, n: int, link: Link, collective: str, units: int = 1):
     if n <= 1:
         return 0.0 * nbytes
     passes = 2.0 if collective == "all_reduce" else 1.0
-    t = passes * ((n - 1) / n * nbytes / link.bytes_per_s(collective) + units * (n - 1) * link.latency_s)
+    rate = link.bytes_per_s(collective) * float(link.share(n))
+    t = passes * ((n - 1) / n * nbytes / rate + units * (n - 1) * link.latency_s)
     return np.where(nbytes > 0, t, 0.0) if isinstance(nbytes, np.ndarray) else (t if nbytes > 0 else 0.0)
 
 
@@ -65,7 +68,8 @@ def collective_rows_s(nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray, 
 def _ring_rows(nbytes: np.ndarray, n: np.ndarray, link: Link, collective: str, units) -> np.ndarray:
     """``_ring`` per row, with ``n`` members per row (0 where ``n`` is 1 or nothing is sent)."""
     passes = 2.0 if collective == "all_reduce" else 1.0
-    t = passes * ((n - 1) / n * nbytes / link.bytes_per_s(collective) + units * (n - 1) * link.latency_s)
+    rate = link.bytes_per_s(collective) * link.share(n)
+    t = passes * ((n - 1) / n * nbytes / rate + units * (n - 1) * link.latency_s)
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
 
 
@@ -86,7 +90,8 @@ def reduce_scatter_s(nbytes, size: int, stride: int, cluster: Cluster, units: in
 def p2p_s(nbytes, crosses_node, cluster: Cluster):
     """Point-to-point send of ``nbytes`` (numbers, or numpy arrays with ``crosses_node`` per entry)."""
     inter, intra = cluster.profile.inter_node, cluster.profile.intra_node
-    bandwidth = np.where(crosses_node, inter.effective_bytes_per_s, intra.effective_bytes_per_s)
+    bandwidth = np.where(crosses_node, inter.effective_bytes_per_s * inter.share(2),
+                         intra.effective_bytes_per_s * intra.share(2))
     latency = np.where(crosses_node, inter.latency_s, intra.latency_s)
     return np.where(np.asarray(nbytes) > 0, nbytes / bandwidth + latency, 0.0)
 
@@ -102,7 +107,8 @@ def all_to_all_s(nbytes, size: int, stride: int, cluster: Cluster):
         return 0.0 * nbytes
     per_node, nodes = group_layout(size, stride, cluster.devices_per_node)
     intra, inter = cluster.profile.intra_node, cluster.profile.inter_node
-    t = (per_node - 1) / size * nbytes / intra.bytes_per_s("all_to_all") + (per_node - 1) * intra.latency_s
+    t = ((per_node - 1) / size * nbytes / (intra.bytes_per_s("all_to_all") * float(intra.share(per_node)))
+         + (per_node - 1) * intra.latency_s)
     if nodes > 1:
         t = t + (size - per_node) / size * nbytes / inter.bytes_per_s("all_to_all") + (nodes - 1) * inter.latency_s
     return np.where(nbytes > 0, t, 0.0) if isinstance(nbytes, np.ndarray) else (t if nbytes > 0 else 0.0)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import TensorOptError
 
 PROFILE_SCHEMA_VERSION = 1
@@ -29,10 +31,23 @@ class Link:
     # the CPU. (collective, bytes/s) pairs, measured by ``tensoropt profile``; absent for datasheet GPUs,
     # whose NCCL ring collectives reach about the same bus bandwidth.
     collective_bandwidths: tuple[tuple[str, float], ...] = ()
+    # Peers each GPU's links are wired to directly, split evenly (no switch): a 4-GPU Hopper board (HGX 4-GPU,
+    # H200 NVL with its 4-way bridge) gives each of its 3 peers 6 of the 18 NVLinks (``nvidia-smi topo -m``: NV6).
+    # 0 for a switched fabric (NVSwitch, a NIC into a switch), where any group reaches the GPU's whole rate.
+    direct_peers: int = 0
 
     @property
     def effective_bytes_per_s(self) -> float:
         return self.bandwidth_bytes_per_s * self.efficiency
+
+    def share(self, members):
+        """Fraction of the GPU's link rate a group of ``members`` GPUs on these links reaches (a number or a numpy
+        array): all of it through a switch; over direct wiring, the links to the group's other members only, (m - 1)
+        of ``direct_peers`` (rings over a full mesh use every link between the members: NCCL's rings on a 4-GPU board,
+        each GPU sending on its links to all three peers at once)."""
+        if not self.direct_peers:
+            return 1.0
+        return np.minimum(1.0, np.maximum(np.asarray(members, dtype=float) - 1.0, 1.0) / self.direct_peers)
 
     def bytes_per_s(self, collective: str) -> float:
         """Achieved ring bandwidth of one collective (``all_gather``, ``reduce_scatter``, ...)."""
@@ -41,8 +56,11 @@ class Link:
     @staticmethod
     def from_json(d: dict) -> Link:
         by_collective = d.get("collective_bandwidths_bytes_per_s", {})
+        peers = d.get("direct_peers", 0)
+        if not isinstance(peers, int) or peers < 0:
+            raise ValueError(f"direct_peers must be a whole number >= 0 (0: a switched fabric), got {peers!r}")
         return Link(float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]), float(d.get("efficiency", 1.0)),
-                    tuple(sorted((k, float(v)) for k, v in by_collective.items())))
+                    tuple(sorted((k, float(v)) for k, v in by_collective.items())), peers)
 
 
 @dataclass(frozen=True)
@@ -202,6 +220,11 @@ class Cluster:
         if self.num_devices < 1 or self.devices_per_node < 1:
             raise TensorOptError(f"--gpus ({self.num_devices}) and --gpus-per-node ({self.devices_per_node}) "
                                  "must be positive")
+        peers = self.profile.intra_node.direct_peers
+        if peers and self.devices_per_node > peers + 1:
+            raise TensorOptError(f"--gpus-per-node {self.devices_per_node} is more than profile {self.profile.name}'s "
+                                 f"nodes hold: its GPUs are wired directly to {peers} peers each (intra_node."
+                                 f"direct_peers); use --gpus-per-node {peers + 1} or less, or a switched profile")
         if self.num_devices > self.devices_per_node and self.num_devices % self.devices_per_node:
             raise TensorOptError(f"--gpus {self.num_devices} is not a multiple of --gpus-per-node "
                                  f"{self.devices_per_node}; use whole nodes")
