@@ -121,23 +121,22 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
 - KempnerForge on H200s (nodes of 4): the one eager FSDP2 run of its MFU table (13B, 8 GPUs, micro-batch 4 x 4
   accumulation steps, seq 4096, full recomputation) and its three eager FSDP2 + TP + PP runs
   (torch.distributed.pipelining 1F1B over 32 GPUs). Their weights and AdamW states are bf16 with float32 gradient
-  reductions, which neither of our precisions is: priced as bf16-mixed, whose float32 reductions set the
-  data-parallel traffic as theirs do (the data's notes). Their gradient sync is off on every micro-batch but the last
-  (FSDP2 holds the unsharded gradients through the accumulation): their 13B run's 88.5 GiB allocated against our
-  60.7 GiB for the plan is about that (~28 GiB of bf16 gradients); memory is not compared here. These run on
-  hardware no fit covers (``FITTED_PROFILES``):
-  validation only, priced on the committed h200-141gb-4gpu profile. Under pipelining KempnerForge's tensor parallelism
-  is
-  another than torchtitan's (its ``tensor_parallel.py``: no sequence parallelism on pipeline stages, and the token
-  embedding, output head and cross-entropy whole on every TP rank): priced so since 2026-11-30 (plans without ``+sp``,
-  "vocab replicated"); priced with both, as before, the three rows read -40.9%, -16.1%, -27.8%. Not modelled: under
-  torch.distributed.pipelining FSDP2 reduce-scatters every gradient after the last micro-batch's backward (ours each
-  micro-batch), and KempnerForge reshards after each forward (an all-gather per micro-batch, as ours). A what-if
-  (not committed code) pricing that deferred reduce-scatter, exposed after the last backward, read -16.3%, -36.2%,
-  -27.4%: further off, so it is not what the remaining gap is; nor is one inter-node bandwidth (at half the
-  profile's 50 GB/s per GPU the rows read -2.4%, +73%, +26% as our runtime runs them). All three run TP over 4
-  GPUs of a node, and the same source's compiled TP runs without pipelining are priced 15.5% too fast (below): the
-  pipelined rows' -12.4% is about that TP gap, not one of the pipeline's.
+  reductions, which neither of our precisions is: priced as bf16-mixed, whose float32 reductions set the data-parallel
+  traffic as theirs do (the data's notes). Their gradient sync is off on every micro-batch but the last (FSDP2 holds
+  the unsharded gradients through the accumulation): their 13B run's 88.5 GiB allocated against our 60.7 GiB for the
+  plan is about that (~28 GiB of bf16 gradients); memory is not compared here. These run on hardware no fit covers
+  (``FITTED_PROFILES``): validation only, priced on the committed h200-141gb-4gpu profile. Under pipelining
+  KempnerForge's tensor parallelism is another than torchtitan's (its ``tensor_parallel.py``: no sequence parallelism
+  on pipeline stages, and the token embedding, output head and cross-entropy whole on every TP rank): priced so since
+  2026-11-30 (plans without ``+sp``, "vocab replicated"); priced with both, as before, the three rows read -40.9%,
+  -16.1%, -27.8%. Not modelled: under torch.distributed.pipelining FSDP2 reduce-scatters every gradient after the last
+  micro-batch's backward (ours each micro-batch), and KempnerForge reshards after each forward (an all-gather per
+  micro-batch, as ours). A what-if (not committed code) pricing that deferred reduce-scatter, exposed after the last
+  backward, read -16.3%, -36.2%, -27.4%: further off, so it is not what the remaining gap is; nor is one inter-node
+  bandwidth (at half the profile's 50 GB/s per GPU the rows read -2.4%, +73%, +26% as our runtime runs them). All
+  three run TP over 4 GPUs of a node, and the same source's compiled TP runs without pipelining are priced too fast
+  too (below): the pipelined rows' gap (-12.4% before the H200 profiles carried overlap_slowdown 0.2, -7.2% since) is
+  about that TP gap, not one of the pipeline's.
 - KempnerForge's 17 compiled runs on 1 to 32 H200s (added 2026-11-30; 7B, 13B, 70B; micro-batch 2-8 x 2-8
   accumulation steps, seq 4096, full recomputation; torch.compile of the whole model, the loss eager outside it):
   validation only, on the committed h200-141gb-4gpu profile, in two families since the prices miss them in opposite
@@ -150,9 +149,16 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   cluster, kempner-computing-handbook's overview; "NVIDIA H200", the SXM part, in its logs): 4-GPU Hopper boards have
   no NVSwitch and wire each GPU's 18 NVLinks 6 to each peer (``nvidia-smi topo -m``: NV6), so since 2026-11-30 the
   rows are priced on ``h200-141gb-4gpu`` (``intra_node.direct_peers`` 3: a pair reaches a third of the GPU's rate,
-  4 GPUs all of it): the TP2 step is priced 2.32 s (-6.9%; the TP2 + FSDP2 row -20.1% -> -6.5%), the TP4 rows are
-  unchanged (-4.5% .. -23.4%; with FSDP2 across nodes the gap grows with its degree at 7B: 0.09 s at TP4 alone, 0.25,
-  0.36, 0.39 s at FSDP2 2, 4, 8; the nodes' InfiniBand ports are not stated). Their
+  4 GPUs all of it): the TP2 step is priced 2.32 s (-6.9%; the TP2 + FSDP2 row -20.1% -> -6.5%), the TP4 rows
+  unchanged by it (-4.5% .. -23.4%; with FSDP2 across nodes the gap grew with its degree at 7B: 0.09 s at TP4 alone,
+  0.25, 0.36, 0.39 s at FSDP2 2, 4, 8, about 0.4 of the FSDP2 traffic's priced time; the nodes' InfiniBand ports are
+  not stated). The H200 profiles had no ``overlap_slowdown`` (0: they predate the constant); since 2026-11-30 they
+  carry the H100 fit's 0.2 (NCCL's kernels on the same die's SMs; not fitted on these rows): the TP family 12.2% ->
+  6.8% (-16.1% .. +4.5%), the one without TP +5.6% -> +8.4% (its FSDP2 rows' traffic now costs compute: FSDP2 over a
+  pair adds 0.37 s to the one-GPU step, priced 0.32 s, where it was 0.09 s; the gap left is the one-GPU step's
+  +15.4%). What-ifs not committed (`/tmp`): the H100 fit's memory_efficiency 0.5 as well reads the TP family 3.8%
+  (-0.1% signed) and the one without TP +19.5%; the H100 SXM's fitted curve (x0.9) as well, +28.7% without TP. The
+  H200 rows split by TP as torchtitan's H100 rows do (TP8 rows -4..-6%, FSDP rows +1..+4%), by more. Their
   TP plan without pipelining: norms sequence-parallel, the head's matmul split by vocabulary (priced so), the
   embedding whole on each TP rank and the logits gathered for a whole-vocabulary loss (not modelled, about +3% by
   hand). Rows without data parallelism are priced bf16-true (the model is bf16).
