@@ -48,7 +48,8 @@ def predict(row, profile_name: str = "a100-80gb") -> dict:
         path = Path(tmp) / f"megatron-{params_b}b.json"
         path.write_text(json.dumps(cfg))
         graph = tensoropt.capture(str(path)).graph
-    model = ModelCost(graph, tensoropt.fold(graph), Cluster(gpus, 8, load_profile(profile_name)))
+    # Megatron-LM's stream is sequence-first: no layout copies around sequence-parallel collectives
+    model = ModelCost(graph, tensoropt.fold(graph), Cluster(gpus, 8, load_profile(profile_name)), sequence_first=True)
     dp = gpus // (tp * pp)
     plan = Plan(gpus, dp, tp, pp, 1, batch, tp_branches=model.branch_names if tp > 1 else (), compile=True,
                 blocks=(BlockPlan(model.blocks[0][0].name, ((LayerStrategy("full"), layers // pp),)),))

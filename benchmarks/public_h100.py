@@ -194,10 +194,11 @@ def price(row: dict, profile) -> dict:
         # the split
         facts = dataclasses.replace(facts, vocab=dataclasses.replace(
             facts.vocab, refused="the row ran its vocabulary replicated over tensor-parallel ranks"))
-    model = ModelCost(graph, folding, Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE), profile),
-                      facts=facts)
-    plan = build_plan(row, model)
     megatron = row["source"] in MEGATRON
+    # Megatron-LM's stream is sequence-first: its sequence-parallel collectives need no layout copies
+    model = ModelCost(graph, folding, Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE), profile),
+                      facts=facts, sequence_first=megatron)
+    plan = build_plan(row, model)
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
     measured = measured_step_s(row)
     memory = {}

@@ -26,7 +26,9 @@ def data_parallel_s(dp: np.ndarray, tp: np.ndarray, zero: np.ndarray, m: np.ndar
     its collectives on the compute stream (DeepSpeed below ZeRO 3: ``deepspeed_memory.overlaps_comm``).
     Collectives are priced per row (``comm.collective_rows_s``: a dp group of ``dp`` ranks ``tp`` apart)."""
     comm, exposed = np.zeros(len(dp)), np.zeros(len(dp))
-    copy_s = 2 / cluster.profile.memory_bytes_per_s       # flat-buffer copy: read and write the tensor once
+    # flat-buffer copy (FSDP2's copy-in and copy-out, DeepSpeed's flat buffers): read and write the tensor once, a large
+    # contiguous copy at the profile's copy rate
+    copy_s = 2 / cluster.profile.copy_bytes_per_s
     dp, tp, zero = np.asarray(dp), np.asarray(tp), np.asarray(zero)
     rows = np.flatnonzero((dp > 1) & (zero < 2))
     if len(rows):

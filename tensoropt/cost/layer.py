@@ -113,8 +113,11 @@ class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
     def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False,
-                 experts: Experts | None = None) -> None:
+                 experts: Experts | None = None, sequence_first: bool = False) -> None:
         self.ops, self.space, self.cluster = ops, space, cluster
+        # the runtime's stream is sequence-first (Megatron-LM's [s, b, h]): its sequence-parallel collectives run
+        # along dim 0 and need no layout copies (``sp_copies_s``); ours is batch-first, sharded on dim 1
+        self.sequence_first = sequence_first
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
         self.row_biases = _row_bias_elements(ops, space)
@@ -247,16 +250,47 @@ class BlockCost:
         self.prepare([key])
         return self._op_cache[key]
 
+    def sp_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> tuple[float, float]:
+        """(copies beside ``tp_comm_s``'s collectives, beside the backward's gathers again) of one sequence-parallel
+        copy: the layout copies torch's functional collectives make along the sequence, dim 1 of our batch-first
+        stream (``torch.distributed._functional_collectives``: a reduce-scatter on ``scatter_dim`` 1 first
+        concatenates the input's chunks along dim 0, ``_chunk_or_narrow_cat``; an all-gather lands the ranks' shares
+        along dim 0 and moves them to dim 1, ``torch._utils._maybe_view_chunk_cat``, a view only where the batch dim
+        is 1). Each copy reads and writes the whole tensor once. Megatron-LM's sequence-first stream gathers and
+        scatters along dim 0: none (``sequence_first``)."""
+        if tp == 1 or self.sequence_first:
+            return 0.0, 0.0
+        tokens = micro_batch / cp
+        rate, overhead = self.cluster.profile.copy_bytes_per_s, self.cluster.profile.kernel_overhead_s
+        gathers_copy = micro_batch > 1
+
+        def copy_s(nbytes: float) -> float:
+            return 2 * nbytes * tokens / rate + overhead
+
+        total = 0.0
+        for branch in self.space.branches:
+            nbytes = self._branch_bytes(branch)
+            if branch.name in tp_branches:
+                # forward: gather the input (its backward: a reduce-scatter), reduce-scatter the output (its
+                # backward: a gather)
+                total += 2 * copy_s(nbytes) + (2 * copy_s(nbytes) if gathers_copy else 0.0)
+            elif gathers_copy:
+                total += 2 * copy_s(nbytes)        # a replicated branch's two gathers
+        regathers = sum(copy_s(self._gathered_nbytes[b]) for b in self.space.branches) if gathers_copy else 0.0
+        return total, regathers
+
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
         tp, tp_branches, sp, micro_batch, cp = key
         tokens = micro_batch / cp           # samples' worth of tokens on this rank (S / cp of each sample)
         comm = self.tp_comm_s(tp, tp_branches, sp, tokens)
+        copies, regather_copies = self.sp_copies_s(tp, tp_branches, micro_batch, cp) if sp else (0.0, 0.0)
+        comm += copies
         # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
         # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
         # without recomputation, under selective recomputation, and in a full recomputation's recomputed
         # forward (runtime.parallel.sequence_parallel composes its saved-tensor hooks with the recomputation's)
-        gathered = comm + sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
-                              for b in self.space.branches) if sp else comm
+        gathered = comm + regather_copies + sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
+                                                for b in self.space.branches) if sp else comm
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
         whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
         # context parallelism: K and V are gathered over the cp ranks (stride tp in the dp x cp x tp mesh) and kept
@@ -297,8 +331,14 @@ class BlockCost:
         return out
 
     def layout_change_s(self, tp: int, micro_batch: int) -> float:
-        """Moving the carried stream between replicated and sequence-split (one way, fwd + bwd)."""
-        return all_gather_s(self.space.carried_bytes * micro_batch, tp, 1, self.cluster) if tp > 1 else 0.0
+        """Moving the carried stream between replicated and sequence-split (one way, fwd + bwd): one all-gather,
+        and its layout copy where the batch dim is not 1 (``sp_copies_s``)."""
+        if tp == 1:
+            return 0.0
+        nbytes = self.space.carried_bytes * micro_batch
+        copy = 2 * nbytes / self.cluster.profile.copy_bytes_per_s + self.cluster.profile.kernel_overhead_s \
+            if micro_batch > 1 and not self.sequence_first else 0.0
+        return all_gather_s(nbytes, tp, 1, self.cluster) + copy
 
 
 def tp_comm_hidden_s(stage: list[tuple[BlockCost, list[tuple[LayerStrategy, int]]]], plan,

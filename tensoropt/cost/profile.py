@@ -102,6 +102,10 @@ class DeviceProfile:
     # (4 b h s_q s_k d forward, causal masking not discounted, ``graph.opinfo``). Measured by the profiler; 1 where
     # unknown (the attention's work then runs at the matmul curve's rate).
     attention_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    # Fraction of the memory bandwidth a large contiguous copy reaches (one read and one write of the tensor, as
+    # STREAM's Copy measures it): the layout copies around torch's sequence-dim collectives. 0: unknown, the
+    # memory-bound ops' ``memory_efficiency`` then.
+    copy_efficiency: float = 0.0
 
     @cached_property
     def attention_measured(self) -> bool:
@@ -143,6 +147,11 @@ class DeviceProfile:
     def memory_bytes_per_s(self) -> float:
         return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
 
+    @property
+    def copy_bytes_per_s(self) -> float:
+        """Bytes a large contiguous copy reads (and as many it writes) per second."""
+        return self.memory_bandwidth_bytes_per_s * (self.copy_efficiency or self.memory_efficiency)
+
     @staticmethod
     def from_json(data: dict) -> DeviceProfile:
         if data.get("kind") != "tensoropt.device_profile" or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
@@ -168,6 +177,7 @@ class DeviceProfile:
             overlap_slowdown=float(data.get("overlap_slowdown", 0.0)),
             grouped_matmul_efficiency=_positive(data.get("grouped_matmul_efficiency", 1.0),
                                                 "grouped_matmul_efficiency"),
+            copy_efficiency=_positive(data["copy_efficiency"], "copy_efficiency") if "copy_efficiency" in data else 0.0,
             attention_efficiency=tuple(sorted((_positive(f, "attention_efficiency FLOPs"),
                                                _positive(e, "attention_efficiency"))
                                               for f, e in data.get("attention_efficiency", [[1.0, 1.0]]))) or

@@ -1,0 +1,120 @@
+"""Sequence parallelism on a batch-first stream pays layout copies beside its collectives (issue 35): torch's
+functional collectives gather and scatter along dim 0, so a reduce-scatter along the sequence (dim 1) first
+concatenates its input's chunks, and an all-gather moves the ranks' shares from dim 0 to dim 1, a view only where the
+batch dim is 1. Megatron-LM's sequence-first stream needs neither (``sequence_first``)."""
+
+import json
+
+import pytest
+import torch
+from conftest import SMALL_GPT
+
+import tensoropt
+from tensoropt.cost.model import ModelCost, estimate
+from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+
+SP = LayerStrategy("none", sequence_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "small.json"
+    path.write_text(json.dumps(SMALL_GPT))
+    graph = tensoropt.capture(str(path)).graph
+    cluster = Cluster(2, 2, load_profile("h100-80gb"))
+    folded = tensoropt.fold(graph)
+    return ModelCost(graph, folded, cluster), ModelCost(graph, folded, cluster, sequence_first=True)
+
+
+def _copy_s(nbytes: float, profile) -> float:
+    """One copy: the tensor read and written once at the profile's copy rate, one kernel."""
+    return 2 * nbytes / profile.copy_bytes_per_s + profile.kernel_overhead_s
+
+
+def test_the_copy_rate_is_streams_fraction_of_the_bandwidth_where_the_profile_gives_one():
+    h100, a100 = load_profile("h100-80gb"), load_profile("a100-80gb")
+    assert h100.copy_bytes_per_s == pytest.approx(0.91 * h100.memory_bandwidth_bytes_per_s)
+    assert a100.copy_efficiency == 0.0 and a100.copy_bytes_per_s == a100.memory_bytes_per_s
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 4])
+def test_a_sequence_parallel_copy_pays_a_copy_per_reduce_scatter_and_per_gather_past_batch_one(models, micro_batch):
+    batch_first, sequence_first = (m.blocks[0][1] for m in models)
+    branches = models[0].branch_names
+    profile = models[0].cluster.profile
+    ours = batch_first.layer(SP, 2, branches, micro_batch)
+    megatron = sequence_first.layer(SP, 2, branches, micro_batch)
+    scatters = sum(2 * _copy_s(batch_first._branch_nbytes[b] * micro_batch, profile)
+                   for b in batch_first.space.branches)
+    gathers = scatters + sum(_copy_s(batch_first._gathered_nbytes[b] * micro_batch, profile)
+                             for b in batch_first.space.branches)
+    expected = scatters + (gathers if micro_batch > 1 else 0.0)
+    assert ours.tp_comm_s - megatron.tp_comm_s == pytest.approx(expected, rel=1e-12)
+    change = batch_first.space.carried_bytes * micro_batch
+    assert batch_first.layout_change_s(2, micro_batch) - sequence_first.layout_change_s(2, micro_batch) == \
+        pytest.approx(_copy_s(change, profile) if micro_batch > 1 else 0.0, rel=1e-12)
+
+
+def test_without_sequence_parallelism_or_tensor_parallelism_nothing_is_copied(models):
+    batch_first, sequence_first = (m.blocks[0][1] for m in models)
+    branches = models[0].branch_names
+    plain = LayerStrategy("none")
+    assert batch_first.layer(plain, 2, branches, 4).tp_comm_s == sequence_first.layer(plain, 2, branches, 4).tp_comm_s
+    assert batch_first.layer(SP, 1, (), 4).tp_comm_s == 0.0
+
+
+def test_a_full_recomputation_recomputes_the_forwards_copies_too(models):
+    batch_first, sequence_first = (m.blocks[0][1] for m in models)
+    branches = models[0].branch_names
+    full = LayerStrategy("full", sequence_parallel=True)
+    ours, megatron = batch_first.layer(full, 2, branches, 2), sequence_first.layer(full, 2, branches, 2)
+    copies = batch_first.sp_copies_s(2, branches, 2)[0]
+    assert ours.recompute_s - megatron.recompute_s == pytest.approx(copies / 2, rel=1e-12)
+
+
+def test_the_estimate_of_a_sequence_parallel_plan_carries_the_copies_and_megatrons_does_not(models):
+    ours, megatron = models
+    plan = Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=2, global_batch=4, tp_branches=ours.branch_names,
+                blocks=(BlockPlan("layers.*", ((SP, SMALL_GPT["num_layers"]),)),))
+    a, b = estimate(ours, plan), estimate(megatron, plan)
+    assert a.iteration_time_s > b.iteration_time_s
+    assert a.peak_memory_bytes == b.peak_memory_bytes
+    compiled = ours.with_kernels(True)
+    assert compiled.sequence_first is False and megatron.with_kernels(True).sequence_first is True
+
+
+def test_torch_gathers_along_the_sequence_with_a_copy_only_past_batch_one_and_always_scatters_with_one():
+    """What the price relies on, in torch's own helpers (``torch._utils``): the all-gather's dim-0 result of tp ranks'
+    [b, s/tp, h] shares becomes [b, s, h] as a view when b is 1 and by a copy otherwise; the reduce-scatter's input
+    [b, s, h] is rearranged into [tp * b, s/tp, h] by a concatenation, always a new tensor."""
+    from torch._utils import _chunk_or_narrow_cat, _maybe_view_chunk_cat
+    tp, seq, hidden = 2, 8, 4
+    for batch in (1, 3):
+        gathered = torch.arange(tp * batch * (seq // tp) * hidden, dtype=torch.float32).reshape(
+            tp * batch, seq // tp, hidden)
+        whole = _maybe_view_chunk_cat(gathered, tp, 1)
+        assert whole.shape == (batch, seq, hidden)
+        assert (whole.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()) == (batch == 1)
+        assert torch.equal(whole, torch.cat(torch.chunk(gathered, tp, dim=0), dim=1))
+        stream = torch.randn(batch, seq, hidden)
+        ready = _chunk_or_narrow_cat(stream, tp, narrow_dim=1, cat_dim=0)
+        assert ready.shape == (tp * batch, seq // tp, hidden)
+        assert ready.untyped_storage().data_ptr() != stream.untyped_storage().data_ptr()
+
+
+def test_fsdp_flat_buffer_copies_run_at_the_copy_rate(models):
+    """ZeRO 3 / FSDP2 copies each unit's weights into and out of its flat buffers around the collectives: large
+    contiguous copies, at the profile's copy rate (STREAM's fraction on the H100), not the memory-bound ops' rate."""
+    from tensoropt.cost.comm import all_gather_s, reduce_scatter_s
+    model = ModelCost(models[0].graph, models[0].folded, Cluster(2, 2, load_profile("h100-80gb")))
+    plan = Plan(devices=2, dp=2, tp=1, pp=1, micro_batch=2, global_batch=4, zero=3,
+                blocks=(BlockPlan("layers.*", ((LayerStrategy("none"), SMALL_GPT["num_layers"]),)),))
+    est = estimate(model, plan)
+    profile, units = model.cluster.profile, model.units_per_stage(1)
+    weights = est.memory_breakdown["parameters_bytes"] * 2
+    copy = 2 * weights / profile.copy_bytes_per_s
+    assert profile.copy_bytes_per_s > 1.5 * profile.memory_bytes_per_s
+    gather = all_gather_s(weights, 2, 1, model.cluster, units) + copy
+    scatter = reduce_scatter_s(weights, 2, 1, model.cluster, units) + copy
+    assert est.time_breakdown["data_parallel_comm_s"] == pytest.approx(2 * gather + scatter, rel=1e-9)
