@@ -173,6 +173,46 @@ def optimizer_collectives(mesh) -> dict:
     return out
 
 
+def layout_copies(block, mesh, rank: int, batch: int) -> dict:
+    """The layout copies torch's functional collectives make in one forward and backward of an SP copy (both branches
+    sharded, its stream arriving and leaving as the rank's share): each call of the helpers that move the ranks' shares
+    between dim 0 and the sequence dim (``_maybe_view_chunk_cat`` after an all-gather, ``_chunk_or_narrow_cat``
+    before a reduce-scatter), with whether it made a new tensor, and its bytes."""
+    import torch.distributed._functional_collectives as funcol
+    seen: list[tuple[str, bool, int]] = []
+    originals = funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat
+
+    def gathered(res, group_size, gather_dim):
+        if isinstance(res, funcol.AsyncCollectiveTensor):
+            res = res.wait()        # the gathered tensor itself (funcol may hand on its wrapper where a view will do)
+        out = originals[0](res, group_size, gather_dim)
+        seen.append(("all_gather", out.untyped_storage().data_ptr() != res.untyped_storage().data_ptr(),
+                     out.numel() * out.element_size()))
+        return out
+
+    def scattered(tensor, num_chunks, narrow_dim, cat_dim=0):
+        out = originals[1](tensor, num_chunks, narrow_dim, cat_dim)
+        seen.append(("reduce_scatter", out.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr(),
+                     out.numel() * out.element_size()))
+        return out
+
+    x = torch.randn(batch, SEQ, HIDDEN, generator=torch.Generator().manual_seed(2))
+    share = x[:, rank * SEQ // 2:(rank + 1) * SEQ // 2].contiguous().requires_grad_()
+    sp = copy.deepcopy(block)
+    shard_copy(sp, LAYOUT, mesh, LAYOUT, "layers.1", (True, True), {id(share): weakref.ref(share)})
+    funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = gathered, scattered
+    try:
+        y = sp(share, None)
+        local(y).backward(torch.ones_like(local(y)))
+    finally:
+        funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = originals
+    counts: dict = {}
+    for kind, copied, nbytes in seen:
+        key = f"{kind} {'copy' if copied else 'view'} {nbytes}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 class MixesPositions(torch.nn.Module):
     """A pre-norm block whose stream, outside its branch, takes a running mean over the sequence."""
 
@@ -229,6 +269,9 @@ def main() -> None:
                 out.setdefault("equal_to_keeping_whole", {})[key] = all(torch.equal(a, b)
                                                                         for a, b in zip(got, reference))
     out["optimizer_collectives"] = optimizer_collectives(mesh)
+    model = DecoderLM(TransformerConfig(hidden_size=HIDDEN, num_layers=1, num_attention_heads=4, ffn_hidden_size=256,
+                                        seq_length=SEQ, vocab_size=128, attention="flash"))
+    out["layout_copies"] = {batch: layout_copies(model.layers[0], mesh, rank, batch) for batch in (1, BATCH)}
     try:
         layout = (TPBranch("mlp", ("up",), ("down",), 64),)
         _check_sequence_parallel(MixesPositions(), "mixes.0", layout, layout, mesh, (torch.randn(2, SEQ, HIDDEN),), {})

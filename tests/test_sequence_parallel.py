@@ -195,6 +195,20 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     assert collectives["engine"] == {"c10d.allreduce_": 1}
     assert collectives["plain"] == {"c10d_functional.all_reduce": 3 * collectives["partial_gradients"]}
     assert collectives["same_parameters"]
+    # the layout copies torch's collectives make along the sequence (dim 1 of our batch-first stream), counted in one
+    # SP copy's forward and backward, are those the cost model prices (``BlockCost.sp_copies_s``, issue 35): per
+    # sharded branch two reduce-scatters (the forward's, the backward's of the input's gather), each concatenating the
+    # whole stream; three gathers (the input's, the output gradient's, the backward's gather again of the kept share),
+    # each moving the whole stream from dim 0 to dim 1: a view at batch 1, a copy past it
+    cost = _block_cost(_gpt())
+    whole = {1: SEQ * HIDDEN * 4, BATCH: BATCH * SEQ * HIDDEN * 4}
+    for batch, counts in probe["layout_copies"].items():
+        batch = int(batch)
+        gather = "copy" if batch > 1 else "view"
+        assert counts == {f"reduce_scatter copy {whole[batch]}": 4, f"all_gather {gather} {whole[batch]}": 6}, counts
+        copies, regathers = cost.sp_copies_s(2, ("attn", "mlp"), batch)
+        one = 2 * whole[batch] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
+        assert copies + regathers == pytest.approx((4 + (6 if batch > 1 else 0)) * one, rel=1e-9)
 
 
 @pytest.mark.slow
