@@ -213,6 +213,33 @@ def layout_copies(block, mesh, rank: int, batch: int) -> dict:
     return counts
 
 
+def reduce_copies(block, mesh) -> dict:
+    """The functional all-reduces of one forward and backward of a tensor-parallel copy without sequence parallelism
+    (both branches sharded), with whether each wrote into a new tensor, and its bytes."""
+    import torch.distributed._functional_collectives as funcol
+    seen: dict = {}
+    original = funcol.all_reduce
+
+    def reduced(tensor, *args, **kwargs):
+        out = original(tensor, *args, **kwargs)
+        made = out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+        copied = made.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+        key = f"all_reduce {'copy' if copied else 'in place'} {made.numel() * made.element_size()}"
+        seen[key] = seen.get(key, 0) + 1
+        return out
+
+    tp = copy.deepcopy(block)
+    shard_copy(tp, LAYOUT, mesh)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    funcol.all_reduce = reduced
+    try:
+        y = tp(x, None)
+        local(y).backward(torch.ones_like(local(y)))
+    finally:
+        funcol.all_reduce = original
+    return seen
+
+
 class MixesPositions(torch.nn.Module):
     """A pre-norm block whose stream, outside its branch, takes a running mean over the sequence."""
 
@@ -272,6 +299,7 @@ def main() -> None:
     model = DecoderLM(TransformerConfig(hidden_size=HIDDEN, num_layers=1, num_attention_heads=4, ffn_hidden_size=256,
                                         seq_length=SEQ, vocab_size=128, attention="flash"))
     out["layout_copies"] = {batch: layout_copies(model.layers[0], mesh, rank, batch) for batch in (1, BATCH)}
+    out["reduce_copies"] = reduce_copies(model.layers[0], mesh)
     try:
         layout = (TPBranch("mlp", ("up",), ("down",), 64),)
         _check_sequence_parallel(MixesPositions(), "mixes.0", layout, layout, mesh, (torch.randn(2, SEQ, HIDDEN),), {})

@@ -209,6 +209,11 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
         copies, regathers = cost.sp_copies_s(2, ("attn", "mlp"), batch)
         one = 2 * whole[batch] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
         assert copies + regathers == pytest.approx((4 + (6 if batch > 1 else 0)) * one, rel=1e-9)
+    # without sequence parallelism the forward sums in place and each branch's backward sums its input's gradient with
+    # a functional all-reduce, into a copy of the whole stream (``BlockCost.reduce_copies_s``)
+    assert probe["reduce_copies"] == {f"all_reduce copy {whole[BATCH]}": 2}, probe["reduce_copies"]
+    one = 2 * whole[BATCH] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
+    assert cost.reduce_copies_s(2, ("attn", "mlp"), BATCH) == pytest.approx(2 * one, rel=1e-9)
 
 
 @pytest.mark.slow

@@ -56,11 +56,19 @@ def test_a_sequence_parallel_copy_pays_a_copy_per_reduce_scatter_and_per_gather_
         pytest.approx(_copy_s(change, profile) if micro_batch > 1 else 0.0, rel=1e-12)
 
 
-def test_without_sequence_parallelism_or_tensor_parallelism_nothing_is_copied(models):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_without_sequence_parallelism_the_eager_backward_copies_once_a_branch(models, recompute):
+    """Each sharded branch's backward sums its input's gradient with torch's functional all-reduce, which clones its
+    input; the forward sums in place, so a full recomputation repeats none. Compiled blocks and Megatron: none."""
     batch_first, sequence_first = (m.blocks[0][1] for m in models)
-    branches = models[0].branch_names
-    plain = LayerStrategy("none")
-    assert batch_first.layer(plain, 2, branches, 4).tp_comm_s == sequence_first.layer(plain, 2, branches, 4).tp_comm_s
+    branches, profile = models[0].branch_names, models[0].cluster.profile
+    plain = LayerStrategy(recompute)
+    ours, megatron = batch_first.layer(plain, 2, branches, 4), sequence_first.layer(plain, 2, branches, 4)
+    expected = sum(_copy_s(batch_first._branch_nbytes[b] * 4, profile) for b in batch_first.space.branches)
+    assert ours.tp_comm_s - megatron.tp_comm_s == pytest.approx(expected, rel=1e-12)
+    assert ours.recompute_s == megatron.recompute_s
+    compiled = models[0].with_kernels(True).blocks[0][1]
+    assert compiled.reduce_copies_s(2, branches, 4) == 0.0
     assert batch_first.layer(SP, 1, (), 4).tp_comm_s == 0.0
 
 

@@ -115,6 +115,7 @@ class BlockCost:
     def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False,
                  experts: Experts | None = None, sequence_first: bool = False) -> None:
         self.ops, self.space, self.cluster = ops, space, cluster
+        self.compiled = compiled
         # the runtime's stream is sequence-first (Megatron-LM's [s, b, h]): its sequence-parallel collectives run
         # along dim 0 and need no layout copies (``sp_copies_s``); ours is batch-first, sharded on dim 1
         self.sequence_first = sequence_first
@@ -279,18 +280,34 @@ class BlockCost:
         regathers = sum(copy_s(self._gathered_nbytes[b]) for b in self.space.branches) if gathers_copy else 0.0
         return total, regathers
 
+    def reduce_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> float:
+        """The copies of one tensor-parallel copy without sequence parallelism, run eager: each sharded branch's
+        backward sums its input's gradient, a ``Partial`` DTensor, with torch's functional all-reduce, which writes
+        into a copy of its input (``_c10d_functional.all_reduce`` clones, then reduces in place); the forward's sum
+        is in place (``runtime.parallel.tp_styles._SumOfPartials``). Compiled blocks: none (inductor reduces the
+        functional all-reduce in place where the input is not read again, ``_inductor.comm_lowering``). Megatron-LM
+        all-reduces in place: none (``sequence_first``)."""
+        if tp == 1 or self.sequence_first or self.compiled:
+            return 0.0
+        profile, tokens = self.cluster.profile, micro_batch / cp
+        return sum(2 * self._branch_bytes(b) * tokens / profile.copy_bytes_per_s + profile.kernel_overhead_s
+                   for b in self.space.branches if b.name in tp_branches)
+
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
         tp, tp_branches, sp, micro_batch, cp = key
         tokens = micro_batch / cp           # samples' worth of tokens on this rank (S / cp of each sample)
         comm = self.tp_comm_s(tp, tp_branches, sp, tokens)
-        copies, regather_copies = self.sp_copies_s(tp, tp_branches, micro_batch, cp) if sp else (0.0, 0.0)
+        # the layout copies: forward and backward alike under SP (a full recomputation's forward again pays half),
+        # the backward's alone without it (beside the backward's gathers again, which no recomputation repeats)
+        copies, regather_copies = self.sp_copies_s(tp, tp_branches, micro_batch, cp) if sp else \
+            (0.0, self.reduce_copies_s(tp, tp_branches, micro_batch, cp))
         comm += copies
         # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
         # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
         # without recomputation, under selective recomputation, and in a full recomputation's recomputed
         # forward (runtime.parallel.sequence_parallel composes its saved-tensor hooks with the recomputation's)
-        gathered = comm + regather_copies + sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
-                                                for b in self.space.branches) if sp else comm
+        gathered = comm + regather_copies + (sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
+                                                 for b in self.space.branches) if sp else 0.0)
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
         whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)
         # context parallelism: K and V are gathered over the cp ranks (stride tp in the dp x cp x tp mesh) and kept
