@@ -21,6 +21,7 @@ from tensoropt.profiler.host import device_name, memory_bytes
 from tensoropt.profiler.store import datasheet_profile, find_measured
 
 from .gpus import Gpu, free_memory, visible_gpus
+from .wiring import wiring
 
 GIB = 2**30
 DEFAULT_GPU_PROFILE = "h100-80gb"
@@ -96,8 +97,13 @@ def _visible_gpus(usable: list[Gpu], gpus: int | None, mem_per_gpu: float | None
     memory = int(mem_per_gpu or free)
     note = f"GPU {index} has {free / GIB:.1f} of {total / GIB:.1f} GiB free (another process holds the rest)" \
         if free < IN_USE_SHARE * total else ""
-    return Devices("cuda", count, memory, dataclasses.replace(load_profile(name), memory_bytes=memory),
-                   _described(name, profile), note)
+    loaded, described = dataclasses.replace(load_profile(name), memory_bytes=memory), _described(name, profile)
+    peers = 0 if loaded.intra_node.direct_peers else wiring(usable[:count])
+    if peers:
+        # a board without an NVSwitch: each GPU's links are split over its peers (``launcher.wiring``)
+        loaded = dataclasses.replace(loaded, intra_node=dataclasses.replace(loaded.intra_node, direct_peers=peers))
+        described += f", its NVLinks wired directly to {peers} peers (nvidia-smi topo)"
+    return Devices("cuda", count, memory, loaded, described, note)
 
 
 def _measured(name: str) -> str | None:

@@ -52,6 +52,7 @@ echo "$*" >> {folder}/calls.log
 case "$1" in
   -L) cat {folder}/listing.txt ;;
   --query-gpu=uuid,memory.free,memory.total) cat {folder}/memory.csv ;;
+  topo|nvlink) if [ -f {folder}/$1.txt ]; then cat {folder}/$1.txt; else echo "not supported" >&2; exit 3; fi ;;
   *) echo "unknown option $1" >&2; exit 2 ;;
 esac
 """)
@@ -130,7 +131,7 @@ def test_the_launcher_reads_gpus_and_free_memory_through_nvidia_smi_without_cuda
     assert devices.note == f"GPU 1 has {FREE_MIB[1] * MIB / GIB:.1f} of {TOTAL_MIB * MIB / GIB:.1f} GiB free " \
                            "(another process holds the rest)"
     assert calls.read_text().splitlines() == ["-L", "--query-gpu=uuid,memory.free,memory.total --format=csv,noheader,"
-                                                    "nounits"]
+                                                    "nounits", "topo -m", "nvlink -s"]
     assert not torch.cuda.is_initialized()
     with pytest.raises(TensorOptError, match=r"^--gpus 4 asks for more GPUs than the 2 visible here "
                                              r"\(CUDA_VISIBLE_DEVICES='0,1'\): use --gpus 2 or fewer"):
