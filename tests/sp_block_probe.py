@@ -213,6 +213,40 @@ def layout_copies(block, mesh, rank: int, batch: int) -> dict:
     return counts
 
 
+def batch_one(block, mesh, rank: int) -> dict:
+    """At batch 1 an SP copy's collectives run on views (``runtime.parallel.sequence_collectives``): its output and its
+    input's and parameters' gradients against the whole copy's (max difference), and against the same SP copy run
+    through torch's own redistribution (bitwise)."""
+    from tensoropt.runtime.parallel import sequence_collectives
+    x = torch.randn(1, SEQ, HIDDEN, generator=torch.Generator().manual_seed(4))
+    grad = torch.randn(1, SEQ, HIDDEN, generator=torch.Generator().manual_seed(5))
+    part = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2)
+
+    def run(views: bool) -> list[torch.Tensor]:
+        share = x[:, part].contiguous().requires_grad_()
+        sp = copy.deepcopy(block)
+        shard_copy(sp, LAYOUT, mesh, LAYOUT, "layers.1", (True, True), {id(share): weakref.ref(share)})
+        original = sequence_collectives.runs_on_views
+        sequence_collectives.runs_on_views = original if views else (lambda t: False)
+        try:
+            y = local(sp(share, None))
+            y.backward(grad[:, part].contiguous())
+        finally:
+            sequence_collectives.runs_on_views = original
+        params = sorted((n, p) for n, p in sp.named_parameters())
+        return [y.detach(), share.grad] + [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                                           for _, p in params]
+
+    ours, torchs = run(True), run(False)
+    whole = copy.deepcopy(block)
+    xw = x.clone().requires_grad_()
+    yw = whole(xw, None)
+    yw.backward(grad)
+    reference = [yw.detach()[:, part], xw.grad[:, part]] + [p.grad for _, p in sorted(whole.named_parameters())]
+    return {"max_difference": max(float((a - b).abs().max()) for a, b in zip(ours, reference)),
+            "bitwise_torchs_path": all(torch.equal(a, b) for a, b in zip(ours, torchs))}
+
+
 def reduce_copies(block, mesh) -> dict:
     """The functional all-reduces of one forward and backward of a tensor-parallel copy without sequence parallelism
     (both branches sharded), with whether each wrote into a new tensor, and its bytes."""
@@ -300,6 +334,7 @@ def main() -> None:
                                         seq_length=SEQ, vocab_size=128, attention="flash"))
     out["layout_copies"] = {batch: layout_copies(model.layers[0], mesh, rank, batch) for batch in (1, BATCH)}
     out["reduce_copies"] = reduce_copies(model.layers[0], mesh)
+    out["batch_one"] = batch_one(model.layers[0], mesh, rank)
     try:
         layout = (TPBranch("mlp", ("up",), ("down",), 64),)
         _check_sequence_parallel(MixesPositions(), "mixes.0", layout, layout, mesh, (torch.randn(2, SEQ, HIDDEN),), {})

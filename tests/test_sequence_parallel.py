@@ -30,6 +30,11 @@ def _block_cost(model: nn.Module, seq: int = SEQ):
     return cost
 
 
+def _gpt_graph():
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    return tensoropt.capture(_gpt(), (ids, ids), cache=False).graph
+
+
 def _gpt(attention: str = "flash", seq: int = SEQ) -> DecoderLM:
     torch.manual_seed(0)
     return DecoderLM(TransformerConfig(hidden_size=HIDDEN, num_layers=2, num_attention_heads=4, ffn_hidden_size=256,
@@ -199,16 +204,23 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     # SP copy's forward and backward, are those the cost model prices (``BlockCost.sp_copies_s``, issue 35): per
     # sharded branch two reduce-scatters (the forward's, the backward's of the input's gather), each concatenating the
     # whole stream; three gathers (the input's, the output gradient's, the backward's gather again of the kept share),
-    # each moving the whole stream from dim 0 to dim 1: a view at batch 1, a copy past it
+    # each moving the whole stream from dim 0 to dim 1. At batch 1 the eager copy runs its gathers and reduce-scatters
+    # on views (``runtime.parallel.sequence_collectives``): only the backward's gathers again go through torch's
+    # functional collectives, as views; no copy is made, and none is priced (compiled blocks: torch's reduce-scatters)
     cost = _block_cost(_gpt())
     whole = {1: SEQ * HIDDEN * 4, BATCH: BATCH * SEQ * HIDDEN * 4}
-    for batch, counts in probe["layout_copies"].items():
-        batch = int(batch)
-        gather = "copy" if batch > 1 else "view"
-        assert counts == {f"reduce_scatter copy {whole[batch]}": 4, f"all_gather {gather} {whole[batch]}": 6}, counts
-        copies, regathers = cost.sp_copies_s(2, ("attn", "mlp"), batch)
-        one = 2 * whole[batch] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
-        assert copies + regathers == pytest.approx((4 + (6 if batch > 1 else 0)) * one, rel=1e-9)
+    assert probe["layout_copies"]["1"] == {f"all_gather view {whole[1]}": 2}, probe["layout_copies"]
+    assert probe["layout_copies"][str(BATCH)] == {f"reduce_scatter copy {whole[BATCH]}": 4,
+                                                  f"all_gather copy {whole[BATCH]}": 6}, probe["layout_copies"]
+    one = 2 * whole[BATCH] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
+    assert sum(cost.sp_copies_s(2, ("attn", "mlp"), BATCH)) == pytest.approx(10 * one, rel=1e-9)
+    assert sum(cost.sp_copies_s(2, ("attn", "mlp"), 1)) == 0.0
+    graph = _gpt_graph()
+    compiled = ModelCost(graph, tensoropt.fold(graph), cost.cluster, compiled=True)
+    one = 2 * whole[1] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
+    assert sum(compiled.blocks[0][1].sp_copies_s(2, ("attn", "mlp"), 1)) == pytest.approx(4 * one, rel=1e-9)
+    # and the views compute what the whole copy does, bitwise what torch's redistribution computes
+    assert probe["batch_one"]["max_difference"] < 1e-5 and probe["batch_one"]["bitwise_torchs_path"], probe["batch_one"]
     # without sequence parallelism the forward sums in place and each branch's backward sums its input's gradient with
     # a functional all-reduce, into a copy of the whole stream (``BlockCost.reduce_copies_s``)
     assert probe["reduce_copies"] == {f"all_reduce copy {whole[BATCH]}": 2}, probe["reduce_copies"]
@@ -220,13 +232,17 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
 @pytest.mark.xdist_group("multiprocess")
 def test_gpt_tp2_sequence_parallel_matches_one_process(tmp_path):
     """Every copy SP (the first fully recomputed, the second selectively: the eager attention's core dropped, both
-    keeping their gathered inputs as shares through the recomputations' hooks), then a chain mixing replicated and
-    SP copies with attention left replicated (gathered whole inside the SP copies)."""
+    keeping their gathered inputs as shares through the recomputations' hooks), at micro-batch 4 and 1 (the
+    collectives on views), then a chain mixing replicated and SP copies with attention left replicated (gathered
+    whole inside the SP copies)."""
     alone = losses_alone(GPT, tmp_path / "alone.json")
     (tmp_path / "dry").mkdir()
     base = tp2(dry_run_plan(GPT, tmp_path / "dry"), ("attn", "mlp"), micro_batch=4)
     every = _with(base, ("full", True, 1), ("selective", True, 1), ("none", True, 2))
     np.testing.assert_allclose(_launch(GPT, every, tmp_path)["losses"], alone, rtol=LOSS_RTOL)
+    # at micro-batch 1 the copies gather and reduce-scatter on views (runtime.parallel.sequence_collectives)
+    np.testing.assert_allclose(_launch(GPT, dataclasses.replace(every, micro_batch=1), tmp_path)["losses"], alone,
+                               rtol=LOSS_RTOL)
     mixed = _with(base, ("none", False, 2), ("full", True, 1), ("none", True, 1), tp_branches=("mlp",))
     np.testing.assert_allclose(_launch(GPT, mixed, tmp_path)["losses"], alone, rtol=LOSS_RTOL)
 

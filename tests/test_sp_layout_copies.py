@@ -1,7 +1,8 @@
 """Sequence parallelism on a batch-first stream pays layout copies beside its collectives (issue 35): torch's
 functional collectives gather and scatter along dim 0, so a reduce-scatter along the sequence (dim 1) first
 concatenates its input's chunks, and an all-gather moves the ranks' shares from dim 0 to dim 1, a view only where the
-batch dim is 1. Megatron-LM's sequence-first stream needs neither (``sequence_first``)."""
+batch dim is 1; at batch 1 our eager runtime runs both on views (``runtime.parallel.sequence_collectives``).
+Megatron-LM's sequence-first stream needs none (``sequence_first``)."""
 
 import json
 
@@ -49,8 +50,13 @@ def test_a_sequence_parallel_copy_pays_a_copy_per_reduce_scatter_and_per_gather_
                    for b in batch_first.space.branches)
     gathers = scatters + sum(_copy_s(batch_first._gathered_nbytes[b] * micro_batch, profile)
                              for b in batch_first.space.branches)
-    expected = scatters + (gathers if micro_batch > 1 else 0.0)
-    assert ours.tp_comm_s - megatron.tp_comm_s == pytest.approx(expected, rel=1e-12)
+    # at batch 1 an eager copy gathers and reduce-scatters on views (runtime.parallel.sequence_collectives); compiled
+    # blocks trace torch's redistribution, whose reduce-scatters concatenate at any batch
+    expected = scatters + gathers if micro_batch > 1 else 0.0
+    assert ours.tp_comm_s - megatron.tp_comm_s == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    compiled = models[0].with_kernels(True).blocks[0][1]
+    assert sum(compiled.sp_copies_s(2, branches, micro_batch)) == pytest.approx(
+        scatters + (gathers if micro_batch > 1 else 0.0), rel=1e-12)
     change = batch_first.space.carried_bytes * micro_batch
     assert batch_first.layout_change_s(2, micro_batch) - sequence_first.layout_change_s(2, micro_batch) == \
         pytest.approx(_copy_s(change, profile) if micro_batch > 1 else 0.0, rel=1e-12)

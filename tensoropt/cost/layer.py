@@ -257,13 +257,15 @@ class BlockCost:
         stream (``torch.distributed._functional_collectives``: a reduce-scatter on ``scatter_dim`` 1 first
         concatenates the input's chunks along dim 0, ``_chunk_or_narrow_cat``; an all-gather lands the ranks' shares
         along dim 0 and moves them to dim 1, ``torch._utils._maybe_view_chunk_cat``, a view only where the batch dim
-        is 1). Each copy reads and writes the whole tensor once. Megatron-LM's sequence-first stream gathers and
-        scatters along dim 0: none (``sequence_first``)."""
+        is 1). Each copy reads and writes the whole tensor once. At batch 1 an eager copy runs its reduce-scatters on
+        views too (``runtime.parallel.sequence_collectives``): none; compiled blocks trace torch's. Megatron-LM's
+        sequence-first stream gathers and scatters along dim 0: none (``sequence_first``)."""
         if tp == 1 or self.sequence_first:
             return 0.0, 0.0
         tokens = micro_batch / cp
         rate, overhead = self.cluster.profile.copy_bytes_per_s, self.cluster.profile.kernel_overhead_s
         gathers_copy = micro_batch > 1
+        scatters_copy = gathers_copy or self.compiled
 
         def copy_s(nbytes: float) -> float:
             return 2 * nbytes * tokens / rate + overhead
@@ -274,7 +276,7 @@ class BlockCost:
             if branch.name in tp_branches:
                 # forward: gather the input (its backward: a reduce-scatter), reduce-scatter the output (its
                 # backward: a gather)
-                total += 2 * copy_s(nbytes) + (2 * copy_s(nbytes) if gathers_copy else 0.0)
+                total += (2 * copy_s(nbytes) if scatters_copy else 0.0) + (2 * copy_s(nbytes) if gathers_copy else 0.0)
             elif gathers_copy:
                 total += 2 * copy_s(nbytes)        # a replicated branch's two gathers
         regathers = sum(copy_s(self._gathered_nbytes[b]) for b in self.space.branches) if gathers_copy else 0.0

@@ -48,6 +48,7 @@ from ...errors import TensorOptError
 from ...space.plan import Plan
 from ...space.run_plan import Branches
 from ..blocks import copies_of
+from .sequence_collectives import gather_sequence
 
 SEQUENCE_DIM = 1
 # ``handoff[0]`` of a pipeline stage's first copy whose input is the previous stage's share, received as a message:
@@ -152,7 +153,7 @@ class _GatherOnce:
             key = id(x)
             if key not in self.done:
                 share = _autocast(x)
-                self.done[key] = (share, share.redistribute(self.mesh, [Replicate()]))
+                self.done[key] = (share, gather_sequence(share, self.mesh))
             whole = self.done[key][1]
             return (whole.to_local() if local else whole, *args[1:])
         return gather

@@ -28,6 +28,7 @@ from ...space.fused import segment_order
 from ...space.run_plan import Branches
 from ...space.tp_check import linear_kind
 from .feature_order import FEATURE_ORDER
+from .sequence_collectives import scatter_sequence
 from .sequence_parallel import apply_sequence_parallel
 
 
@@ -96,6 +97,9 @@ class Rows(RowwiseParallel):
             if not torch.compiler.is_compiling():
                 return _SumOfPartials.apply(outputs)
             return RowwiseParallel._prepare_output_fn(output_layouts, True, mod, outputs, device_mesh).clone()
+        if not use_local_output and isinstance(outputs, DTensor) and tuple(output_layouts) == (Shard(1),) \
+                and (share := scatter_sequence(outputs)) is not None:
+            return share          # a batch-1 stream reduce-scattered on views (``sequence_collectives``)
         return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
