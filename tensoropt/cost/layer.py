@@ -34,6 +34,7 @@ from ..space.block import BlockSpace
 from ..space.experts import Experts, dispatch_bytes, expert_ops
 from ..space.plan import LayerStrategy
 from ..space.vocab import VocabLayout
+from . import tp_copies
 from .comm import all_gather_s, all_reduce_s, all_to_all_s
 from .context_parallel import attention_kv
 from .ops import OpArrays, op_times
@@ -253,47 +254,19 @@ class BlockCost:
 
     def sp_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> tuple[float, float]:
         """(copies beside ``tp_comm_s``'s collectives, beside the backward's gathers again) of one sequence-parallel
-        copy: the layout copies torch's functional collectives make along the sequence, dim 1 of our batch-first
-        stream (``torch.distributed._functional_collectives``: a reduce-scatter on ``scatter_dim`` 1 first
-        concatenates the input's chunks along dim 0, ``_chunk_or_narrow_cat``; an all-gather lands the ranks' shares
-        along dim 0 and moves them to dim 1, ``torch._utils._maybe_view_chunk_cat``, a view only where the batch dim
-        is 1). Each copy reads and writes the whole tensor once. At batch 1 an eager copy runs its reduce-scatters on
-        views too (``runtime.parallel.sequence_collectives``): none; compiled blocks trace torch's. Megatron-LM's
-        sequence-first stream gathers and scatters along dim 0: none (``sequence_first``)."""
+        copy (``cost.tp_copies``): none for Megatron-LM's sequence-first stream (``sequence_first``)."""
         if tp == 1 or self.sequence_first:
             return 0.0, 0.0
-        tokens = micro_batch / cp
-        rate, overhead = self.cluster.profile.copy_bytes_per_s, self.cluster.profile.kernel_overhead_s
-        gathers_copy = micro_batch > 1
-        scatters_copy = gathers_copy or self.compiled
-
-        def copy_s(nbytes: float) -> float:
-            return 2 * nbytes * tokens / rate + overhead
-
-        total = 0.0
-        for branch in self.space.branches:
-            nbytes = self._branch_bytes(branch)
-            if branch.name in tp_branches:
-                # forward: gather the input (its backward: a reduce-scatter), reduce-scatter the output (its
-                # backward: a gather)
-                total += (2 * copy_s(nbytes) if scatters_copy else 0.0) + (2 * copy_s(nbytes) if gathers_copy else 0.0)
-            elif gathers_copy:
-                total += 2 * copy_s(nbytes)        # a replicated branch's two gathers
-        regathers = sum(copy_s(self._gathered_nbytes[b]) for b in self.space.branches) if gathers_copy else 0.0
-        return total, regathers
+        branches = [(self._branch_bytes(b), self._gathered_nbytes[b], b.name in tp_branches)
+                    for b in self.space.branches]
+        return tp_copies.sp_copies_s(branches, micro_batch, micro_batch / cp, self.compiled, self.cluster.profile)
 
     def reduce_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> float:
-        """The copies of one tensor-parallel copy without sequence parallelism, run eager: each sharded branch's
-        backward sums its input's gradient, a ``Partial`` DTensor, with torch's functional all-reduce, which writes
-        into a copy of its input (``_c10d_functional.all_reduce`` clones, then reduces in place); the forward's sum
-        is in place (``runtime.parallel.tp_styles._SumOfPartials``). Compiled blocks: none (inductor reduces the
-        functional all-reduce in place where the input is not read again, ``_inductor.comm_lowering``). Megatron-LM
-        all-reduces in place: none (``sequence_first``)."""
-        if tp == 1 or self.sequence_first or self.compiled:
+        """The copies of one eager tensor-parallel copy without sequence parallelism (``cost.tp_copies``)."""
+        if tp == 1 or self.sequence_first:
             return 0.0
-        profile, tokens = self.cluster.profile, micro_batch / cp
-        return sum(2 * self._branch_bytes(b) * tokens / profile.copy_bytes_per_s + profile.kernel_overhead_s
-                   for b in self.space.branches if b.name in tp_branches)
+        sharded = [self._branch_bytes(b) for b in self.space.branches if b.name in tp_branches]
+        return tp_copies.reduce_copies_s(sharded, micro_batch / cp, self.compiled, self.cluster.profile)
 
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
         tp, tp_branches, sp, micro_batch, cp = key
@@ -355,8 +328,7 @@ class BlockCost:
         if tp == 1:
             return 0.0
         nbytes = self.space.carried_bytes * micro_batch
-        copy = 2 * nbytes / self.cluster.profile.copy_bytes_per_s + self.cluster.profile.kernel_overhead_s \
-            if micro_batch > 1 and not self.sequence_first else 0.0
+        copy = 0.0 if self.sequence_first else tp_copies.layout_change_copy_s(nbytes, micro_batch, self.cluster.profile)
         return all_gather_s(nbytes, tp, 1, self.cluster) + copy
 
 

@@ -1,0 +1,56 @@
+"""The copies the torch runtime makes around its tensor-parallel collectives (issue 35): pure functions of a block
+copy's branch bytes, the plan's shape and the profile, which ``cost.layer.BlockCost`` adds to its collectives.
+
+Our stream is batch-first [b, s, h]; sequence parallelism shards it along the sequence, dim 1. torch's functional
+collectives gather and scatter along dim 0 (``torch.distributed._functional_collectives``), so along dim 1:
+- a reduce-scatter first concatenates the input's chunks into a new tensor (``torch._utils._chunk_or_narrow_cat``);
+- an all-gather's result is moved from dim 0 to dim 1 (``torch._utils._maybe_view_chunk_cat``): a view only where the
+  batch dim is 1.
+At batch 1 the eager runtime runs both on views (``runtime.parallel.sequence_collectives``): none; compiled blocks
+trace torch's redistribution (its reduce-scatters concatenate at any batch). Without sequence parallelism an eager
+copy's backward sums each sharded branch's input gradient with torch's functional all-reduce, which clones its
+input (``_c10d_functional.all_reduce``); the forward sums in place (``runtime.parallel.tp_styles._SumOfPartials``),
+and inductor reduces in place where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's
+stream is sequence-first and all-reduces in place: none of these (``sequence_first`` in the callers).
+Each copy reads and writes the whole tensor once, at the profile's copy rate (``DeviceProfile.copy_bytes_per_s``).
+"""
+
+from __future__ import annotations
+
+from .profile import DeviceProfile
+
+
+def copy_s(nbytes: float, profile: DeviceProfile) -> float:
+    """One copy of ``nbytes``: read and written once, one kernel."""
+    return 2 * nbytes / profile.copy_bytes_per_s + profile.kernel_overhead_s
+
+
+def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tokens: float, compiled: bool,
+                profile: DeviceProfile) -> tuple[float, float]:
+    """(the copies beside one SP copy's collectives, those beside its backward's gathers again), ``branches`` as
+    (row output bytes, column input bytes, sharded) per branch and sample, ``tokens`` samples' worth on the rank. A
+    sharded branch gathers its input (backward: a reduce-scatter) and reduce-scatters its output (backward: a
+    gather); a replicated one gathers twice; every branch gathers its kept input again in the backward."""
+    gathers, scatters = micro_batch > 1, micro_batch > 1 or compiled
+    total = 0.0
+    for out_bytes, _, sharded in branches:
+        one = copy_s(out_bytes * tokens, profile)
+        if sharded:
+            total += (2 * one if scatters else 0.0) + (2 * one if gathers else 0.0)
+        elif gathers:
+            total += 2 * one
+    regathers = sum(copy_s(in_bytes * tokens, profile) for _, in_bytes, _ in branches) if gathers else 0.0
+    return total, regathers
+
+
+def reduce_copies_s(sharded_out_bytes: list[float], tokens: float, compiled: bool, profile: DeviceProfile) -> float:
+    """The backward's functional all-reduce copies of one eager TP copy without SP: one per sharded branch."""
+    return 0.0 if compiled else sum(copy_s(b * tokens, profile) for b in sharded_out_bytes)
+
+
+def layout_change_copy_s(nbytes: float, micro_batch: int, profile: DeviceProfile) -> float:
+    """The gather at an SP chain's end moves the stream to dim 1: a copy past batch 1."""
+    return copy_s(nbytes, profile) if micro_batch > 1 else 0.0
+
+
+__all__ = ["copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]
