@@ -32,7 +32,7 @@ def parse_topology(text: str) -> dict[int, dict[int, int]]:
         fields = line.split()
         if not columns and fields and _TOPO_COLUMN.match(fields[0]) and len(fields) > 1 and \
                 _TOPO_COLUMN.match(fields[1]):
-            columns = [int(_TOPO_COLUMN.match(f)[1]) for f in fields if _TOPO_COLUMN.match(f)]
+            columns = [int(column[1]) for f in fields if (column := _TOPO_COLUMN.match(f))]
         elif columns and fields and (row := _TOPO_COLUMN.match(fields[0])):
             pairs[int(row[1])] = {peer: int(nv[1]) for peer, entry in zip(columns, fields[1:])
                                   if (nv := _NV.match(entry))}

@@ -274,14 +274,14 @@ class BlockCost:
         comm = self.tp_comm_s(tp, tp_branches, sp, tokens)
         # the layout copies: forward and backward alike under SP (a full recomputation's forward again pays half),
         # the backward's alone without it (beside the backward's gathers again, which no recomputation repeats)
-        copies, regather_copies = self.sp_copies_s(tp, tp_branches, micro_batch, cp) if sp else \
+        copies, backward_copies = self.sp_copies_s(tp, tp_branches, micro_batch, cp) if sp else \
             (0.0, self.reduce_copies_s(tp, tp_branches, micro_batch, cp))
         comm += copies
         # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
         # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:
         # without recomputation, under selective recomputation, and in a full recomputation's recomputed
         # forward (runtime.parallel.sequence_parallel composes its saved-tensor hooks with the recomputation's)
-        gathered = comm + regather_copies + (sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
+        gathered = comm + backward_copies + (sum(all_gather_s(self._gathered_nbytes[b] * tokens, tp, 1, self.cluster)
                                                  for b in self.space.branches) if sp else 0.0)
         # a sharded branch's parameters divide by tp, but for its row linears' biases (kept whole)
         whole = np.where(self._sharded_params(tp_branches), self.row_biases, self.params)

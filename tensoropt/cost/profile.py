@@ -103,8 +103,8 @@ class DeviceProfile:
     # unknown (the attention's work then runs at the matmul curve's rate).
     attention_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
     # Fraction of the memory bandwidth a large contiguous copy reaches (one read and one write of the tensor, as
-    # STREAM's Copy measures it): the layout copies around torch's sequence-dim collectives. 0: unknown, the
-    # memory-bound ops' ``memory_efficiency`` then.
+    # STREAM's Copy measures it): FSDP's and DeepSpeed's flat-buffer copies and the layout copies around torch's
+    # sequence-dim collectives (``cost.tp_copies``). 0: unknown, the memory-bound ops' ``memory_efficiency`` then.
     copy_efficiency: float = 0.0
 
     @cached_property

@@ -7,7 +7,7 @@ sequence into a new tensor, always; an all-gather's result is moved to dim 1, a 
 ranks' chunks along the sequence are consecutive slabs of memory, so both collectives can run on views: these two
 functions do (a gather whose backward reduce-scatters, and a reduce-scatter whose backward gathers), as Megatron-LM's
 sequence-first stream needs no copy at any batch. Past batch 1, or under ``torch.compile`` (which traces torch's
-redistribution), torch's own path runs: ``cost.layer.BlockCost.sp_copies_s`` prices whichever runs.
+redistribution), torch's own path runs: ``cost.tp_copies`` prices whichever runs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-SEQUENCE_DIM = 1
+SEQUENCE_DIM = 1       # the sequence dim of the batch-first stream, which SP shards
 
 
 def runs_on_views(t: DTensor) -> bool:

@@ -48,9 +48,8 @@ from ...errors import TensorOptError
 from ...space.plan import Plan
 from ...space.run_plan import Branches
 from ..blocks import copies_of
-from .sequence_collectives import gather_sequence
+from .sequence_collectives import SEQUENCE_DIM, gather_sequence
 
-SEQUENCE_DIM = 1
 # ``handoff[0]`` of a pipeline stage's first copy whose input is the previous stage's share, received as a message:
 # true (it arrives sharded), and no copy of this stage handed it on, so the relay check does not apply
 FROM_MESSAGE = "message"
