@@ -21,6 +21,13 @@ def _plan(chain, *, dp=2, tp=1, zero=0, global_batch=8, micro_batch=2, precision
                 blocks=(BlockPlan("layers.*", chain),))
 
 
+def _piped(chain, *, micro_batches=4) -> Plan:
+    """A two-stage 1F1B plan of one replica in bf16-mixed under ZeRO 1 (FSDP2 over a mesh of one: its units
+    accumulate the micro-batches' gradients in float32 and reduce them in the last backward)."""
+    return Plan(devices=2, dp=1, tp=1, pp=2, micro_batch=1, global_batch=micro_batches, zero=1,
+                precision="bf16-mixed", dtype="bfloat16", master_weights=False, blocks=(BlockPlan("layers.*", chain),))
+
+
 def _check(tmp_path, plan: Plan, *script_args) -> dict:
     tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "plan.json"
@@ -49,6 +56,14 @@ CASES = {
     # counts among the loss's saved tensors, are the batch's and outlive its backward: 3 KB here)
     "ddp-accumulation-small-vocab": (_plan(((NONE, 4),), micro_batch=2), WIDER[:-1] + (64,)),
     "fsdp2-zero1-accumulation-small-vocab": (_plan(((NONE, 4),), zero=1, micro_batch=2), WIDER[:-1] + (64,)),
+    # FSDP2 accumulating in float32 (bf16-mixed ZeRO 1) holds a unit's fresh bf16 gradients until its post-backward,
+    # and a ZeRO 1 stage's last backward the reduction's buffers (``cost.torch_memory.accumulated_unit_bytes``,
+    # ``cost.memory.stage_reduction_bytes``): priced below the simulated peak without them (2026-12-01: the flat plan
+    # by 516 bytes, the pipeline stage with full recomputation by 2.4%)
+    "fsdp2-zero1-bf16-mixed-accumulation": (_plan(((NONE, 4),), zero=1, micro_batch=2, precision="bf16-mixed"),
+                                            WIDER[:-1] + (64,)),
+    "pipeline-zero1-bf16-mixed": (_piped(((NONE, 2),)), WIDER[:-1] + (64,)),
+    "pipeline-zero1-bf16-mixed-full": (_piped(((FULL, 2),)), WIDER[:-1] + (64,)),
 }
 
 

@@ -82,7 +82,7 @@ def test_copy_backward_gradients_on_a_stage(write_json):
     gradients the up/gate projection's backward is larger: its output's gradient (8 KiB), its input's (4 KiB)
     and the 128 x 64 weight's fresh gradient (grad_bytes a parameter). Tensor parallelism over the MLP halves
     those, leaving a float32 norm op's 16 KiB + 128 B the largest. An estimate of a pp2 ZeRO 0/1 plan without
-    recomputation carries exactly the fresh version (float32 gradients) in its working set."""
+    recomputation carries exactly the fresh version (float32 gradients) in its working set (ZeRO 0: DDP)."""
     graph = tensoropt.capture(write_json("m.json", LLAMA)).graph
     model = ModelCost(graph, tensoropt.fold(graph), Cluster(4, 4, load_profile("h100-80gb")))
     product, projection, weight = 3 * 32 * 128 * 2, 32 * 128 * 2 + 32 * 64 * 2, 128 * 64
@@ -97,7 +97,10 @@ def test_copy_backward_gradients_on_a_stage(write_json):
                     master_weights=False, precision="32-true",
                     blocks=(BlockPlan(block.name, ((LayerStrategy("none"), 4 // pp),)),))
         return estimate(model, plan).memory_breakdown["other_bytes"] - fixed
-    assert working(0, 2) == working(1, 2) == projection + 4 * weight
+    assert working(0, 2) == projection + 4 * weight
+    # a ZeRO 1 stage (FSDP2) also reduces its accumulated gradients in its last backward, a moment of its own with
+    # the reduce-scatter's buffers (``cost.memory.stage_reduction_bytes``; simulated in tests/test_memory_bound.py)
+    assert working(1, 2) > working(0, 2)
 
 
 def test_the_vocabulary_split_embedding_makes_its_rows_gradient_only():

@@ -19,7 +19,7 @@ from .pipeline_memory import (
     relayed_in_flight,
 )
 from .rows import PlanRows
-from .torch_memory import fsdp_held_bytes, targets_bytes
+from .torch_memory import accumulated_unit_bytes, fsdp_held_bytes, targets_bytes
 
 if TYPE_CHECKING:
     from .model import ModelCost
@@ -74,7 +74,21 @@ def stage_copy_backward_bytes(r: PlanRows) -> np.ndarray:
     where the stage accumulates whole ones over micro-batches (ZeRO 0/1; a ZeRO 2/3 stage's fresh gradients are
     FSDP2's unit gradients, ``fsdp_stage_bytes``); 0 without a pipeline."""
     accumulating = (gradients_divisor(r.pp, r.zero, r.dp) == 1) & (r.m > 1)
-    return np.where(r.piped, np.where(accumulating, r.copy_back_fresh, r.copy_back), 0.0)
+    # FSDP2's ZeRO 1 stage accumulating in float32 holds a whole unit's fresh bf16 gradients instead
+    unit_fresh = r.copy_back + np.where(r.deepspeed, 0.0,
+                                        accumulated_unit_bytes(r.zero, r.gathered, r.reduced, r.unit_params, r.m))
+    return np.where(r.piped, np.where(accumulating, np.maximum(r.copy_back_fresh, unit_fresh), r.copy_back), 0.0)
+
+
+def stage_reduction_bytes(r: PlanRows) -> np.ndarray:
+    """What FSDP2 holds beside the whole gradients while a torch ZeRO 1 pipeline stage reduces them, in its last
+    micro-batch's backward (0 for other plans): each unit's post-backward copies its accumulated gradients into the
+    reduce-scatter's flat input and makes the output shard, in the reduce dtype (``foreach_reduce``), one unit at a
+    time. It comes when the step's activations are nearly all freed, so it is a moment of its own beside the copies'
+    backward working set (``memory_rows`` takes the larger); the simulated stage of a small model with full
+    recomputation peaks there (tests/test_memory_bound.py)."""
+    torch_zero1 = r.piped & ~r.deepspeed & (r.zero == 1)
+    return np.where(torch_zero1, r.reduced * r.unit_params * (1 + 1 / r.dp), 0.0)
 
 
 def dp_sharded_elements(model: ModelCost, r: PlanRows, params) -> np.ndarray:
@@ -130,8 +144,13 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
         r.grad * np.where(r.ep > 1, model.expert_parameters / r.ep, 0.0), r.copy_back,
         np.maximum(r.first_acts - r.head_acts - targets_bytes(model, r.mb / r.cp), 0.0), model.vocab.fused_loss)
     grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
+    # a ZeRO 1 stage's reduction, in its last micro-batch's backward: that micro-batch's activations (and the
+    # embedding's), its largest op's gradients and FSDP2's reduction buffers, beside the whole gradients
+    reduction_moment = np.where(stage_reduction_bytes(r) > 0, stage_reduction_bytes(r) + r.copy_back + activation_bytes
+                                + r.first_acts + model.checkpoint_inputs_bytes * r.mb, 0.0)
     working = np.where(flat_torch, torch_working,
-                       np.where(r.piped, stage_working, np.maximum(transient, r.loss_grads)))
+                       np.where(r.piped, np.maximum(stage_working, reduction_moment - activations),
+                                np.maximum(transient, r.loss_grads)))
     held_params = held_params + stage_params
     deepspeed_bytes, = _only(r.deepspeed, 1, extra_bytes, r.zero, r.offload, params, r.dp, r.weight, r.grad,
                              r.master, r.moment, r.partition_copy, grads, activations, model.largest_parameter,
@@ -152,4 +171,4 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
 
 
 __all__ = ["activations_bytes", "dp_sharded_elements", "memory_rows", "stage_copy_backward_bytes",
-           "uncast_parameter_elements"]
+           "stage_reduction_bytes", "uncast_parameter_elements"]
