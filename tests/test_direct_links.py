@@ -84,7 +84,7 @@ def test_more_gpus_per_node_than_the_wiring_connects_is_refused_in_one_line():
     assert Cluster(16, 2, profile).devices_per_node == 2
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "3"])
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
 def test_a_profile_with_a_bad_direct_peers_is_refused(tmp_path, bad):
     data = load_profile_json(DIRECT)
     data["intra_node"]["direct_peers"] = bad

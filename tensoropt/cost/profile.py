@@ -57,7 +57,7 @@ class Link:
     def from_json(d: dict) -> Link:
         by_collective = d.get("collective_bandwidths_bytes_per_s", {})
         peers = d.get("direct_peers", 0)
-        if not isinstance(peers, int) or peers < 0:
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 0:      # JSON true is no count
             raise ValueError(f"direct_peers must be a whole number >= 0 (0: a switched fabric), got {peers!r}")
         return Link(float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]), float(d.get("efficiency", 1.0)),
                     tuple(sorted((k, float(v)) for k, v in by_collective.items())), peers)
