@@ -58,7 +58,7 @@ CASES = {
     "fsdp2-zero1-accumulation-small-vocab": (_plan(((NONE, 4),), zero=1, micro_batch=2), WIDER[:-1] + (64,)),
     # FSDP2 accumulating in float32 (bf16-mixed ZeRO 1) holds a unit's fresh bf16 gradients until its post-backward,
     # and a ZeRO 1 stage's last backward the reduction's buffers (``cost.torch_memory.accumulated_unit_bytes``,
-    # ``cost.memory.stage_reduction_bytes``): priced below the simulated peak without them (2026-12-01: the flat plan
+    # ``cost.memory.stage_reduction_bytes``): priced below the simulated peak without them (2026-11-30: the flat plan
     # by 516 bytes, the pipeline stage with full recomputation by 2.4%)
     "fsdp2-zero1-bf16-mixed-accumulation": (_plan(((NONE, 4),), zero=1, micro_batch=2, precision="bf16-mixed"),
                                             WIDER[:-1] + (64,)),
