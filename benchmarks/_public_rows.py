@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from tensoropt.cost.comm import all_gather_s
+from tensoropt.cost.layer import LooseOps
 from tensoropt.cost.model import ModelCost
+from tensoropt.cost.ops import op_times
+from tensoropt.graph.ir import dtype_bytes
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
+from tensoropt.space.vocab import CASTS
 
 # torchtitan's H100s (Grand Teton: 96 GB HBM2e, 500 W cap) are another part than the 700 W SXM5 80 GB HBM3 of
 # DGX H100 that Megatron-LM's, fms-fsdp's and FlagPerf's rows ran on, and KempnerForge's ran on H200s; each row is
@@ -173,6 +180,42 @@ def vocab_replicated(row: dict) -> bool:
     """Whether the row ran its embedding, output head and loss whole on every tensor-parallel rank (KempnerForge
     under pipelining) rather than split over the vocabulary as torchtitan's and Megatron's tensor parallelism do."""
     return (row["parallelism"]["tp"] or 1) > 1 and not row["parallelism"].get("vocab_parallel", True)
+
+
+def logits_gathered(row: dict) -> bool:
+    """Whether the row's tensor parallelism gathered the logits whole on every rank for its loss: KempnerForge
+    without a pipeline (``kempnerforge/distributed/tensor_parallel.py`` at 5666d0d: the output head is
+    ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())``, and ``F.cross_entropy`` reads the
+    replicated logits), where our runtime, Megatron-LM and torchtitan split the loss over the vocabulary."""
+    return bool(row["parallelism"].get("logits_gathered"))
+
+
+def gathered_logits_s(model: ModelCost, plan: Plan) -> float:
+    """What a step of ``plan`` pays beyond the vocabulary-parallel loss it is priced with when its logits are gathered
+    (``logits_gathered``): per micro-batch the all-gather of the logits (the head's output) over the tensor-parallel
+    ranks, their concatenation along the vocabulary (torch's functional all-gather stacks the ranks' shares along
+    dim 0; moving them to the last dim copies the whole), and the loss's ops (``LooseOps.loss_path``) whole on every
+    rank instead of 1/tp of them. The source's ``F.cross_entropy`` reads the logits in their own dtype (bf16), where
+    the captured model casts them to float32 first: the cast is left out and the loss's ops are priced at the
+    logits' bytes per element. The gather's backward is a slice: not priced."""
+    tail = LooseOps(model.tail_ops, model.cluster, model.vocab)
+    params = set(model.vocab.params)
+    heads = [op.outputs[0] for op in tail.ops if any(r.kind == "param" and r.name in params for r in op.sources)
+             and op.outputs and op.outputs[0].shape and op.outputs[0].shape[-1] == model.vocab.vocab]
+    loss = [int(i) for i in np.flatnonzero(tail.loss_path) if tail.ops[i].target not in CASTS]
+    if plan.tp < 2 or not heads or not loss:
+        return 0.0
+    profile, logits = model.cluster.profile, heads[-1]
+    # each op at the logits' element size instead of the float32 copy's it reads in the capture
+    scale = np.array([dtype_bytes(logits.dtype) / dtype_bytes(tail.ops[i].inputs[0].dtype) for i in loss])
+    arrays = tail.arrays.subset(loss)
+    whole = sum(float((t * scale).sum()) for t in op_times(arrays, np.ones(len(loss)), plan.micro_batch, profile))
+    share = sum(float((t * scale).sum()) for t in op_times(arrays, np.full(len(loss), float(plan.tp)),
+                                                            plan.micro_batch, profile))
+    nbytes = plan.micro_batch * logits.nbytes
+    per_micro_batch = all_gather_s(nbytes, plan.tp, 1, model.cluster) + 2 * nbytes / profile.copy_bytes_per_s \
+        + whole - share
+    return plan.global_batch // (plan.dp * plan.micro_batch) * per_micro_batch
 
 
 def own_plan(row: dict, block: str) -> Plan:

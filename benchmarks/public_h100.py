@@ -50,7 +50,9 @@ from _public_rows import (
     PROFILES,
     build_plan,
     family,
+    gathered_logits_s,
     kernels,
+    logits_gathered,
     measured_step_s,
     model_config,
     profile_name,
@@ -212,6 +214,8 @@ def price(row: dict, profile) -> dict:
     plan = build_plan(row, model)
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
     measured = measured_step_s(row)
+    # a source that gathered its logits for a whole-vocabulary loss pays that on top (``gathered_logits_s``)
+    gathered = gathered_logits_s(model, plan) if logits_gathered(row) else 0.0
     memory = {}
     if row["measured"].get("max_memory_allocated_gib"):
         # tensors: the prediction less the allocator's and libraries' share (runtime_overhead_bytes), against
@@ -225,11 +229,12 @@ def price(row: dict, profile) -> dict:
     return {"source": row["source"], "group": row["group"], "model": row["model"]["id"], "gpus": row["gpus"],
             "family": family(row), "profile": profile.name,
             "plan": plan.summary() + kernels(plan) + (" vocab replicated" if vocab_replicated(row) else ""),
-            "measured_step_s": measured, "predicted_step_s": est.iteration_time_s,
-            "error": est.iteration_time_s / measured - 1,
+            "measured_step_s": measured, "predicted_step_s": est.iteration_time_s + gathered,
+            "error": (est.iteration_time_s + gathered) / measured - 1,
             # Megatron's rows hide tensor-parallel communication behind GEMMs (--tp-comm-overlap): how much of it
             "tp_comm_hidden_s": est.time_breakdown.get("tensor_parallel_hidden_s", 0.0),
-            "breakdown": {k: round(v, 4) for k, v in est.time_breakdown.items()}, **memory}
+            "breakdown": {k: round(v, 4) for k, v in est.time_breakdown.items()}
+            | ({"gathered_logits_s": round(gathered, 4)} if gathered else {}), **memory}
 
 
 def summary(rows: list[dict]) -> dict[str, dict]:

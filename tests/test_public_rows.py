@@ -10,7 +10,9 @@ import re
 import pytest
 from conftest import REPO
 
-from tensoropt.cost.profile import load_profile
+from tensoropt.cost.comm import all_gather_s
+from tensoropt.cost.model import ModelCost
+from tensoropt.cost.profile import Cluster, load_profile
 
 
 def _row(sequence_parallel: bool, vocab_parallel: bool) -> dict:
@@ -50,6 +52,28 @@ def test_a_row_with_its_vocabulary_replicated_prices_the_vocabulary_whole(priced
     assert whole["breakdown"]["forward_backward_s"] == split["breakdown"]["forward_backward_s"]
     assert whole["breakdown"]["compute_s"] > split["breakdown"]["compute_s"]
     assert whole["predicted_step_s"] > split["predicted_step_s"]
+
+
+def test_a_row_that_gathered_its_logits_pays_their_gather_and_a_whole_loss(benchmark_module):
+    """KempnerForge's TP without a pipeline gathers the logits whole on every rank for its loss: priced on top of the
+    vocabulary-parallel plan, per micro-batch at least the logits' all-gather and their concatenation (a copy of the
+    whole), and at most that plus the loss's ops whole (what a rank computed beyond its 1/tp of them)."""
+    public = benchmark_module("public_h100")
+    profile = load_profile(str(REPO / "profiles" / "h200-141gb-4gpu.json"))
+    row = _row(True, True) | {"gpus": 4, "gradient_accumulation": 4, "global_batch": 8}
+    row["parallelism"] = row["parallelism"] | {"dp": 1, "fsdp": 1, "pp": 1}
+    plain = public.price(row, profile)
+    gathered = public.price(row | {"parallelism": row["parallelism"] | {"logits_gathered": True}}, profile)
+    extra = gathered["predicted_step_s"] - plain["predicted_step_s"]       # (the breakdown rounds it to 0.1 ms)
+    assert extra == pytest.approx(gathered["breakdown"]["gathered_logits_s"], abs=5e-5)
+    assert "gathered_logits_s" not in plain["breakdown"]
+    logits = 2 * 512 * 32768 * 2                       # a micro-batch's bf16 logits: 2 samples x 512 tokens x vocab
+    graph, folding, facts = public.graph_of(row)
+    cluster = Cluster(4, 4, profile)
+    floor = all_gather_s(logits, 4, 1, cluster) + 2 * logits / profile.copy_bytes_per_s
+    model = ModelCost(graph, folding, cluster, facts=facts)
+    whole_loss = model.loose(1, 2, 2)[1].time_s     # the ops after the blocks (head and loss) on one rank, whole
+    assert 4 * floor < extra < 4 * (floor + whole_loss)
 
 
 def test_every_public_row_names_its_commit_and_adds_up():
