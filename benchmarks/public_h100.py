@@ -173,8 +173,9 @@ Issue 35's additions (found in public repositories; the data file's ``sources`` 
   (-0.1% signed) and the one without TP +19.5%; the H100 SXM's fitted curve (x0.9) as well, +28.7% without TP. The
   H200 rows split by TP as torchtitan's H100 rows do (TP8 rows -4..-6%, FSDP rows +1..+4%), by more. Their
   TP plan without pipelining: norms sequence-parallel, the head's matmul split by vocabulary (priced so), the
-  embedding whole on each TP rank and the logits gathered for a whole-vocabulary loss (not modelled, about +3% by
-  hand). Rows without data parallelism are priced bf16-true (the model is bf16).
+  embedding whole on each TP rank (not modelled) and the logits gathered for a whole-vocabulary loss (priced since
+  2026-11-30, ``_public_rows.gathered_logits_s``: +2-4% a step; the TP family 5.0% -> 3.0%, -2.8% -> -0.9% signed).
+  Rows without data parallelism are priced bf16-true (the model is bf16).
 - torchtitan's eight eager FSDP rows on 64 A100 80GB (micro-batch 1-2, Llama 2 13B/70B and Llama 3 8B/70B; in the data
   since issue 19, unpriced until now): validation only on the committed a100-80gb profile (whose curve was set on
   Megatron-LM's A100 runs, ``cost_calibration.md``, not on these).
