@@ -146,8 +146,9 @@ def memory_rows(model: ModelCost, r: PlanRows, activation_bytes, transient_bytes
     grads, activations = np.where(flat_torch, torch_grads, grads), np.where(flat_torch, torch_acts, activations)
     # a ZeRO 1 stage's reduction, in its last micro-batch's backward: that micro-batch's activations (and the
     # embedding's), its largest op's gradients and FSDP2's reduction buffers, beside the whole gradients
-    reduction_moment = np.where(stage_reduction_bytes(r) > 0, stage_reduction_bytes(r) + r.copy_back + activation_bytes
-                                + r.first_acts + model.checkpoint_inputs_bytes * r.mb, 0.0)
+    reduction = stage_reduction_bytes(r)
+    reduction_moment = np.where(reduction > 0, reduction + r.copy_back + activation_bytes + r.first_acts
+                                + model.checkpoint_inputs_bytes * r.mb, 0.0)
     working = np.where(flat_torch, torch_working,
                        np.where(r.piped, np.maximum(stage_working, reduction_moment - activations),
                                 np.maximum(transient, r.loss_grads)))
