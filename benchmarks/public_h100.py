@@ -210,8 +210,9 @@ def price(row: dict, profile) -> dict:
             facts.vocab, refused="the row ran its vocabulary replicated over tensor-parallel ranks"))
     megatron = row["source"] in MEGATRON
     # Megatron-LM's stream is sequence-first: its sequence-parallel collectives need no layout copies
+    # the others ran torch's own ColwiseParallel / RowwiseParallel (torchtitan, KempnerForge): their copies
     model = ModelCost(graph, folding, Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE), profile),
-                      facts=facts, sequence_first=megatron)
+                      facts=facts, sequence_first=megatron, torch_styles=not megatron)
     plan = build_plan(row, model)
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
     measured = measured_step_s(row)

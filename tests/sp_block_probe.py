@@ -248,11 +248,12 @@ def batch_one(block, mesh, rank: int) -> dict:
 
 
 def reduce_copies(block, mesh) -> dict:
-    """The functional all-reduces of one forward and backward of a tensor-parallel copy without sequence parallelism
-    (both branches sharded), with whether each wrote into a new tensor, and its bytes."""
+    """The all-reduces of one forward and backward of a tensor-parallel copy without sequence parallelism (both
+    branches sharded): torch's functional ones, with whether each wrote into a new tensor, and c10d's in-place ones,
+    with their bytes; and how far the input's gradient is from the whole block's."""
     import torch.distributed._functional_collectives as funcol
     seen: dict = {}
-    original = funcol.all_reduce
+    original, in_place = funcol.all_reduce, dist.all_reduce
 
     def reduced(tensor, *args, **kwargs):
         out = original(tensor, *args, **kwargs)
@@ -262,16 +263,24 @@ def reduce_copies(block, mesh) -> dict:
         seen[key] = seen.get(key, 0) + 1
         return out
 
+    def reduced_in_place(tensor, *args, **kwargs):
+        key = f"c10d all_reduce {tensor.numel() * tensor.element_size()}"
+        seen[key] = seen.get(key, 0) + 1
+        return in_place(tensor, *args, **kwargs)
+
     tp = copy.deepcopy(block)
     shard_copy(tp, LAYOUT, mesh)
     x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    funcol.all_reduce = reduced
+    funcol.all_reduce, dist.all_reduce = reduced, reduced_in_place
     try:
         y = tp(x, None)
         local(y).backward(torch.ones_like(local(y)))
     finally:
-        funcol.all_reduce = original
-    return seen
+        funcol.all_reduce, dist.all_reduce = original, in_place
+    whole_x = x.detach().clone().requires_grad_(True)
+    block(whole_x, None).backward(torch.ones_like(local(y)))
+    return {"collectives": seen, "grad_difference": float((x.grad - whole_x.grad).abs().max()),
+            "grad_scale": float(whole_x.grad.abs().max())}
 
 
 class MixesPositions(torch.nn.Module):

@@ -1,8 +1,10 @@
 """Sequence parallelism on a batch-first stream pays layout copies beside its collectives (issue 35): torch's
 functional collectives gather and scatter along dim 0, so a reduce-scatter along the sequence (dim 1) first
 concatenates its input's chunks, and an all-gather moves the ranks' shares from dim 0 to dim 1, a view only where the
-batch dim is 1; at batch 1 our eager runtime runs both on views (``runtime.parallel.sequence_collectives``).
-Megatron-LM's sequence-first stream needs none (``sequence_first``)."""
+batch dim is 1; at batch 1 our eager runtime runs both on views (``runtime.parallel.sequence_collectives``), where
+torch's own styles (``torch_styles``: torchtitan's, KempnerForge's runtimes) still concatenate. Megatron-LM's
+sequence-first stream needs none (``sequence_first``). Without sequence parallelism our runtime and Megatron-LM sum in
+place; torch's styles copy twice per sharded branch."""
 
 import json
 
@@ -25,7 +27,8 @@ def models(tmp_path_factory):
     graph = tensoropt.capture(str(path)).graph
     cluster = Cluster(2, 2, load_profile("h100-80gb"))
     folded = tensoropt.fold(graph)
-    return ModelCost(graph, folded, cluster), ModelCost(graph, folded, cluster, sequence_first=True)
+    return (ModelCost(graph, folded, cluster), ModelCost(graph, folded, cluster, sequence_first=True),
+            ModelCost(graph, folded, cluster, torch_styles=True))
 
 
 def _copy_s(nbytes: float, profile) -> float:
@@ -41,7 +44,7 @@ def test_the_copy_rate_is_streams_fraction_of_the_bandwidth_where_the_profile_gi
 
 @pytest.mark.parametrize("micro_batch", [1, 2, 4])
 def test_a_sequence_parallel_copy_pays_a_copy_per_reduce_scatter_and_per_gather_past_batch_one(models, micro_batch):
-    batch_first, sequence_first = (m.blocks[0][1] for m in models)
+    batch_first, sequence_first, _ = (m.blocks[0][1] for m in models)
     branches = models[0].branch_names
     profile = models[0].cluster.profile
     ours = batch_first.layer(SP, 2, branches, micro_batch)
@@ -63,23 +66,35 @@ def test_a_sequence_parallel_copy_pays_a_copy_per_reduce_scatter_and_per_gather_
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_without_sequence_parallelism_the_eager_backward_copies_once_a_branch(models, recompute):
-    """Each sharded branch's backward sums its input's gradient with torch's functional all-reduce, which clones its
-    input; the forward sums in place, so a full recomputation repeats none. Compiled blocks and Megatron: none."""
-    batch_first, sequence_first = (m.blocks[0][1] for m in models)
+def test_without_sequence_parallelism_torchs_styles_copy_twice_a_branch_and_ours_none(models, recompute):
+    """torch's ``RowwiseParallel`` sums each sharded branch's output with a functional all-reduce, and
+    ``ColwiseParallel``'s input its gradient, each cloning its input: two copies per branch, the forward's again in a
+    full recomputation. Our runtime sums both in place, as Megatron-LM does: none; compiled blocks none either."""
+    ours, megatron, torchs = (m.blocks[0][1] for m in models)
     branches, profile = models[0].branch_names, models[0].cluster.profile
     plain = LayerStrategy(recompute)
-    ours, megatron = batch_first.layer(plain, 2, branches, 4), sequence_first.layer(plain, 2, branches, 4)
-    expected = sum(_copy_s(batch_first._branch_nbytes[b] * 4, profile) for b in batch_first.space.branches)
-    assert ours.tp_comm_s - megatron.tp_comm_s == pytest.approx(expected, rel=1e-12)
-    assert ours.recompute_s == megatron.recompute_s
-    compiled = models[0].with_kernels(True).blocks[0][1]
-    assert compiled.reduce_copies_s(2, branches, 4) == 0.0
-    assert batch_first.layer(SP, 1, (), 4).tp_comm_s == 0.0
+    layers = [cost.layer(plain, 2, branches, 4) for cost in (ours, megatron, torchs)]
+    assert layers[0].tp_comm_s == layers[1].tp_comm_s and layers[0].recompute_s == layers[1].recompute_s
+    one_each = sum(_copy_s(ours._branch_nbytes[b] * 4, profile) for b in ours.space.branches)
+    assert layers[2].tp_comm_s - layers[0].tp_comm_s == pytest.approx(2 * one_each, rel=1e-12)
+    assert layers[2].recompute_s - layers[0].recompute_s == pytest.approx(one_each if recompute == "full" else 0.0,
+                                                                          rel=1e-9, abs=1e-15)
+    compiled = models[2].with_kernels(True).blocks[0][1]
+    assert compiled.reduce_copies_s(2, branches, 4) == 0.0 and compiled.torch_styles
+    assert ours.reduce_copies_s(2, branches, 4) == 0.0
+    assert ours.layer(SP, 1, (), 4).tp_comm_s == 0.0
+
+
+def test_at_batch_one_torchs_styles_still_concatenate_for_their_reduce_scatters(models):
+    ours, _, torchs = (m.blocks[0][1] for m in models)
+    branches, profile = models[0].branch_names, models[0].cluster.profile
+    assert ours.sp_copies_s(2, branches, 1) == (0.0, 0.0)
+    scatters = sum(2 * _copy_s(ours._branch_nbytes[b], profile) for b in ours.space.branches)
+    assert torchs.sp_copies_s(2, branches, 1) == (pytest.approx(scatters, rel=1e-12), 0.0)
 
 
 def test_a_full_recomputation_recomputes_the_forwards_copies_too(models):
-    batch_first, sequence_first = (m.blocks[0][1] for m in models)
+    batch_first, sequence_first, _ = (m.blocks[0][1] for m in models)
     branches = models[0].branch_names
     full = LayerStrategy("full", sequence_parallel=True)
     ours, megatron = batch_first.layer(full, 2, branches, 2), sequence_first.layer(full, 2, branches, 2)
@@ -88,7 +103,7 @@ def test_a_full_recomputation_recomputes_the_forwards_copies_too(models):
 
 
 def test_the_estimate_of_a_sequence_parallel_plan_carries_the_copies_and_megatrons_does_not(models):
-    ours, megatron = models
+    ours, megatron, _ = models
     plan = Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=2, global_batch=4, tp_branches=ours.branch_names,
                 blocks=(BlockPlan("layers.*", ((SP, SMALL_GPT["num_layers"]),)),))
     a, b = estimate(ours, plan), estimate(megatron, plan)

@@ -114,12 +114,14 @@ class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
     def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False,
-                 experts: Experts | None = None, sequence_first: bool = False) -> None:
+                 experts: Experts | None = None, sequence_first: bool = False, torch_styles: bool = False) -> None:
         self.ops, self.space, self.cluster = ops, space, cluster
         self.compiled = compiled
         # the runtime's stream is sequence-first (Megatron-LM's [s, b, h]): its sequence-parallel collectives run
         # along dim 0 and need no layout copies (``sp_copies_s``); ours is batch-first, sharded on dim 1
         self.sequence_first = sequence_first
+        # the runtime is torch's own tensor parallelism (``ModelCost.torch_styles``), not ours
+        self.torch_styles = torch_styles
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
         self.row_biases = _row_bias_elements(ops, space)
@@ -259,11 +261,13 @@ class BlockCost:
             return 0.0, 0.0
         branches = [(self._branch_bytes(b), self._gathered_nbytes[b], b.name in tp_branches)
                     for b in self.space.branches]
-        return tp_copies.sp_copies_s(branches, micro_batch, micro_batch / cp, self.compiled, self.cluster.profile)
+        return tp_copies.sp_copies_s(branches, micro_batch, micro_batch / cp, self.compiled, self.cluster.profile,
+                                     self.torch_styles)
 
     def reduce_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> float:
-        """The copies of one eager tensor-parallel copy without sequence parallelism (``cost.tp_copies``)."""
-        if tp == 1 or self.sequence_first:
+        """The copies of one eager tensor-parallel copy without sequence parallelism (``cost.tp_copies``): torch's
+        styles' only (ours and Megatron-LM's sum in place)."""
+        if tp == 1 or self.sequence_first or not self.torch_styles:
             return 0.0
         sharded = [self._branch_bytes(b) for b in self.space.branches if b.name in tp_branches]
         return tp_copies.reduce_copies_s(sharded, micro_batch / cp, self.compiled, self.cluster.profile)
@@ -272,10 +276,10 @@ class BlockCost:
         tp, tp_branches, sp, micro_batch, cp = key
         tokens = micro_batch / cp           # samples' worth of tokens on this rank (S / cp of each sample)
         comm = self.tp_comm_s(tp, tp_branches, sp, tokens)
-        # the layout copies: forward and backward alike under SP (a full recomputation's forward again pays half),
-        # the backward's alone without it (beside the backward's gathers again, which no recomputation repeats)
+        # the copies around the collectives: forward and backward alike (a full recomputation's forward again pays
+        # half), under SP beside the backward's gathers again too, which no recomputation repeats
         copies, backward_copies = self.sp_copies_s(tp, tp_branches, micro_batch, cp) if sp else \
-            (0.0, self.reduce_copies_s(tp, tp_branches, micro_batch, cp))
+            (self.reduce_copies_s(tp, tp_branches, micro_batch, cp), 0.0)
         comm += copies
         # under sequence parallelism every copy keeps its branches' gathered inputs as the share (in ``saved``:
         # the ops that make them run on the share) and gathers them again in the backward, as Megatron-LM does:

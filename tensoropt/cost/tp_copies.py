@@ -7,11 +7,14 @@ collectives gather and scatter along dim 0 (``torch.distributed._functional_coll
 - an all-gather's result is moved from dim 0 to dim 1 (``torch._utils._maybe_view_chunk_cat``): a view only where the
   batch dim is 1.
 At batch 1 the eager runtime runs both on views (``runtime.parallel.sequence_collectives``): none; compiled blocks
-trace torch's redistribution (its reduce-scatters concatenate at any batch). Without sequence parallelism an eager
-copy's backward sums each sharded branch's input gradient with torch's functional all-reduce, which clones its
-input (``_c10d_functional.all_reduce``); the forward sums in place (``runtime.parallel.tp_styles._SumOfPartials``),
-and inductor reduces in place where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's
-stream is sequence-first and all-reduces in place: none of these (``sequence_first`` in the callers).
+trace torch's redistribution (its reduce-scatters concatenate at any batch), as runtimes on torch's own styles do
+eagerly too (``torch_styles``: torchtitan's, KempnerForge's). Without sequence parallelism our eager runtime sums in
+place, the row linears' partial outputs in the forward (``runtime.parallel.tp_styles._SumOfPartials``) and the column
+linears' input gradients in the backward (``tp_styles._CopyToRanks``), as Megatron-LM does; torch's
+``RowwiseParallel`` and ``ColwiseParallel`` sum each with a functional all-reduce, which clones its input
+(``_c10d_functional.all_reduce``): two copies per sharded branch (``torch_styles``), and inductor reduces in place
+where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's stream is sequence-first and
+all-reduces in place: none of these (``sequence_first`` in the callers).
 Each copy reads and writes the whole tensor once, at the profile's copy rate (``DeviceProfile.copy_bytes_per_s``).
 """
 
@@ -26,12 +29,12 @@ def copy_s(nbytes: float, profile: DeviceProfile) -> float:
 
 
 def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tokens: float, compiled: bool,
-                profile: DeviceProfile) -> tuple[float, float]:
+                profile: DeviceProfile, torch_styles: bool = False) -> tuple[float, float]:
     """(the copies beside one SP copy's collectives, those beside its backward's gathers again), ``branches`` as
     (row output bytes, column input bytes, sharded) per branch and sample, ``tokens`` samples' worth on the rank. A
     sharded branch gathers its input (backward: a reduce-scatter) and reduce-scatters its output (backward: a
     gather); a replicated one gathers twice; every branch gathers its kept input again in the backward."""
-    gathers, scatters = micro_batch > 1, micro_batch > 1 or compiled
+    gathers, scatters = micro_batch > 1, micro_batch > 1 or compiled or torch_styles
     total = 0.0
     for out_bytes, _, sharded in branches:
         one = copy_s(out_bytes * tokens, profile)
@@ -44,8 +47,9 @@ def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tok
 
 
 def reduce_copies_s(sharded_out_bytes: list[float], tokens: float, compiled: bool, profile: DeviceProfile) -> float:
-    """The backward's functional all-reduce copies of one eager TP copy without SP: one per sharded branch."""
-    return 0.0 if compiled else sum(copy_s(b * tokens, profile) for b in sharded_out_bytes)
+    """The functional all-reduce copies of one eager TP copy without SP on torch's styles: two per sharded branch
+    (its output's sum in the forward, its input gradient's in the backward)."""
+    return 0.0 if compiled else sum(2 * copy_s(b * tokens, profile) for b in sharded_out_bytes)
 
 
 def layout_change_copy_s(nbytes: float, micro_batch: int, profile: DeviceProfile) -> float:

@@ -32,7 +32,44 @@ from .sequence_collectives import scatter_sequence
 from .sequence_parallel import apply_sequence_parallel
 
 
-class Columns(ColwiseParallel):
+class _CopyToRanks(torch.autograd.Function):
+    """A column linear's input, equal on every rank, as a ``Replicate`` DTensor; backward: the ranks' partial input
+    gradients summed in place (Megatron-LM's copy to the model-parallel region, whose backward all-reduces the
+    gradient it is handed). torch's ``ColwiseParallel`` wraps the input with ``DTensor.from_local``, whose backward
+    redistributes the ``Partial`` gradient with a functional all-reduce, which copies it first. The gradient summed
+    here is the linear's own input gradient (its matmul's output), which nothing else reads."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return grad, None
+        if not all(p.is_partial() and p.reduce_op == "sum" for p in grad.placements):
+            return grad.redistribute(ctx.mesh, [Replicate()]).to_local(), None
+        local = grad._local_tensor
+        dist.all_reduce(local, group=ctx.mesh.get_group())
+        return local, None
+
+
+class Copies(ColwiseParallel):
+    """``ColwiseParallel`` whose input gradient is summed over the ranks in place (``_CopyToRanks``) where its input
+    is a plain tensor, in eager mode; under ``torch.compile`` (which traces torch's redistribution: inductor reduces
+    in place where it can) and for DTensor inputs (sequence parallelism's gathered stream) torch's own."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor) and tuple(input_layouts) == (Replicate(),) \
+                and tuple(desired_input_layouts) == (Replicate(),) and not torch.compiler.is_compiling():
+            return _CopyToRanks.apply(x, device_mesh)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+class Columns(Copies):
     """Output features split over the ranks (dim 1 of a ``Conv1D`` weight), in ``order`` where one is given."""
 
     def __init__(self, transposed: bool, order: torch.Tensor | None) -> None:
@@ -123,7 +160,7 @@ def column_style(module: nn.Module, segments: tuple[int, ...] | None, tp: int) -
     """The style that shards ``module``'s output features over ``tp`` ranks (``segments``: its fused layout)."""
     transposed = linear_kind(module) == "conv1d"
     if not transposed and not segments:
-        return ColwiseParallel()
+        return Copies()
     return Columns(transposed, torch.tensor(segment_order(tuple(segments), tp)) if segments else None)
 
 
@@ -155,4 +192,4 @@ def styles(copy: nn.Module, branches: Branches, tp: int, sequence_parallel: bool
     return out
 
 
-__all__ = ["Columns", "ConvRows", "Rows", "column_style", "row_style", "shard_copy", "styles"]
+__all__ = ["Columns", "ConvRows", "Copies", "Rows", "column_style", "row_style", "shard_copy", "styles"]
