@@ -13,6 +13,7 @@ from tensoropt.cost.comm import all_gather_s
 from tensoropt.cost.layer import LooseOps
 from tensoropt.cost.model import ModelCost
 from tensoropt.cost.ops import op_times
+from tensoropt.cost.tp_copies import copy_s
 from tensoropt.graph.ir import dtype_bytes
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 from tensoropt.space.vocab import CASTS
@@ -213,8 +214,7 @@ def gathered_logits_s(model: ModelCost, plan: Plan) -> float:
     share = sum(float((t * scale).sum()) for t in op_times(arrays, np.full(len(loss), float(plan.tp)),
                                                             plan.micro_batch, profile))
     nbytes = plan.micro_batch * logits.nbytes
-    per_micro_batch = all_gather_s(nbytes, plan.tp, 1, model.cluster) + 2 * nbytes / profile.copy_bytes_per_s \
-        + whole - share
+    per_micro_batch = all_gather_s(nbytes, plan.tp, 1, model.cluster) + copy_s(nbytes, profile) + whole - share
     return plan.global_batch // (plan.dp * plan.micro_batch) * per_micro_batch
 
 

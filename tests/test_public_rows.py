@@ -13,6 +13,7 @@ from conftest import REPO
 from tensoropt.cost.comm import all_gather_s
 from tensoropt.cost.model import ModelCost
 from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.cost.tp_copies import copy_s
 
 
 def _row(sequence_parallel: bool, vocab_parallel: bool) -> dict:
@@ -70,7 +71,7 @@ def test_a_row_that_gathered_its_logits_pays_their_gather_and_a_whole_loss(bench
     logits = 2 * 512 * 32768 * 2                       # a micro-batch's bf16 logits: 2 samples x 512 tokens x vocab
     graph, folding, facts = public.graph_of(row)
     cluster = Cluster(4, 4, profile)
-    floor = all_gather_s(logits, 4, 1, cluster) + 2 * logits / profile.copy_bytes_per_s
+    floor = all_gather_s(logits, 4, 1, cluster) + copy_s(logits, profile)
     model = ModelCost(graph, folding, cluster, facts=facts)
     whole_loss = model.loose(1, 2, 2)[1].time_s     # the ops after the blocks (head and loss) on one rank, whole
     assert 4 * floor < extra < 4 * (floor + whole_loss)

@@ -19,6 +19,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 SEQUENCE_DIM = 1       # the sequence dim of the batch-first stream, which SP shards
 
 
+def partial_sum(t: DTensor) -> bool:
+    """Whether every placement of ``t`` is a partial sum over its ranks (a row linear's output, a column linear's
+    input gradient)."""
+    return all(p.is_partial() and p.reduce_op == "sum" for p in t.placements)
+
+
 def runs_on_views(t: DTensor) -> bool:
     """Whether the collectives of ``t`` (a DTensor on a 1-D mesh) can run on views: batch 1, eager."""
     return t.dim() > SEQUENCE_DIM and t.shape[0] == 1 and t.device_mesh.ndim == 1 \
@@ -89,9 +95,9 @@ def gather_sequence(share: DTensor, mesh) -> DTensor:
 
 def scatter_sequence(partial: DTensor) -> DTensor | None:
     """A ``Partial`` (sum) DTensor's ``Shard(1)`` share on views where it can; None where torch's path must run."""
-    if runs_on_views(partial) and all(p.is_partial() and p.reduce_op == "sum" for p in partial.placements):
+    if runs_on_views(partial) and partial_sum(partial):
         return ScatterSequence.apply(partial)
     return None
 
 
-__all__ = ["GatherSequence", "ScatterSequence", "gather_sequence", "runs_on_views", "scatter_sequence"]
+__all__ = ["GatherSequence", "ScatterSequence", "gather_sequence", "partial_sum", "runs_on_views", "scatter_sequence"]

@@ -28,7 +28,7 @@ from ...space.fused import segment_order
 from ...space.run_plan import Branches
 from ...space.tp_check import linear_kind
 from .feature_order import FEATURE_ORDER
-from .sequence_collectives import scatter_sequence
+from .sequence_collectives import partial_sum, scatter_sequence
 from .sequence_parallel import apply_sequence_parallel
 
 
@@ -48,7 +48,7 @@ class _CopyToRanks(torch.autograd.Function):
     def backward(ctx, grad):
         if not isinstance(grad, DTensor):
             return grad, None
-        if not all(p.is_partial() and p.reduce_op == "sum" for p in grad.placements):
+        if not partial_sum(grad):
             return grad.redistribute(ctx.mesh, [Replicate()]).to_local(), None
         local = grad._local_tensor
         dist.all_reduce(local, group=ctx.mesh.get_group())
@@ -130,7 +130,7 @@ class Rows(RowwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         if use_local_output and isinstance(outputs, DTensor) and tuple(output_layouts) == (Replicate(),) \
-                and all(p.is_partial() and p.reduce_op == "sum" for p in outputs.placements):
+                and partial_sum(outputs):
             if not torch.compiler.is_compiling():
                 return _SumOfPartials.apply(outputs)
             return RowwiseParallel._prepare_output_fn(output_layouts, True, mod, outputs, device_mesh).clone()
