@@ -2,9 +2,9 @@
 functional collectives gather and scatter along dim 0, so a reduce-scatter along the sequence (dim 1) first
 concatenates its input's chunks, and an all-gather moves the ranks' shares from dim 0 to dim 1, a view only where the
 batch dim is 1; at batch 1 our eager runtime runs both on views (``runtime.parallel.sequence_collectives``), where
-torch's own styles (``torch_styles``: torchtitan's, KempnerForge's runtimes) still concatenate. Megatron-LM's
-sequence-first stream needs none (``sequence_first``). Without sequence parallelism our runtime and Megatron-LM sum in
-place; torch's styles copy twice per sharded branch."""
+torch's own styles (``TPRuntime.TORCH_STYLES``: torchtitan's, KempnerForge's runtimes) still concatenate.
+Megatron-LM's sequence-first stream needs none (``TPRuntime.MEGATRON``). Without sequence parallelism our runtime and
+Megatron-LM sum in place; torch's styles copy twice per sharded branch."""
 
 import json
 
@@ -15,6 +15,7 @@ from conftest import SMALL_GPT
 import tensoropt
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
+from tensoropt.cost.tp_copies import TPRuntime
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 SP = LayerStrategy("none", sequence_parallel=True)
@@ -27,8 +28,8 @@ def models(tmp_path_factory):
     graph = tensoropt.capture(str(path)).graph
     cluster = Cluster(2, 2, load_profile("h100-80gb"))
     folded = tensoropt.fold(graph)
-    return (ModelCost(graph, folded, cluster), ModelCost(graph, folded, cluster, sequence_first=True),
-            ModelCost(graph, folded, cluster, torch_styles=True))
+    return tuple(ModelCost(graph, folded, cluster, tp_runtime=runtime)
+                 for runtime in (TPRuntime.OURS, TPRuntime.MEGATRON, TPRuntime.TORCH_STYLES))
 
 
 def _copy_s(nbytes: float, profile) -> float:
@@ -80,7 +81,7 @@ def test_without_sequence_parallelism_torchs_styles_copy_twice_a_branch_and_ours
     assert layers[2].recompute_s - layers[0].recompute_s == pytest.approx(one_each if recompute == "full" else 0.0,
                                                                           rel=1e-9, abs=1e-15)
     compiled = models[2].with_kernels(True).blocks[0][1]
-    assert compiled.reduce_copies_s(2, branches, 4) == 0.0 and compiled.torch_styles
+    assert compiled.reduce_copies_s(2, branches, 4) == 0.0 and compiled.tp_runtime is TPRuntime.TORCH_STYLES
     assert ours.reduce_copies_s(2, branches, 4) == 0.0
     assert ours.layer(SP, 1, (), 4).tp_comm_s == 0.0
 
@@ -110,7 +111,7 @@ def test_the_estimate_of_a_sequence_parallel_plan_carries_the_copies_and_megatro
     assert a.iteration_time_s > b.iteration_time_s
     assert a.peak_memory_bytes == b.peak_memory_bytes
     compiled = ours.with_kernels(True)
-    assert compiled.sequence_first is False and megatron.with_kernels(True).sequence_first is True
+    assert compiled.tp_runtime is TPRuntime.OURS and megatron.with_kernels(True).tp_runtime is TPRuntime.MEGATRON
 
 
 def test_torch_gathers_along_the_sequence_with_a_copy_only_past_batch_one_and_always_scatters_with_one():

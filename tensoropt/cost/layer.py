@@ -40,6 +40,7 @@ from .context_parallel import attention_kv
 from .ops import OpArrays, op_times
 from .pipeline_memory import backward_working_bytes
 from .profile import Cluster
+from .tp_copies import TPRuntime
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,11 @@ class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
     def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False,
-                 experts: Experts | None = None, sequence_first: bool = False, torch_styles: bool = False) -> None:
+                 experts: Experts | None = None, tp_runtime: TPRuntime = TPRuntime.OURS) -> None:
         self.ops, self.space, self.cluster = ops, space, cluster
         self.compiled = compiled
-        # the runtime's stream is sequence-first (Megatron-LM's [s, b, h]): its sequence-parallel collectives run
-        # along dim 0 and need no layout copies (``sp_copies_s``); ours is batch-first, sharded on dim 1
-        self.sequence_first = sequence_first
-        # the runtime is torch's own tensor parallelism (``ModelCost.torch_styles``), not ours
-        self.torch_styles = torch_styles
+        # whose tensor parallelism runs the copy: the copies around its collectives (``cost.tp_copies``)
+        self.tp_runtime = tp_runtime
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
         self.row_biases = _row_bias_elements(ops, space)
@@ -256,21 +254,22 @@ class BlockCost:
 
     def sp_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> tuple[float, float]:
         """(copies beside ``tp_comm_s``'s collectives, beside the backward's gathers again) of one sequence-parallel
-        copy (``cost.tp_copies``): none for Megatron-LM's sequence-first stream (``sequence_first``)."""
-        if tp == 1 or self.sequence_first:
+        copy (``cost.tp_copies``): none for Megatron-LM's sequence-first stream."""
+        if tp == 1:
             return 0.0, 0.0
         branches = [(self._branch_bytes(b), self._gathered_nbytes[b], b.name in tp_branches)
                     for b in self.space.branches]
         return tp_copies.sp_copies_s(branches, micro_batch, micro_batch / cp, self.compiled, self.cluster.profile,
-                                     self.torch_styles)
+                                     self.tp_runtime)
 
     def reduce_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> float:
         """The copies of one eager tensor-parallel copy without sequence parallelism (``cost.tp_copies``): torch's
         styles' only (ours and Megatron-LM's sum in place)."""
-        if tp == 1 or self.sequence_first or not self.torch_styles:
+        if tp == 1:
             return 0.0
         sharded = [self._branch_bytes(b) for b in self.space.branches if b.name in tp_branches]
-        return tp_copies.reduce_copies_s(sharded, micro_batch / cp, self.compiled, self.cluster.profile)
+        return tp_copies.reduce_copies_s(sharded, micro_batch / cp, self.compiled, self.cluster.profile,
+                                         self.tp_runtime)
 
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
         tp, tp_branches, sp, micro_batch, cp = key
@@ -332,7 +331,7 @@ class BlockCost:
         if tp == 1:
             return 0.0
         nbytes = self.space.carried_bytes * micro_batch
-        copy = 0.0 if self.sequence_first else tp_copies.layout_change_copy_s(nbytes, micro_batch, self.cluster.profile)
+        copy = tp_copies.layout_change_copy_s(nbytes, micro_batch, self.cluster.profile, self.tp_runtime)
         return all_gather_s(nbytes, tp, 1, self.cluster) + copy
 
 

@@ -60,6 +60,7 @@ from .pipeline_memory import in_flight
 from .profile import Cluster
 from .rows import plan_rows
 from .states import DTYPE_BYTES, StateBytes, state_bytes
+from .tp_copies import TPRuntime
 
 
 def _carried_bytes(block: Block) -> int:
@@ -133,14 +134,11 @@ class ModelCost:
     """A folded model on a cluster: per-block costs and the ops between blocks."""
 
     def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster, compiled: bool = False,
-                 facts: GraphFacts | None = None, sequence_first: bool = False, torch_styles: bool = False) -> None:
+                 facts: GraphFacts | None = None, tp_runtime: TPRuntime = TPRuntime.OURS) -> None:
         self.graph, self.folded, self.cluster = graph, folded, cluster
-        # prices a runtime whose stream is sequence-first (Megatron-LM's): no layout copies around its
-        # sequence-parallel collectives (``BlockCost.sp_copies_s``); the planner prices ours (batch-first)
-        self.sequence_first = sequence_first
-        # prices a runtime on torch's own ColwiseParallel / RowwiseParallel and redistributions (torchtitan's,
-        # KempnerForge's): their functional collectives' copies at every batch (``cost.tp_copies``); ours sums in place
-        self.torch_styles = torch_styles
+        # whose tensor parallelism is priced: the planner prices ours; the public benchmarks price Megatron-LM's
+        # sequence-first stream and torch's own styles as their rows ran (``cost.tp_copies.TPRuntime``)
+        self.tp_runtime = tp_runtime
         # the kernels the plans priced here run: eager PyTorch (one kernel per op) or compiled blocks (fused)
         self.compiled = compiled
         self._kernels: dict[bool, ModelCost] = {compiled: self}
@@ -148,7 +146,7 @@ class ModelCost:
         self.experts = Experts.of(graph)
         self.blocks: list[tuple[Block, BlockCost]] = [
             (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster,
-                          compiled, self.experts, sequence_first, torch_styles))
+                          compiled, self.experts, tp_runtime))
             for b in folded.blocks]
         # the model's expert weights, elements (sharded over ep ranks by expert parallelism: ``BlockCost.layer``)
         self.expert_parameters = float(sum(b.repeats * cost.expert_params for b, cost in self.blocks))
@@ -179,7 +177,7 @@ class ModelCost:
         """This model priced for the other kernel mode (built once, then kept)."""
         if compiled not in self._kernels:
             self._kernels[compiled] = ModelCost(self.graph, self.folded, self.cluster, compiled, self.facts,
-                                                self.sequence_first, self.torch_styles)
+                                                self.tp_runtime)
             self._kernels[compiled]._kernels = self._kernels
         return self._kernels[compiled]
 

@@ -8,19 +8,40 @@ collectives gather and scatter along dim 0 (``torch.distributed._functional_coll
   batch dim is 1.
 At batch 1 the eager runtime runs both on views (``runtime.parallel.sequence_collectives``): none; compiled blocks
 trace torch's redistribution (its reduce-scatters concatenate at any batch), as runtimes on torch's own styles do
-eagerly too (``torch_styles``: torchtitan's, KempnerForge's). Without sequence parallelism our eager runtime sums in
-place, the row linears' partial outputs in the forward (``runtime.parallel.tp_styles._SumOfPartials``) and the column
-linears' input gradients in the backward (``tp_styles._CopyToRanks``), as Megatron-LM does; torch's
+eagerly too (``TPRuntime.TORCH_STYLES``: torchtitan's, KempnerForge's). Without sequence parallelism our eager
+runtime sums in place, the row linears' partial outputs in the forward (``runtime.parallel.tp_styles._SumOfPartials``)
+and the column linears' input gradients in the backward (``tp_styles._CopyToRanks``), as Megatron-LM does; torch's
 ``RowwiseParallel`` and ``ColwiseParallel`` sum each with a functional all-reduce, which clones its input
-(``_c10d_functional.all_reduce``): two copies per sharded branch (``torch_styles``), and inductor reduces in place
-where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's stream is sequence-first and
-all-reduces in place: none of these (``sequence_first`` in the callers).
+(``_c10d_functional.all_reduce``): two copies per sharded branch (``TPRuntime.TORCH_STYLES``), and inductor reduces
+in place where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's stream is sequence-first and
+all-reduces in place: none of these (``TPRuntime.MEGATRON``).
 Each copy reads and writes the whole tensor once, at the profile's copy rate (``DeviceProfile.copy_bytes_per_s``).
 """
 
 from __future__ import annotations
 
+from enum import Enum
+
 from .profile import DeviceProfile
+
+
+class TPRuntime(str, Enum):
+    """Whose tensor parallelism a cost model prices: the planner prices ours; the public benchmarks price the
+    runtimes their rows ran, whose copies around the collectives differ (this module's docstring)."""
+
+    OURS = "ours"                    # batch-first stream, in-place sums, views at batch 1
+    MEGATRON = "megatron"            # Megatron-LM: sequence-first stream [s, b, h], in-place sums: no copies
+    TORCH_STYLES = "torch-styles"    # torch's ColwiseParallel / RowwiseParallel (torchtitan, KempnerForge)
+
+    @property
+    def sequence_first(self) -> bool:
+        """Its sequence-parallel collectives run along dim 0: no layout copies at any batch."""
+        return self is TPRuntime.MEGATRON
+
+    @property
+    def functional_sums(self) -> bool:
+        """It sums with torch's functional collectives, which copy (reduce-scatters concatenate at batch 1 too)."""
+        return self is TPRuntime.TORCH_STYLES
 
 
 def copy_s(nbytes: float, profile: DeviceProfile) -> float:
@@ -29,12 +50,14 @@ def copy_s(nbytes: float, profile: DeviceProfile) -> float:
 
 
 def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tokens: float, compiled: bool,
-                profile: DeviceProfile, torch_styles: bool = False) -> tuple[float, float]:
+                profile: DeviceProfile, runtime: TPRuntime = TPRuntime.OURS) -> tuple[float, float]:
     """(the copies beside one SP copy's collectives, those beside its backward's gathers again), ``branches`` as
     (row output bytes, column input bytes, sharded) per branch and sample, ``tokens`` samples' worth on the rank. A
     sharded branch gathers its input (backward: a reduce-scatter) and reduce-scatters its output (backward: a
     gather); a replicated one gathers twice; every branch gathers its kept input again in the backward."""
-    gathers, scatters = micro_batch > 1, micro_batch > 1 or compiled or torch_styles
+    if runtime.sequence_first:
+        return 0.0, 0.0
+    gathers, scatters = micro_batch > 1, micro_batch > 1 or compiled or runtime.functional_sums
     total = 0.0
     for out_bytes, _, sharded in branches:
         one = copy_s(out_bytes * tokens, profile)
@@ -46,15 +69,19 @@ def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tok
     return total, regathers
 
 
-def reduce_copies_s(sharded_out_bytes: list[float], tokens: float, compiled: bool, profile: DeviceProfile) -> float:
-    """The functional all-reduce copies of one eager TP copy without SP on torch's styles: two per sharded branch
-    (its output's sum in the forward, its input gradient's in the backward)."""
-    return 0.0 if compiled else sum(2 * copy_s(b * tokens, profile) for b in sharded_out_bytes)
+def reduce_copies_s(sharded_out_bytes: list[float], tokens: float, compiled: bool, profile: DeviceProfile,
+                    runtime: TPRuntime = TPRuntime.OURS) -> float:
+    """The functional all-reduce copies of one eager TP copy without SP, torch's styles' only: two per sharded
+    branch (its output's sum in the forward, its input gradient's in the backward); in-place sums make none."""
+    if compiled or not runtime.functional_sums:
+        return 0.0
+    return sum(2 * copy_s(b * tokens, profile) for b in sharded_out_bytes)
 
 
-def layout_change_copy_s(nbytes: float, micro_batch: int, profile: DeviceProfile) -> float:
-    """The gather at an SP chain's end moves the stream to dim 1: a copy past batch 1."""
-    return copy_s(nbytes, profile) if micro_batch > 1 else 0.0
+def layout_change_copy_s(nbytes: float, micro_batch: int, profile: DeviceProfile,
+                         runtime: TPRuntime = TPRuntime.OURS) -> float:
+    """The gather at an SP chain's end moves a batch-first stream to dim 1: a copy past batch 1."""
+    return copy_s(nbytes, profile) if micro_batch > 1 and not runtime.sequence_first else 0.0
 
 
-__all__ = ["copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]
+__all__ = ["TPRuntime", "copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]
