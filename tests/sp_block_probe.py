@@ -213,26 +213,26 @@ def layout_copies(block, mesh, rank: int, batch: int) -> dict:
     return counts
 
 
-def batch_one(block, mesh, rank: int) -> dict:
-    """At batch 1 an SP copy's collectives run on views (``runtime.parallel.sequence_collectives``): its output and its
-    input's and parameters' gradients against the whole copy's (max difference), and against the same SP copy run
-    through torch's own redistribution (bitwise)."""
+def in_place(block, mesh, rank: int, batch: int) -> dict:
+    """An eager SP copy's collectives run per sample on views (``runtime.parallel.sequence_collectives``): its output
+    and its input's and parameters' gradients against the whole copy's (max difference), and against the same SP copy
+    run through torch's own redistribution (bitwise)."""
     from tensoropt.runtime.parallel import sequence_collectives
-    x = torch.randn(1, SEQ, HIDDEN, generator=torch.Generator().manual_seed(4))
-    grad = torch.randn(1, SEQ, HIDDEN, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(batch, SEQ, HIDDEN, generator=torch.Generator().manual_seed(4))
+    grad = torch.randn(batch, SEQ, HIDDEN, generator=torch.Generator().manual_seed(5))
     part = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2)
 
     def run(views: bool) -> list[torch.Tensor]:
         share = x[:, part].contiguous().requires_grad_()
         sp = copy.deepcopy(block)
         shard_copy(sp, LAYOUT, mesh, LAYOUT, "layers.1", (True, True), {id(share): weakref.ref(share)})
-        original = sequence_collectives.runs_on_views
-        sequence_collectives.runs_on_views = original if views else (lambda t: False)
+        original = sequence_collectives.runs_in_place
+        sequence_collectives.runs_in_place = original if views else (lambda t: False)
         try:
             y = local(sp(share, None))
             y.backward(grad[:, part].contiguous())
         finally:
-            sequence_collectives.runs_on_views = original
+            sequence_collectives.runs_in_place = original
         params = sorted((n, p) for n, p in sp.named_parameters())
         return [y.detach(), share.grad] + [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                                            for _, p in params]
@@ -343,7 +343,7 @@ def main() -> None:
                                         seq_length=SEQ, vocab_size=128, attention="flash"))
     out["layout_copies"] = {batch: layout_copies(model.layers[0], mesh, rank, batch) for batch in (1, BATCH)}
     out["reduce_copies"] = reduce_copies(model.layers[0], mesh)
-    out["batch_one"] = batch_one(model.layers[0], mesh, rank)
+    out["in_place"] = {batch: in_place(model.layers[0], mesh, rank, batch) for batch in (1, BATCH)}
     try:
         layout = (TPBranch("mlp", ("up",), ("down",), 64),)
         _check_sequence_parallel(MixesPositions(), "mixes.0", layout, layout, mesh, (torch.randn(2, SEQ, HIDDEN),), {})

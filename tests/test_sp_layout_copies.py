@@ -1,11 +1,13 @@
-"""Sequence parallelism on a batch-first stream pays layout copies beside its collectives (issue 35): torch's
+"""Sequence parallelism on a batch-first stream, and the copies around tensor-parallel collectives (issue 35): torch's
 functional collectives gather and scatter along dim 0, so a reduce-scatter along the sequence (dim 1) first
 concatenates its input's chunks, and an all-gather moves the ranks' shares from dim 0 to dim 1, a view only where the
-batch dim is 1; at batch 1 our eager runtime runs both on views (``runtime.parallel.sequence_collectives``), where
-torch's own styles (``TPRuntime.TORCH_STYLES``: torchtitan's, KempnerForge's runtimes) still concatenate.
+batch dim is 1. Our eager runtime runs each sample's collective on views of one buffer, coalesced
+(``runtime.parallel.sequence_collectives``): no copy at any batch; compiled blocks trace torch's redistribution, and
+torch's own styles (``TPRuntime.TORCH_STYLES``: torchtitan's, KempnerForge's runtimes) copy eagerly too.
 Megatron-LM's sequence-first stream needs none (``TPRuntime.MEGATRON``). Without sequence parallelism our runtime and
 Megatron-LM sum in place; torch's styles copy twice per sharded branch."""
 
+import dataclasses
 import json
 
 import pytest
@@ -44,26 +46,29 @@ def test_the_copy_rate_is_streams_fraction_of_the_bandwidth_where_the_profile_gi
 
 
 @pytest.mark.parametrize("micro_batch", [1, 2, 4])
-def test_a_sequence_parallel_copy_pays_a_copy_per_reduce_scatter_and_per_gather_past_batch_one(models, micro_batch):
-    batch_first, sequence_first, _ = (m.blocks[0][1] for m in models)
+def test_torchs_redistribution_pays_a_copy_per_reduce_scatter_and_per_gather_past_batch_one_and_ours_none(
+        models, micro_batch):
+    ours, megatron, torchs = (m.blocks[0][1] for m in models)
     branches = models[0].branch_names
     profile = models[0].cluster.profile
-    ours = batch_first.layer(SP, 2, branches, micro_batch)
-    megatron = sequence_first.layer(SP, 2, branches, micro_batch)
-    scatters = sum(2 * _copy_s(batch_first._branch_nbytes[b] * micro_batch, profile)
-                   for b in batch_first.space.branches)
-    gathers = scatters + sum(_copy_s(batch_first._gathered_nbytes[b] * micro_batch, profile)
-                             for b in batch_first.space.branches)
-    # at batch 1 an eager copy gathers and reduce-scatters on views (runtime.parallel.sequence_collectives); compiled
-    # blocks trace torch's redistribution, whose reduce-scatters concatenate at any batch
-    expected = scatters + gathers if micro_batch > 1 else 0.0
-    assert ours.tp_comm_s - megatron.tp_comm_s == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    layers = [cost.layer(SP, 2, branches, micro_batch) for cost in (ours, megatron, torchs)]
+    scatters = sum(2 * _copy_s(ours._branch_nbytes[b] * micro_batch, profile) for b in ours.space.branches)
+    gathers = scatters + sum(_copy_s(ours._gathered_nbytes[b] * micro_batch, profile) for b in ours.space.branches)
+    # our eager copy runs every sample's gathers and reduce-scatters on views (runtime.parallel.sequence_collectives),
+    # as lean as Megatron-LM's sequence-first stream
+    assert layers[0].tp_comm_s == layers[1].tp_comm_s and ours.sp_copies_s(2, branches, micro_batch) == (0.0, 0.0)
+    # torch's styles: reduce-scatters concatenate at any batch, gathers copy past batch 1
+    assert layers[2].tp_comm_s - layers[1].tp_comm_s == pytest.approx(
+        scatters + (gathers if micro_batch > 1 else 0.0), rel=1e-12, abs=1e-15)
+    # compiled blocks trace torch's redistribution: the same copies
     compiled = models[0].with_kernels(True).blocks[0][1]
     assert sum(compiled.sp_copies_s(2, branches, micro_batch)) == pytest.approx(
         scatters + (gathers if micro_batch > 1 else 0.0), rel=1e-12)
-    change = batch_first.space.carried_bytes * micro_batch
-    assert batch_first.layout_change_s(2, micro_batch) - sequence_first.layout_change_s(2, micro_batch) == \
-        pytest.approx(_copy_s(change, profile) if micro_batch > 1 else 0.0, rel=1e-12)
+    change = ours.space.carried_bytes * micro_batch
+    assert ours.layout_change_s(2, micro_batch) == megatron.layout_change_s(2, micro_batch)
+    for redistributing in (compiled, torchs):
+        assert redistributing.layout_change_s(2, micro_batch) - megatron.layout_change_s(2, micro_batch) == \
+            pytest.approx(_copy_s(change, profile) if micro_batch > 1 else 0.0, rel=1e-12)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -95,23 +100,25 @@ def test_at_batch_one_torchs_styles_still_concatenate_for_their_reduce_scatters(
 
 
 def test_a_full_recomputation_recomputes_the_forwards_copies_too(models):
-    batch_first, sequence_first, _ = (m.blocks[0][1] for m in models)
+    _, megatron, torchs = (m.blocks[0][1] for m in models)
     branches = models[0].branch_names
     full = LayerStrategy("full", sequence_parallel=True)
-    ours, megatron = batch_first.layer(full, 2, branches, 2), sequence_first.layer(full, 2, branches, 2)
-    copies = batch_first.sp_copies_s(2, branches, 2)[0]
-    assert ours.recompute_s - megatron.recompute_s == pytest.approx(copies / 2, rel=1e-12)
+    copied, plain = torchs.layer(full, 2, branches, 2), megatron.layer(full, 2, branches, 2)
+    copies = torchs.sp_copies_s(2, branches, 2)[0]
+    assert copies > 0 and copied.recompute_s - plain.recompute_s == pytest.approx(copies / 2, rel=1e-12)
 
 
-def test_the_estimate_of_a_sequence_parallel_plan_carries_the_copies_and_megatrons_does_not(models):
-    ours, megatron, _ = models
+def test_the_estimate_of_a_sequence_parallel_plan_carries_torchs_copies_and_ours_none(models):
+    ours, megatron, torchs = models
     plan = Plan(devices=2, dp=1, tp=2, pp=1, micro_batch=2, global_batch=4, tp_branches=ours.branch_names,
                 blocks=(BlockPlan("layers.*", ((SP, SMALL_GPT["num_layers"]),)),))
-    a, b = estimate(ours, plan), estimate(megatron, plan)
-    assert a.iteration_time_s > b.iteration_time_s
-    assert a.peak_memory_bytes == b.peak_memory_bytes
+    a, b, c = estimate(ours, plan), estimate(megatron, plan), estimate(torchs, plan)
+    assert c.iteration_time_s > a.iteration_time_s == b.iteration_time_s
+    assert a.peak_memory_bytes == b.peak_memory_bytes == c.peak_memory_bytes
     compiled = ours.with_kernels(True)
     assert compiled.tp_runtime is TPRuntime.OURS and megatron.with_kernels(True).tp_runtime is TPRuntime.MEGATRON
+    assert estimate(compiled, dataclasses.replace(plan, compile=True)).iteration_time_s > \
+        estimate(megatron.with_kernels(True), dataclasses.replace(plan, compile=True)).iteration_time_s
 
 
 def test_torch_gathers_along_the_sequence_with_a_copy_only_past_batch_one_and_always_scatters_with_one():

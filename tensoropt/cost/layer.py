@@ -331,7 +331,8 @@ class BlockCost:
         if tp == 1:
             return 0.0
         nbytes = self.space.carried_bytes * micro_batch
-        copy = tp_copies.layout_change_copy_s(nbytes, micro_batch, self.cluster.profile, self.tp_runtime)
+        copy = tp_copies.layout_change_copy_s(nbytes, micro_batch, self.compiled, self.cluster.profile,
+                                              self.tp_runtime)
         return all_gather_s(nbytes, tp, 1, self.cluster) + copy
 
 

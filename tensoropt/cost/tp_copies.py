@@ -1,20 +1,21 @@
-"""The copies the torch runtime makes around its tensor-parallel collectives (issue 35): pure functions of a block
-copy's branch bytes, the plan's shape and the profile, which ``cost.layer.BlockCost`` adds to its collectives.
+"""The copies a runtime makes around its tensor-parallel collectives (issue 35): pure functions of a block copy's branch
+bytes, the plan's shape and the profile, which ``cost.layer.BlockCost`` adds to its collectives.
 
-Our stream is batch-first [b, s, h]; sequence parallelism shards it along the sequence, dim 1. torch's functional
+A batch-first stream [b, s, h] under sequence parallelism is sharded along the sequence, dim 1. torch's functional
 collectives gather and scatter along dim 0 (``torch.distributed._functional_collectives``), so along dim 1:
 - a reduce-scatter first concatenates the input's chunks into a new tensor (``torch._utils._chunk_or_narrow_cat``);
 - an all-gather's result is moved from dim 0 to dim 1 (``torch._utils._maybe_view_chunk_cat``): a view only where the
   batch dim is 1.
-At batch 1 the eager runtime runs both on views (``runtime.parallel.sequence_collectives``): none; compiled blocks
-trace torch's redistribution (its reduce-scatters concatenate at any batch), as runtimes on torch's own styles do
-eagerly too (``TPRuntime.TORCH_STYLES``: torchtitan's, KempnerForge's). Without sequence parallelism our eager
-runtime sums in place, the row linears' partial outputs in the forward (``runtime.parallel.tp_styles._SumOfPartials``)
-and the column linears' input gradients in the backward (``tp_styles._CopyToRanks``), as Megatron-LM does; torch's
+Our eager runtime runs each sample's collective on views of one buffer, coalesced
+(``runtime.parallel.sequence_collectives``): no copy at any batch. Compiled blocks trace torch's redistribution (its
+reduce-scatters concatenate at any batch, its gathers copy past batch 1), as runtimes on torch's own styles do eagerly
+too (``TPRuntime.TORCH_STYLES``: torchtitan's, KempnerForge's). Without sequence parallelism our eager runtime sums in
+place, the row linears' partial outputs in the forward (``runtime.parallel.tp_styles._SumOfPartials``) and the column
+linears' input gradients in the backward (``tp_styles._CopyToRanks``), as Megatron-LM does; torch's
 ``RowwiseParallel`` and ``ColwiseParallel`` sum each with a functional all-reduce, which clones its input
 (``_c10d_functional.all_reduce``): two copies per sharded branch (``TPRuntime.TORCH_STYLES``), and inductor reduces
-in place where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's stream is sequence-first and
-all-reduces in place: none of these (``TPRuntime.MEGATRON``).
+in place where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's stream is sequence-first
+and all-reduces in place: none of these (``TPRuntime.MEGATRON``).
 Each copy reads and writes the whole tensor once, at the profile's copy rate (``DeviceProfile.copy_bytes_per_s``).
 """
 
@@ -29,7 +30,7 @@ class TPRuntime(str, Enum):
     """Whose tensor parallelism a cost model prices: the planner prices ours; the public benchmarks price the
     runtimes their rows ran, whose copies around the collectives differ (this module's docstring)."""
 
-    OURS = "ours"                    # batch-first stream, in-place sums, views at batch 1
+    OURS = "ours"                    # batch-first stream, in-place sums, per-sample collectives on views (eager)
     MEGATRON = "megatron"            # Megatron-LM: sequence-first stream [s, b, h], in-place sums: no copies
     TORCH_STYLES = "torch-styles"    # torch's ColwiseParallel / RowwiseParallel (torchtitan, KempnerForge)
 
@@ -37,6 +38,11 @@ class TPRuntime(str, Enum):
     def sequence_first(self) -> bool:
         """Its sequence-parallel collectives run along dim 0: no layout copies at any batch."""
         return self is TPRuntime.MEGATRON
+
+    def copies_layout(self, compiled: bool) -> bool:
+        """Whether its batch-first sequence-parallel collectives copy past batch 1: torch's redistribution does (ours
+        under ``torch.compile`` traces it); ours eager runs on views, Megatron-LM's sequence-first stream needs none."""
+        return not self.sequence_first and (compiled or self is not TPRuntime.OURS)
 
     @property
     def functional_sums(self) -> bool:
@@ -55,7 +61,7 @@ def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tok
     (row output bytes, column input bytes, sharded) per branch and sample, ``tokens`` samples' worth on the rank. A
     sharded branch gathers its input (backward: a reduce-scatter) and reduce-scatters its output (backward: a
     gather); a replicated one gathers twice; every branch gathers its kept input again in the backward."""
-    if runtime.sequence_first:
+    if not runtime.copies_layout(compiled):
         return 0.0, 0.0
     gathers, scatters = micro_batch > 1, micro_batch > 1 or compiled or runtime.functional_sums
     total = 0.0
@@ -78,10 +84,11 @@ def reduce_copies_s(sharded_out_bytes: list[float], tokens: float, compiled: boo
     return sum(2 * copy_s(b * tokens, profile) for b in sharded_out_bytes)
 
 
-def layout_change_copy_s(nbytes: float, micro_batch: int, profile: DeviceProfile,
+def layout_change_copy_s(nbytes: float, micro_batch: int, compiled: bool, profile: DeviceProfile,
                          runtime: TPRuntime = TPRuntime.OURS) -> float:
-    """The gather at an SP chain's end moves a batch-first stream to dim 1: a copy past batch 1."""
-    return copy_s(nbytes, profile) if micro_batch > 1 and not runtime.sequence_first else 0.0
+    """The gather at an SP chain's end moves a batch-first stream to dim 1 by torch's redistribution: a copy past
+    batch 1."""
+    return copy_s(nbytes, profile) if micro_batch > 1 and runtime.copies_layout(compiled) else 0.0
 
 
 __all__ = ["TPRuntime", "copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]

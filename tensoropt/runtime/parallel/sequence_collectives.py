@@ -1,20 +1,26 @@
-"""The sequence-parallel collectives of a batch-1 stream without torch's layout copies.
+"""The sequence-parallel collectives of a batch-first stream without torch's layout copies.
 
 Our stream is batch-first, [b, s, h], and sequence parallelism shards it along the sequence, dim 1. torch's
 ``Shard(1)`` redistribution runs its collectives along dim 0 and moves the data between the two layouts
 (``torch.distributed._functional_collectives``): a reduce-scatter first concatenates the input's chunks along the
-sequence into a new tensor, always; an all-gather's result is moved to dim 1, a view at batch 1. At batch 1 the
-ranks' chunks along the sequence are consecutive slabs of memory, so both collectives can run on views: these two
-functions do (a gather whose backward reduce-scatters, and a reduce-scatter whose backward gathers), as Megatron-LM's
-sequence-first stream needs no copy at any batch. Past batch 1, or under ``torch.compile`` (which traces torch's
-redistribution), torch's own path runs: ``cost.tp_copies`` prices whichever runs.
+sequence into a new tensor, always; an all-gather's result is moved to dim 1, a copy past batch 1. Each sample's
+sequence is one slab of memory, and the ranks' chunks of it consecutive slabs: so every sample's collective runs on
+views of one buffer, the b of them coalesced into one (``torch.distributed._coalescing_manager``: one NCCL group,
+gloo's coalesced collectives on CPU), and no copy is made at any batch, as Megatron-LM's sequence-first stream needs
+none. These two functions do that (a gather whose backward reduce-scatters, and a reduce-scatter whose backward
+gathers), and ``gathered`` gathers a saved share again in the backward. Under ``torch.compile`` (which traces
+torch's redistribution) torch's own path runs: ``cost.tp_copies`` prices whichever runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ... import collective_api
 
 SEQUENCE_DIM = 1       # the sequence dim of the batch-first stream, which SP shards
 
@@ -25,28 +31,35 @@ def partial_sum(t: DTensor) -> bool:
     return all(p.is_partial() and p.reduce_op == "sum" for p in t.placements)
 
 
-def runs_on_views(t: DTensor) -> bool:
-    """Whether the collectives of ``t`` (a DTensor on a 1-D mesh) can run on views: batch 1, eager."""
-    return t.dim() > SEQUENCE_DIM and t.shape[0] == 1 and t.device_mesh.ndim == 1 \
-        and not torch.compiler.is_compiling()
+def runs_in_place(t: DTensor) -> bool:
+    """Whether the collectives of ``t`` (a DTensor on a 1-D mesh) run per sample on views (module doc): eager."""
+    return t.dim() > SEQUENCE_DIM and t.device_mesh.ndim == 1 and not torch.compiler.is_compiling()
+
+
+def _coalesced(group, samples: int):
+    """One collective per sample, launched as one where there are several."""
+    return dist._coalescing_manager(group=group) if samples > 1 else contextlib.nullcontext()
 
 
 def _gather(local: torch.Tensor, mesh) -> torch.Tensor:
-    """[1, s/tp, ...] shares -> [1, s, ...], gathered along dim 0 into one buffer, viewed in sequence order."""
-    tp = mesh.size()
-    local = local.contiguous()
-    whole = local.new_empty((tp * local.shape[SEQUENCE_DIM], *local.shape[SEQUENCE_DIM + 1:]))
-    dist.all_gather_into_tensor(whole, local.view(local.shape[SEQUENCE_DIM:]), group=mesh.get_group())
-    return whole.unsqueeze(0)
+    """[b, s/tp, ...] shares -> [b, s, ...]: each sample's shares gathered along dim 0 of its own slab."""
+    group, local = mesh.get_group(), local.contiguous()
+    whole = local.new_empty((local.shape[0], mesh.size() * local.shape[SEQUENCE_DIM], *local.shape[SEQUENCE_DIM + 1:]))
+    with _coalesced(group, local.shape[0]):
+        for sample in range(local.shape[0]):
+            collective_api.all_gather_single(whole[sample], local[sample], group=group)
+    return whole
 
 
 def _scatter(partial: torch.Tensor, mesh) -> torch.Tensor:
-    """[1, s, ...] partial sums -> the rank's [1, s/tp, ...] of their sum, reduce-scattered from a view."""
-    tp = mesh.size()
-    partial = partial.contiguous()
-    share = partial.new_empty((partial.shape[SEQUENCE_DIM] // tp, *partial.shape[SEQUENCE_DIM + 1:]))
-    dist.reduce_scatter_tensor(share, partial.view(partial.shape[SEQUENCE_DIM:]), group=mesh.get_group())
-    return share.unsqueeze(0)
+    """[b, s, ...] partial sums -> the rank's [b, s/tp, ...] of their sum, each sample's reduce-scattered."""
+    group, partial = mesh.get_group(), partial.contiguous()
+    share = partial.new_empty((partial.shape[0], partial.shape[SEQUENCE_DIM] // mesh.size(),
+                               *partial.shape[SEQUENCE_DIM + 1:]))
+    with _coalesced(group, partial.shape[0]):
+        for sample in range(partial.shape[0]):
+            collective_api.reduce_scatter_single(share[sample], partial[sample], group=group)
+    return share
 
 
 def _own_share(whole: torch.Tensor, mesh) -> torch.Tensor:
@@ -86,18 +99,31 @@ class ScatterSequence(torch.autograd.Function):
         return DTensor.from_local(_gather(local, mesh), mesh, [Replicate()], run_check=False)
 
 
+def _sharded(share: DTensor) -> bool:
+    return runs_in_place(share) and share.placements == (Shard(SEQUENCE_DIM),)
+
+
 def gather_sequence(share: DTensor, mesh) -> DTensor:
-    """The whole of a ``Shard(1)`` share: on views where it can (``runs_on_views``), else by torch's redistribution."""
-    if runs_on_views(share) and share.placements == (Shard(SEQUENCE_DIM),):
+    """The whole of a ``Shard(1)`` share: on views where it can (``runs_in_place``), else by torch's redistribution."""
+    if _sharded(share):
         return GatherSequence.apply(share)
     return share.redistribute(mesh, [Replicate()])
 
 
+def gathered(share: DTensor) -> DTensor:
+    """The whole of a ``Shard(1)`` share outside autograd: a kept input gathered again in the backward."""
+    if _sharded(share):
+        mesh = share.device_mesh
+        return DTensor.from_local(_gather(share._local_tensor, mesh), mesh, [Replicate()], run_check=False)
+    return share.redistribute(share.device_mesh, [Replicate()])
+
+
 def scatter_sequence(partial: DTensor) -> DTensor | None:
     """A ``Partial`` (sum) DTensor's ``Shard(1)`` share on views where it can; None where torch's path must run."""
-    if runs_on_views(partial) and partial_sum(partial):
+    if runs_in_place(partial) and partial_sum(partial):
         return ScatterSequence.apply(partial)
     return None
 
 
-__all__ = ["GatherSequence", "ScatterSequence", "gather_sequence", "partial_sum", "runs_on_views", "scatter_sequence"]
+__all__ = ["GatherSequence", "ScatterSequence", "gather_sequence", "gathered", "partial_sum", "runs_in_place",
+           "scatter_sequence"]

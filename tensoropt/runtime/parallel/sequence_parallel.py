@@ -48,7 +48,7 @@ from ...errors import TensorOptError
 from ...space.plan import Plan
 from ...space.run_plan import Branches
 from ..blocks import copies_of
-from .sequence_collectives import SEQUENCE_DIM, gather_sequence
+from .sequence_collectives import SEQUENCE_DIM, gather_sequence, gathered
 
 # ``handoff[0]`` of a pipeline stage's first copy whose input is the previous stage's share, received as a message:
 # true (it arrives sharded), and no copy of this stage handed it on, so the relay check does not apply
@@ -209,7 +209,7 @@ class _SavedShares(torch.autograd.graph.saved_tensors_hooks):
                 return packed if outer_unpack is None else outer_unpack(packed)
             share = packed.inner if outer_unpack is None else outer_unpack(packed.inner)
             with torch.no_grad():
-                whole = share.redistribute(packed.mesh, [Replicate()])
+                whole = gathered(share)
             return whole.view(packed.shape) if packed.distributed else whole.to_local().view(packed.shape)
         super().__init__(pack, unpack)
 
@@ -293,7 +293,7 @@ def _leave(name: str, stays_sharded: bool, gathers: _GatherOnce, relay: dict):
         if not isinstance(first, DTensor):
             raise TensorOptError(f"{name}'s output is not its sequence-sharded stream: plan this model without "
                                  "sequence parallelism")
-        y = first.to_local() if stays_sharded else first.redistribute(first.device_mesh, [Replicate()]).to_local()
+        y = first.to_local() if stays_sharded else gather_sequence(first, first.device_mesh).to_local()
         if stays_sharded:       # all kept: a recomputation re-enters with an earlier copy's output
             for key in [k for k, ref in relay.items() if ref() is None]:
                 del relay[key]
