@@ -37,8 +37,12 @@ def runs_in_place(t: DTensor) -> bool:
 
 
 def _coalesced(group, samples: int):
-    """One collective per sample, launched as one where there are several."""
-    return dist._coalescing_manager(group=group) if samples > 1 else contextlib.nullcontext()
+    """One collective per sample, launched as one where there are several. The fake process group of the memory
+    simulations and the layout probes (``runtime.memory.check``, ``layout_probe``) has no coalesced collectives:
+    there each runs on its own, into the same buffers (its collectives move nothing)."""
+    if samples == 1 or dist.get_backend(group) == "fake":
+        return contextlib.nullcontext()
+    return dist._coalescing_manager(group=group)
 
 
 def _gather(local: torch.Tensor, mesh) -> torch.Tensor:
