@@ -23,7 +23,7 @@ from _common import write_results
 import tensoropt
 from tensoropt.cost.model import ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
-from tensoropt.cost.tp_copies import TPRuntime
+from tensoropt.cost.runtimes import Runtime
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
 
 # params (B), heads, hidden, layers, tp, pp, gpus, batch, achieved TFLOP/s per GPU
@@ -51,7 +51,7 @@ def predict(row, profile_name: str = "a100-80gb") -> dict:
         graph = tensoropt.capture(str(path)).graph
     # Megatron-LM's stream is sequence-first: no layout copies around sequence-parallel collectives
     model = ModelCost(graph, tensoropt.fold(graph), Cluster(gpus, 8, load_profile(profile_name)),
-                      tp_runtime=TPRuntime.MEGATRON)
+                      runtime=Runtime.MEGATRON)
     dp = gpus // (tp * pp)
     plan = Plan(gpus, dp, tp, pp, 1, batch, tp_branches=model.branch_names if tp > 1 else (), compile=True,
                 blocks=(BlockPlan(model.blocks[0][0].name, ((LayerStrategy("full"), layers // pp),)),))

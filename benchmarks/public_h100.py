@@ -63,7 +63,7 @@ from _public_rows import (
 import tensoropt
 from tensoropt.cost.model import GraphFacts, ModelCost, estimate
 from tensoropt.cost.profile import Cluster, load_profile
-from tensoropt.cost.tp_copies import TPRuntime
+from tensoropt.cost.runtimes import Runtime
 
 DATA = Path(__file__).resolve().parent / "data" / "public_h100.json"
 
@@ -83,7 +83,7 @@ Constants fitted on these rows, each with a physical meaning (the profiles' `sou
   since issue 35, sequence parallelism's layout copies (``cost.layer.BlockCost.sp_copies_s``: torch's functional
   collectives gather and scatter along dim 0, so along the sequence, dim 1 of a batch-first stream, a reduce-scatter
   concatenates its input's chunks and an all-gather past batch 1 moves the shares: each a read and a write of the
-  whole stream). Megatron-LM's rows are priced sequence-first (``ModelCost(..., tp_runtime=TPRuntime.MEGATRON)``:
+  whole stream). Megatron-LM's rows are priced sequence-first (``ModelCost(..., runtime=Runtime.MEGATRON)``:
   its [s, b, h] stream gathers along dim 0), torchtitan's and KempnerForge's batch-first, as they run. Before these
   copies were priced torchtitan's TP8 rows read -4..-6% and pulled the 500 W curve down (x 0.88): its non-TP rows held
   out read +6..+11%.
@@ -213,7 +213,7 @@ def price(row: dict, profile) -> dict:
     # Megatron-LM's stream is sequence-first: its sequence-parallel collectives need no layout copies
     # the others ran torch's own ColwiseParallel / RowwiseParallel (torchtitan, KempnerForge): their copies
     model = ModelCost(graph, folding, Cluster(row["gpus"], row.get("gpus_per_node", GPUS_PER_NODE), profile),
-                      facts=facts, tp_runtime=TPRuntime.MEGATRON if megatron else TPRuntime.TORCH_STYLES)
+                      facts=facts, runtime=Runtime.MEGATRON if megatron else Runtime.TORCH_STYLES)
     plan = build_plan(row, model)
     est = estimate(model, plan, megatron_tp_comm_overlap=megatron and bool(row["parallelism"].get("tp_comm_overlap")))
     measured = measured_step_s(row)

@@ -38,6 +38,21 @@ def test_ft_equals_exhaustive_enumeration(write_json, devices, per_node, profile
     np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
 
 
+@pytest.mark.parametrize("devices, profile", [(1, "h100-80gb"), (2, "h100-80gb"), (4, CPU_PROFILE)])
+def test_ft_equals_exhaustive_enumeration_where_zero_1_widens_its_gradients(write_json, devices, profile):
+    """The torch engine's bf16-mixed: FSDP2's ZeRO 1 sums bf16 gradients into float32 ones, more bytes a micro-batch
+    than ZeRO 0's float32 sums below 4 micro-batches and fewer past them (``cost.accumulation``), and on one device
+    ZeRO 3 holds no autocast copy of the weights, so no stage stands for another (``search.ft._undominated``);
+    1 to 16 micro-batches a step."""
+    model = _model(write_json, TINY_GPT, devices, devices, profile)
+    space = SearchSpace(global_batch=16, micro_batches=(1, 2, 4), max_virtual_stages=2, eps=0.0,
+                        precision="bf16-mixed", master_weights=False)
+    ft, brute = search(model, devices, space), exhaustive_search(model, devices, space)
+    assert brute.candidates > ft.candidates / 10
+    np.testing.assert_allclose(_front(ft), _front(brute), rtol=1e-12)
+    assert {p.plan.zero for p in brute.points} & {0, 1}
+
+
 @pytest.mark.parametrize("profile", ["h100-80gb", CPU_PROFILE])
 def test_folded_search_equals_unfolded_search(write_json, profile):
     cfg = {**TINY_GPT, "num_layers": 12}

@@ -40,7 +40,7 @@ from .context_parallel import attention_kv
 from .ops import OpArrays, op_times
 from .pipeline_memory import backward_working_bytes
 from .profile import Cluster
-from .tp_copies import TPRuntime
+from .runtimes import Runtime
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,11 @@ class BlockCost:
     """Costs of one unique block's copies; built once per (block, profile)."""
 
     def __init__(self, ops: tuple[Op, ...], space: BlockSpace, cluster: Cluster, compiled: bool = False,
-                 experts: Experts | None = None, tp_runtime: TPRuntime = TPRuntime.OURS) -> None:
+                 experts: Experts | None = None, runtime: Runtime = Runtime.OURS) -> None:
         self.ops, self.space, self.cluster = ops, space, cluster
         self.compiled = compiled
         # whose tensor parallelism runs the copy: the copies around its collectives (``cost.tp_copies``)
-        self.tp_runtime = tp_runtime
+        self.runtime = runtime
         self.arrays = OpArrays.of(ops, cluster.profile, compiled)
         self.params = _param_elements(ops, range(len(ops)))
         self.row_biases = _row_bias_elements(ops, space)
@@ -260,7 +260,7 @@ class BlockCost:
         branches = [(self._branch_bytes(b), self._gathered_nbytes[b], b.name in tp_branches)
                     for b in self.space.branches]
         return tp_copies.sp_copies_s(branches, micro_batch, micro_batch / cp, self.compiled, self.cluster.profile,
-                                     self.tp_runtime)
+                                     self.runtime)
 
     def reduce_copies_s(self, tp: int, tp_branches: tuple[str, ...], micro_batch: int, cp: int = 1) -> float:
         """The copies of one eager tensor-parallel copy without sequence parallelism (``cost.tp_copies``): torch's
@@ -269,7 +269,7 @@ class BlockCost:
             return 0.0
         sharded = [self._branch_bytes(b) for b in self.space.branches if b.name in tp_branches]
         return tp_copies.reduce_copies_s(sharded, micro_batch / cp, self.compiled, self.cluster.profile,
-                                         self.tp_runtime)
+                                         self.runtime)
 
     def _shared(self, key: tuple, fwd: np.ndarray, bwd: np.ndarray, saved: np.ndarray) -> _Shared:
         tp, tp_branches, sp, micro_batch, cp = key
@@ -332,7 +332,7 @@ class BlockCost:
             return 0.0
         nbytes = self.space.carried_bytes * micro_batch
         copy = tp_copies.layout_change_copy_s(nbytes, micro_batch, self.compiled, self.cluster.profile,
-                                              self.tp_runtime)
+                                              self.runtime)
         return all_gather_s(nbytes, tp, 1, self.cluster) + copy
 
 

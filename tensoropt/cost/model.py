@@ -49,6 +49,7 @@ from ..space.experts import Experts, expert_ops
 from ..space.plan import LayerStrategy, Plan, blocks_named_twice
 from ..space.tp_meta import tp_checks
 from ..space.vocab import VocabLayout, vocab_layout
+from .accumulation import accumulation_s
 from .comm import p2p_s
 from .context import Context, ContextTable
 from .data_parallel import data_parallel_s
@@ -59,8 +60,8 @@ from .offload import gradient_copies_s, offload_step_s
 from .pipeline_memory import in_flight
 from .profile import Cluster
 from .rows import plan_rows
+from .runtimes import Runtime
 from .states import DTYPE_BYTES, StateBytes, state_bytes
-from .tp_copies import TPRuntime
 
 
 def _carried_bytes(block: Block) -> int:
@@ -134,11 +135,11 @@ class ModelCost:
     """A folded model on a cluster: per-block costs and the ops between blocks."""
 
     def __init__(self, graph: OpGraph, folded: FoldedGraph, cluster: Cluster, compiled: bool = False,
-                 facts: GraphFacts | None = None, tp_runtime: TPRuntime = TPRuntime.OURS) -> None:
+                 facts: GraphFacts | None = None, runtime: Runtime = Runtime.OURS) -> None:
         self.graph, self.folded, self.cluster = graph, folded, cluster
         # whose tensor parallelism is priced: the planner prices ours; the public benchmarks price Megatron-LM's
-        # sequence-first stream and torch's own styles as their rows ran (``cost.tp_copies.TPRuntime``)
-        self.tp_runtime = tp_runtime
+        # sequence-first stream and torch's own styles as their rows ran (``cost.tp_copies.Runtime``)
+        self.runtime = runtime
         # the kernels the plans priced here run: eager PyTorch (one kernel per op) or compiled blocks (fused)
         self.compiled = compiled
         self._kernels: dict[bool, ModelCost] = {compiled: self}
@@ -146,7 +147,7 @@ class ModelCost:
         self.experts = Experts.of(graph)
         self.blocks: list[tuple[Block, BlockCost]] = [
             (b, BlockCost(b.ops, analyse_block(b.ops, seq_len, _carried_bytes(b), tp_checks(graph, b.name)), cluster,
-                          compiled, self.experts, tp_runtime))
+                          compiled, self.experts, runtime))
             for b in folded.blocks]
         # the model's expert weights, elements (sharded over ep ranks by expert parallelism: ``BlockCost.layer``)
         self.expert_parameters = float(sum(b.repeats * cost.expert_params for b, cost in self.blocks))
@@ -177,7 +178,7 @@ class ModelCost:
         """This model priced for the other kernel mode (built once, then kept)."""
         if compiled not in self._kernels:
             self._kernels[compiled] = ModelCost(self.graph, self.folded, self.cluster, compiled, self.facts,
-                                                self.tp_runtime)
+                                                self.runtime)
             self._kernels[compiled]._kernels = self._kernels
         return self._kernels[compiled]
 
@@ -294,7 +295,10 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context] | ContextTable, which: n
     opt_params = np.where(r.zero >= 1, dp_sharded_elements(model, r, params) / r.dp, params)
     offloaded_s = offload_step_s(opt_params, r.weight, prof) + gradient_copies_s(r.zero, r.m, opt_params, r.grad, prof)
     optimizer_s = np.where(r.offload, offloaded_s, opt_params * r.adam_moved / prof.memory_bytes_per_s)
-    time_s = pipeline_s + exposed + optimizer_s
+    # the micro-batches' gradients summed on the device (``cost.accumulation``), on the stage with stage 0's weights
+    accumulate_s = accumulation_s(params, r.m, r.zero, r.dp, r.grad, r.gathered,
+                                  model.runtime.fuses_accumulation | (r.offload & (r.zero == 3)), prof)
+    time_s = pipeline_s + exposed + optimizer_s + accumulate_s
     mem = memory_rows(model, r, activation_bytes, transient_bytes, params)
     if totals_only:
         return {"iteration_time_s": time_s, "peak_memory_bytes": mem["peak_memory_bytes"],
@@ -305,6 +309,7 @@ def evaluate_rows(model: ModelCost, ctxs: list[Context] | ContextTable, which: n
         "pipeline_bubble_s": np.where(r.piped, (r.pp - 1) / r.v * (stage_s + p2p), 0.0),
         "pipeline_p2p_s": np.where(r.piped, r.m * p2p, 0.0),
         "data_parallel_comm_s": dp_comm, "data_parallel_exposed_s": exposed, "optimizer_s": optimizer_s,
+        "gradient_accumulation_s": accumulate_s,
     }
 
 
@@ -389,7 +394,7 @@ def estimate(model: ModelCost, plan: Plan, megatron_tp_comm_overlap: bool = Fals
     r = evaluate(model, ctx, [time - hidden], [back], [acts], [transient], [params])
     mem_keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "other_bytes")
     time_keys = ("compute_s", "pipeline_bubble_s", "pipeline_p2p_s", "data_parallel_comm_s",
-                 "data_parallel_exposed_s", "optimizer_s")
+                 "data_parallel_exposed_s", "optimizer_s", "gradient_accumulation_s")
     breakdown = {k: float(r[k][0]) for k in time_keys}
     breakdown.update(_layer_parts(stage, plan, ctx.micro_batches))
     if megatron_tp_comm_overlap:

@@ -9,45 +9,20 @@ collectives gather and scatter along dim 0 (``torch.distributed._functional_coll
 Our eager runtime runs each sample's collective on views of one buffer, coalesced
 (``runtime.parallel.sequence_collectives``): no copy at any batch. Compiled blocks trace torch's redistribution (its
 reduce-scatters concatenate at any batch, its gathers copy past batch 1), as runtimes on torch's own styles do eagerly
-too (``TPRuntime.TORCH_STYLES``: torchtitan's, KempnerForge's). Without sequence parallelism our eager runtime sums in
+too (``Runtime.TORCH_STYLES``: torchtitan's, KempnerForge's). Without sequence parallelism our eager runtime sums in
 place, the row linears' partial outputs in the forward (``runtime.parallel.tp_styles._SumOfPartials``) and the column
 linears' input gradients in the backward (``tp_styles._CopyToRanks``), as Megatron-LM does; torch's
 ``RowwiseParallel`` and ``ColwiseParallel`` sum each with a functional all-reduce, which clones its input
-(``_c10d_functional.all_reduce``): two copies per sharded branch (``TPRuntime.TORCH_STYLES``), and inductor reduces
+(``_c10d_functional.all_reduce``): two copies per sharded branch (``Runtime.TORCH_STYLES``), and inductor reduces
 in place where it can (``_inductor/comm_lowering.py``): compiled blocks none. Megatron-LM's stream is sequence-first
-and all-reduces in place: none of these (``TPRuntime.MEGATRON``).
+and all-reduces in place: none of these (``Runtime.MEGATRON``).
 Each copy reads and writes the whole tensor once, at the profile's copy rate (``DeviceProfile.copy_bytes_per_s``).
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
 from .profile import DeviceProfile
-
-
-class TPRuntime(str, Enum):
-    """Whose tensor parallelism a cost model prices: the planner prices ours; the public benchmarks price the
-    runtimes their rows ran, whose copies around the collectives differ (this module's docstring)."""
-
-    OURS = "ours"                    # batch-first stream, in-place sums, per-sample collectives on views (eager)
-    MEGATRON = "megatron"            # Megatron-LM: sequence-first stream [s, b, h], in-place sums: no copies
-    TORCH_STYLES = "torch-styles"    # torch's ColwiseParallel / RowwiseParallel (torchtitan, KempnerForge)
-
-    @property
-    def sequence_first(self) -> bool:
-        """Its sequence-parallel collectives run along dim 0: no layout copies at any batch."""
-        return self is TPRuntime.MEGATRON
-
-    def copies_layout(self, compiled: bool) -> bool:
-        """Whether its batch-first sequence-parallel collectives copy past batch 1: torch's redistribution does (ours
-        under ``torch.compile`` traces it); ours eager runs on views, Megatron-LM's sequence-first stream needs none."""
-        return not self.sequence_first and (compiled or self is not TPRuntime.OURS)
-
-    @property
-    def functional_sums(self) -> bool:
-        """It sums with torch's functional collectives, which copy (reduce-scatters concatenate at batch 1 too)."""
-        return self is TPRuntime.TORCH_STYLES
+from .runtimes import Runtime
 
 
 def copy_s(nbytes: float, profile: DeviceProfile) -> float:
@@ -56,7 +31,7 @@ def copy_s(nbytes: float, profile: DeviceProfile) -> float:
 
 
 def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tokens: float, compiled: bool,
-                profile: DeviceProfile, runtime: TPRuntime = TPRuntime.OURS) -> tuple[float, float]:
+                profile: DeviceProfile, runtime: Runtime = Runtime.OURS) -> tuple[float, float]:
     """(the copies beside one SP copy's collectives, those beside its backward's gathers again), ``branches`` as
     (row output bytes, column input bytes, sharded) per branch and sample, ``tokens`` samples' worth on the rank. A
     sharded branch gathers its input (backward: a reduce-scatter) and reduce-scatters its output (backward: a
@@ -76,7 +51,7 @@ def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tok
 
 
 def reduce_copies_s(sharded_out_bytes: list[float], tokens: float, compiled: bool, profile: DeviceProfile,
-                    runtime: TPRuntime = TPRuntime.OURS) -> float:
+                    runtime: Runtime = Runtime.OURS) -> float:
     """The functional all-reduce copies of one eager TP copy without SP, torch's styles' only: two per sharded
     branch (its output's sum in the forward, its input gradient's in the backward); in-place sums make none."""
     if compiled or not runtime.functional_sums:
@@ -85,10 +60,10 @@ def reduce_copies_s(sharded_out_bytes: list[float], tokens: float, compiled: boo
 
 
 def layout_change_copy_s(nbytes: float, micro_batch: int, compiled: bool, profile: DeviceProfile,
-                         runtime: TPRuntime = TPRuntime.OURS) -> float:
+                         runtime: Runtime = Runtime.OURS) -> float:
     """The gather at an SP chain's end moves a batch-first stream to dim 1 by torch's redistribution: a copy past
     batch 1."""
     return copy_s(nbytes, profile) if micro_batch > 1 and runtime.copies_layout(compiled) else 0.0
 
 
-__all__ = ["TPRuntime", "copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]
+__all__ = ["copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]

@@ -47,6 +47,7 @@ import numpy as np
 from ..cost.context import Context, ContextTable
 from ..cost.layer import BlockCost
 from ..cost.model import ModelCost, evaluate_rows
+from ..cost.states import state_bytes
 from ..space.context_parallel import default_degrees, graph_refusal
 from ..space.plan import RECOMPUTE, BlockPlan, LayerStrategy, Plan, chain_order, divisors, meshes
 from .bounds import Seeds, bound_contexts
@@ -335,6 +336,10 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
     asked: dict[tuple, bool] = {}
     undominated: dict[tuple, list] = {}
     grads = {g: k for k, g in enumerate(space.grad_dtypes)}
+    # ZeRO 1-3 as FSDP2 over bf16 weights with float32 states (the torch engine's bf16-mixed): ZeRO 1's gradients
+    # held wider than the products make them (``cost.accumulation``), ZeRO 0's autocast copy without a counterpart
+    one = state_bytes(space.dtype, space.master_weights, space.precision, 1)
+    fsdp_mixed = one.grad != one.gathered_bytes
     kinds = tuple((space.global_batch, space.dtype, space.master_weights, space.precision, model.compiled,
                    space.engine, g) for g in space.grad_dtypes)
     branch_sets: dict[tuple[str, ...], int] = {}
@@ -351,7 +356,7 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
     for dp, tp, pp, branches, mb, globals_, cp, ep in contexts(model, devices, space):
         key = (globals_, dp * cp == 1)       # data parallelism runs over the dp x cp ranks
         if key not in undominated:
-            undominated[key] = _undominated(globals_, dp * cp, pp)
+            undominated[key] = _undominated(globals_, dp * cp, pp, fsdp_mixed)
         if (dp, tp, pp, globals_, cp, ep) not in runnable:      # the same for every micro-batch and branches
             mine = np.array([(v, z, off, grads[g]) for v, z, off, g in undominated[key]
                              if kept(dp, tp, pp, branches, mb, v, z, off, g, cp, ep)], dtype=np.int64).reshape(-1, 4)
@@ -372,27 +377,33 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
                                                       mine[:, 3], each[:, 5], each[:, 6]]), tuple(branch_sets), kinds)
 
 
-def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int
+def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int, fsdp_mixed: bool = False
                  ) -> list[tuple[int, int, bool, str]]:
     """Drop global choices the cost model proves dominated, before pricing them.
 
     - bf16 gradients (``grad_dtype``, ZeRO 1-3) against the same choice with the precision's own float32 ones:
       the same states but for the gradients held whole under ZeRO 1 (2 bytes per parameter instead of 4), half the
-      bytes reduced and copied into FSDP2's reduce-scatter input, the same compute (``cost.states.torch_mixed``):
-      no more time, less memory. Where both are allowed, the float32 one goes.
+      bytes reduced and copied into FSDP2's reduce-scatter input, the same compute (``cost.states.torch_mixed``),
+      and sums of the micro-batches in bf16 in place instead of widened into float32 (``cost.accumulation``): no
+      more time, less memory. Where both are allowed, the float32 one goes.
     - dp = 1: nothing is communicated and no stage divides anything, so every stage without offload
       prices ZeRO 0's time with ZeRO 0's memory or more (ZeRO 1 and 2 add the optimizer's partition copy
-      when there is no master copy); with offload, every stage prices the same. ZeRO 0 (where allowed)
-      and the lowest offloading stage stand for all of the precision's own gradients.
+      when there is no master copy); ZeRO 0 (where allowed) stands for the precision's own gradients without
+      offload. With offload the stages differ in where the micro-batches' gradients are summed (ZeRO 3 on the
+      host, the others on the device: ``cost.accumulation``), so each is kept. None is dropped under the torch
+      engine's bf16-mixed (``fsdp_mixed``): ZeRO 0 holds autocast's bf16 copy of the float32 weights, which FSDP2's
+      bf16 gathers make needless (ZeRO 3 holds less at the same time), and FSDP2's ZeRO 1 sums bf16 gradients into
+      float32 ones, 10 bytes a later micro-batch and 6 once against ZeRO 0's float32 in-place 12 (faster past 4
+      micro-batches, slower below).
     - dp > 1: ZeRO 1 communicates what ZeRO 0 does (one all-reduce of the gradients) and divides the
       optimizer's states and step over dp: (K + copy) / dp <= K for dp >= 2 (the copy is 0 or half of K),
-      so ZeRO 0 goes where ZeRO 1 is allowed. ZeRO 2 is not comparable with them: it reduce-scatters
+      so ZeRO 0 goes where ZeRO 1 is allowed, but for ``fsdp_mixed`` (below 4 micro-batches ZeRO 1's sums take
+      longer). ZeRO 2 is not comparable with them: it reduce-scatters
       every micro-batch and gathers once, at each collective's own bandwidth (gloo's run at a third of
       its all-reduce rate), so it can be slower; ZeRO 3 keeps the least.
     The exhaustive reference does not prune: the tests that compare it with FT check this is sound."""
     lean = {(v, z, off) for v, z, off, grad in globals_ if grad}
     stages = {z for _, z, off, grad in globals_ if not off and not grad}
-    offloading = min((z for _, z, off, grad in globals_ if off and not grad), default=None)
 
     def kept(v: int, z: int, off: bool, grad: str) -> bool:
         if grad:
@@ -400,8 +411,8 @@ def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: 
         if (v, z, off) in lean:
             return False
         if dp == 1:
-            return z == offloading if off else 0 not in stages or z == 0
-        return not (z == 0 and 1 in stages)
+            return off or fsdp_mixed or 0 not in stages or z == 0
+        return not (z == 0 and 1 in stages and not fsdp_mixed)
     return [g for g in globals_ if kept(*g)]
 
 

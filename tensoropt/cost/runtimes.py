@@ -1,0 +1,40 @@
+"""Whose runtime a cost model prices (``ModelCost.runtime``): what differs between the runtimes the public benchmarks
+price and the planner's own, beyond the plan itself."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Runtime(str, Enum):
+    """Whose runtime a cost model prices: the planner prices ours; the public benchmarks price the runtimes their
+    rows ran, which differ in the copies around their tensor-parallel collectives (``cost.tp_copies``) and in how
+    they sum the micro-batches' gradients (``cost.accumulation``)."""
+
+    OURS = "ours"                    # batch-first stream, in-place sums, per-sample collectives on views (eager)
+    MEGATRON = "megatron"            # Megatron-LM: sequence-first stream, in-place sums, fused gradient accumulation
+    TORCH_STYLES = "torch-styles"    # torch's ColwiseParallel / RowwiseParallel (torchtitan, KempnerForge)
+
+    @property
+    def sequence_first(self) -> bool:
+        """Its sequence-parallel collectives run along dim 0: no layout copies at any batch."""
+        return self is Runtime.MEGATRON
+
+    def copies_layout(self, compiled: bool) -> bool:
+        """Whether its batch-first sequence-parallel collectives copy past batch 1: torch's redistribution does (ours
+        under ``torch.compile`` traces it); ours eager runs on views, Megatron-LM's sequence-first stream needs none."""
+        return not self.sequence_first and (compiled or self is not Runtime.OURS)
+
+    @property
+    def functional_sums(self) -> bool:
+        """It sums with torch's functional collectives, which copy (reduce-scatters concatenate at batch 1 too)."""
+        return self is Runtime.TORCH_STYLES
+
+    @property
+    def fuses_accumulation(self) -> bool:
+        """Its weight-gradient products add into the float32 gradient buffer themselves (Megatron-LM's
+        ``--gradient-accumulation-fusion``, on by default with Transformer Engine): no separate sum a micro-batch."""
+        return self is Runtime.MEGATRON
+
+
+__all__ = ["Runtime"]
