@@ -354,15 +354,18 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
     out, heads, parts, total = [], [], [], 0
     runnable: dict[tuple, tuple] = {}         # per (mesh, global choices): (v, z, off, gradients) rows, by v
     for dp, tp, pp, branches, mb, globals_, cp, ep in contexts(model, devices, space):
-        key = (globals_, dp * cp == 1)       # data parallelism runs over the dp x cp ranks
+        # under fsdp_mixed, fewer than 4 micro-batches a step: ZeRO 1's float32 sums take longer than ZeRO 0's
+        few = fsdp_mixed and space.global_batch // (dp * mb) < 4
+        key = (globals_, dp * cp == 1, few)       # data parallelism runs over the dp x cp ranks
         if key not in undominated:
-            undominated[key] = _undominated(globals_, dp * cp, pp, fsdp_mixed)
-        if (dp, tp, pp, globals_, cp, ep) not in runnable:      # the same for every micro-batch and branches
+            undominated[key] = _undominated(globals_, dp * cp, pp, fsdp_mixed, few)
+        where = (dp, tp, pp, globals_, cp, ep, few)
+        if where not in runnable:      # the same for every micro-batch and branches
             mine = np.array([(v, z, off, grads[g]) for v, z, off, g in undominated[key]
                              if kept(dp, tp, pp, branches, mb, v, z, off, g, cp, ep)], dtype=np.int64).reshape(-1, 4)
-            runnable[(dp, tp, pp, globals_, cp, ep)] = mine, tuple((int(v), np.flatnonzero(mine[:, 0] == v))
-                                                               for v in dict.fromkeys(mine[:, 0].tolist()))
-        mine, by_v = runnable[(dp, tp, pp, globals_, cp, ep)]
+            runnable[where] = mine, tuple((int(v), np.flatnonzero(mine[:, 0] == v))
+                                          for v in dict.fromkeys(mine[:, 0].tolist()))
+        mine, by_v = runnable[where]
         if len(mine):
             out.append((dp, tp, pp, branches, mb, total, by_v, cp, ep))
             heads.append((dp, tp, pp, mb, branch_sets.setdefault(branches, len(branch_sets)), cp, ep, len(mine)))
@@ -377,8 +380,8 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
                                                       mine[:, 3], each[:, 5], each[:, 6]]), tuple(branch_sets), kinds)
 
 
-def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int, fsdp_mixed: bool = False
-                 ) -> list[tuple[int, int, bool, str]]:
+def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: int, fsdp_mixed: bool = False,
+                 few: bool = False) -> list[tuple[int, int, bool, str]]:
     """Drop global choices the cost model proves dominated, before pricing them.
 
     - bf16 gradients (``grad_dtype``, ZeRO 1-3) against the same choice with the precision's own float32 ones:
@@ -397,10 +400,10 @@ def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: 
       micro-batches, slower below).
     - dp > 1: ZeRO 1 communicates what ZeRO 0 does (one all-reduce of the gradients) and divides the
       optimizer's states and step over dp: (K + copy) / dp <= K for dp >= 2 (the copy is 0 or half of K),
-      so ZeRO 0 goes where ZeRO 1 is allowed, but for ``fsdp_mixed`` (below 4 micro-batches ZeRO 1's sums take
-      longer). ZeRO 2 is not comparable with them: it reduce-scatters
-      every micro-batch and gathers once, at each collective's own bandwidth (gloo's run at a third of
-      its all-reduce rate), so it can be slower; ZeRO 3 keeps the least.
+      so ZeRO 0 goes where ZeRO 1 is allowed, but for ``few``: ``fsdp_mixed`` below 4 micro-batches a step, where
+      ZeRO 1's float32 sums take longer (10 (m - 1) + 6 bytes a parameter against 12 (m - 1)). ZeRO 2 is not
+      comparable with them: it reduce-scatters every micro-batch and gathers once, at each collective's own
+      bandwidth (gloo's run at a third of its all-reduce rate), so it can be slower; ZeRO 3 keeps the least.
     The exhaustive reference does not prune: the tests that compare it with FT check this is sound."""
     lean = {(v, z, off) for v, z, off, grad in globals_ if grad}
     stages = {z for _, z, off, grad in globals_ if not off and not grad}
@@ -412,7 +415,7 @@ def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: 
             return False
         if dp == 1:
             return off or fsdp_mixed or 0 not in stages or z == 0
-        return not (z == 0 and 1 in stages and not fsdp_mixed)
+        return not (z == 0 and 1 in stages and not few)
     return [g for g in globals_ if kept(*g)]
 
 
