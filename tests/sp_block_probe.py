@@ -173,11 +173,27 @@ def optimizer_collectives(mesh) -> dict:
     return out
 
 
+class _Concatenations(TorchDispatchMode):
+    """Every concatenation into a tensor of ``numel`` elements (a whole stream: the chunks of a reduce-scatter's
+    input put rank by rank)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.seen = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.cat.default and out.numel() == self.numel:
+            self.seen.append(("concatenate", True, out.numel() * out.element_size()))
+        return out
+
+
 def layout_copies(block, mesh, rank: int, batch: int) -> dict:
-    """The layout copies torch's functional collectives make in one forward and backward of an SP copy (both branches
-    sharded, its stream arriving and leaving as the rank's share): each call of the helpers that move the ranks' shares
-    between dim 0 and the sequence dim (``_maybe_view_chunk_cat`` after an all-gather, ``_chunk_or_narrow_cat``
-    before a reduce-scatter), with whether it made a new tensor, and its bytes."""
+    """The layout copies made in one forward and backward of an SP copy (both branches sharded, its stream arriving
+    and leaving as the rank's share): each call of torch's helpers that move the ranks' shares between dim 0 and the
+    sequence dim (``_maybe_view_chunk_cat`` after an all-gather, ``_chunk_or_narrow_cat`` before a reduce-scatter),
+    with whether it made a new tensor, and its bytes; and every concatenation of a whole stream (the runtime's own
+    reduce-scatter inputs past batch 1)."""
     import torch.distributed._functional_collectives as funcol
     seen: list[tuple[str, bool, int]] = []
     originals = funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat
@@ -201,13 +217,15 @@ def layout_copies(block, mesh, rank: int, batch: int) -> dict:
     sp = copy.deepcopy(block)
     shard_copy(sp, LAYOUT, mesh, LAYOUT, "layers.1", (True, True), {id(share): weakref.ref(share)})
     funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = gathered, scattered
+    concatenations = _Concatenations(x.numel())
     try:
-        y = sp(share, None)
-        local(y).backward(torch.ones_like(local(y)))
+        with concatenations:
+            y = sp(share, None)
+            local(y).backward(torch.ones_like(local(y)))
     finally:
         funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = originals
     counts: dict = {}
-    for kind, copied, nbytes in seen:
+    for kind, copied, nbytes in seen + concatenations.seen:
         key = f"{kind} {'copy' if copied else 'view'} {nbytes}"
         counts[key] = counts.get(key, 0) + 1
     return counts

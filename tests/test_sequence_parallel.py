@@ -200,17 +200,21 @@ def test_one_block_copy_sequence_parallel_computes_the_whole_copy_and_keeps_a_sh
     assert collectives["engine"] == {"c10d.allreduce_": 1}
     assert collectives["plain"] == {"c10d_functional.all_reduce": 3 * collectives["partial_gradients"]}
     assert collectives["same_parameters"]
-    # the layout copies torch's collectives make along the sequence (dim 1 of our batch-first stream), counted in one
-    # SP copy's forward and backward: none. The eager copy runs every sample's gathers and reduce-scatters on views
-    # of one buffer (``runtime.parallel.sequence_collectives``), the backward's gathers again of kept shares too, so
-    # torch's functional collectives, which would concatenate, never run; and none is priced
-    # (``BlockCost.sp_copies_s``, issue 35). Compiled blocks trace torch's redistribution: its copies are priced
+    # the layout copies made along the sequence (dim 1 of our batch-first stream), counted in one SP copy's forward
+    # and backward: torch's functional collectives, which would move shares between dim 0 and dim 1, never run. The
+    # eager copy gathers every sample on views of one buffer (the backward's gathers again of kept shares too) and
+    # reduce-scatters on a view at batch 1 and on the chunks concatenated rank by rank past it: per sharded branch
+    # two concatenations of the whole stream (the forward's reduce-scatter, the backward's of the input's gather), the
+    # copies priced (``BlockCost.sp_copies_s``, issue 35). Compiled blocks trace torch's redistribution: its copies
     cost = _block_cost(_gpt())
-    assert probe["layout_copies"] == {"1": {}, str(BATCH): {}}, probe["layout_copies"]
-    assert sum(cost.sp_copies_s(2, ("attn", "mlp"), BATCH)) == sum(cost.sp_copies_s(2, ("attn", "mlp"), 1)) == 0.0
+    whole = {1: SEQ * HIDDEN * 4, BATCH: BATCH * SEQ * HIDDEN * 4}
+    assert probe["layout_copies"] == {"1": {}, str(BATCH): {f"concatenate copy {whole[BATCH]}": 4}}, \
+        probe["layout_copies"]
+    one = 2 * whole[BATCH] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
+    assert sum(cost.sp_copies_s(2, ("attn", "mlp"), BATCH)) == pytest.approx(4 * one, rel=1e-9)
+    assert sum(cost.sp_copies_s(2, ("attn", "mlp"), 1)) == 0.0
     graph = _gpt_graph()
     compiled = ModelCost(graph, tensoropt.fold(graph), cost.cluster, compiled=True).blocks[0][1]
-    whole = {1: SEQ * HIDDEN * 4, BATCH: BATCH * SEQ * HIDDEN * 4}
     for batch, copies in ((1, 4), (BATCH, 10)):
         one = 2 * whole[batch] / cost.cluster.profile.copy_bytes_per_s + cost.cluster.profile.kernel_overhead_s
         assert sum(compiled.sp_copies_s(2, ("attn", "mlp"), batch)) == pytest.approx(copies * one, rel=1e-9)

@@ -11,7 +11,7 @@ class Runtime(str, Enum):
     rows ran, which differ in the copies around their tensor-parallel collectives (``cost.tp_copies``) and in how
     they sum the micro-batches' gradients (``cost.accumulation``)."""
 
-    OURS = "ours"                    # batch-first stream, in-place sums, per-sample collectives on views (eager)
+    OURS = "ours"                    # batch-first stream, in-place sums, per-sample gathers on views (eager)
     MEGATRON = "megatron"            # Megatron-LM: sequence-first stream, in-place sums, fused gradient accumulation
     TORCH_STYLES = "torch-styles"    # torch's ColwiseParallel / RowwiseParallel (torchtitan, KempnerForge)
 
@@ -20,9 +20,10 @@ class Runtime(str, Enum):
         """Its sequence-parallel collectives run along dim 0: no layout copies at any batch."""
         return self is Runtime.MEGATRON
 
-    def copies_layout(self, compiled: bool) -> bool:
-        """Whether its batch-first sequence-parallel collectives copy past batch 1: torch's redistribution does (ours
-        under ``torch.compile`` traces it); ours eager runs on views, Megatron-LM's sequence-first stream needs none."""
+    def gathers_by_copy(self, compiled: bool) -> bool:
+        """Whether its batch-first sequence-parallel all-gathers copy past batch 1: torch's redistribution does (ours
+        under ``torch.compile`` traces it); ours eager gathers each sample on views, Megatron-LM's sequence-first
+        stream needs none."""
         return not self.sequence_first and (compiled or self is not Runtime.OURS)
 
     @property

@@ -6,10 +6,11 @@ collectives gather and scatter along dim 0 (``torch.distributed._functional_coll
 - a reduce-scatter first concatenates the input's chunks into a new tensor (``torch._utils._chunk_or_narrow_cat``);
 - an all-gather's result is moved from dim 0 to dim 1 (``torch._utils._maybe_view_chunk_cat``): a view only where the
   batch dim is 1.
-Our eager runtime runs each sample's collective on views of one buffer, coalesced
-(``runtime.parallel.sequence_collectives``): no copy at any batch. Compiled blocks trace torch's redistribution (its
-reduce-scatters concatenate at any batch, its gathers copy past batch 1), as runtimes on torch's own styles do eagerly
-too (``Runtime.TORCH_STYLES``: torchtitan's, KempnerForge's). Without sequence parallelism our eager runtime sums in
+Our eager runtime gathers each sample on views of one buffer, coalesced, and reduce-scatters on views at batch 1 and
+on the concatenated chunks past it (``runtime.parallel.sequence_collectives``): the reduce-scatters' copies past
+batch 1 only. Compiled blocks trace torch's redistribution (its reduce-scatters concatenate at any batch, its gathers
+copy past batch 1), as runtimes on torch's own styles do eagerly too (``Runtime.TORCH_STYLES``: torchtitan's,
+KempnerForge's). Without sequence parallelism our eager runtime sums in
 place, the row linears' partial outputs in the forward (``runtime.parallel.tp_styles._SumOfPartials``) and the column
 linears' input gradients in the backward (``tp_styles._CopyToRanks``), as Megatron-LM does; torch's
 ``RowwiseParallel`` and ``ColwiseParallel`` sum each with a functional all-reduce, which clones its input
@@ -36,9 +37,11 @@ def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tok
     (row output bytes, column input bytes, sharded) per branch and sample, ``tokens`` samples' worth on the rank. A
     sharded branch gathers its input (backward: a reduce-scatter) and reduce-scatters its output (backward: a
     gather); a replicated one gathers twice; every branch gathers its kept input again in the backward."""
-    if not runtime.copies_layout(compiled):
+    if runtime.sequence_first:
         return 0.0, 0.0
-    gathers, scatters = micro_batch > 1, micro_batch > 1 or compiled or runtime.functional_sums
+    # ours eager: gathers on views, reduce-scatters on views at batch 1 and concatenated past it
+    gathers = micro_batch > 1 and runtime.gathers_by_copy(compiled)
+    scatters = micro_batch > 1 or runtime.gathers_by_copy(compiled) and (compiled or runtime.functional_sums)
     total = 0.0
     for out_bytes, _, sharded in branches:
         one = copy_s(out_bytes * tokens, profile)
@@ -63,7 +66,7 @@ def layout_change_copy_s(nbytes: float, micro_batch: int, compiled: bool, profil
                          runtime: Runtime = Runtime.OURS) -> float:
     """The gather at an SP chain's end moves a batch-first stream to dim 1 by torch's redistribution: a copy past
     batch 1."""
-    return copy_s(nbytes, profile) if micro_batch > 1 and runtime.copies_layout(compiled) else 0.0
+    return copy_s(nbytes, profile) if micro_batch > 1 and runtime.gathers_by_copy(compiled) else 0.0
 
 
 __all__ = ["copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]

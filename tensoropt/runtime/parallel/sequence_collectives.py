@@ -1,15 +1,20 @@
-"""The sequence-parallel collectives of a batch-first stream without torch's layout copies.
+"""The sequence-parallel collectives of a batch-first stream with fewer of torch's layout copies.
 
 Our stream is batch-first, [b, s, h], and sequence parallelism shards it along the sequence, dim 1. torch's
 ``Shard(1)`` redistribution runs its collectives along dim 0 and moves the data between the two layouts
 (``torch.distributed._functional_collectives``): a reduce-scatter first concatenates the input's chunks along the
 sequence into a new tensor, always; an all-gather's result is moved to dim 1, a copy past batch 1. Each sample's
-sequence is one slab of memory, and the ranks' chunks of it consecutive slabs: so every sample's collective runs on
-views of one buffer, the b of them coalesced into one (``torch.distributed._coalescing_manager``: one NCCL group,
-gloo's coalesced collectives on CPU), and no copy is made at any batch, as Megatron-LM's sequence-first stream needs
-none. These two functions do that (a gather whose backward reduce-scatters, and a reduce-scatter whose backward
-gathers), and ``gathered`` gathers a saved share again in the backward. Under ``torch.compile`` (which traces
-torch's redistribution) torch's own path runs: ``cost.tp_copies`` prices whichever runs.
+sequence is one slab of memory, and the ranks' chunks of it consecutive slabs, so:
+- an all-gather runs per sample on views of one buffer, the b of them coalesced into one collective
+  (``torch.distributed._coalescing_manager``: one NCCL group; gloo flattens them into one all-gather): no copy at
+  any batch, as Megatron-LM's sequence-first stream needs none;
+- a reduce-scatter runs on views at batch 1; past it, on the chunks concatenated rank by rank (one copy, as torch
+  makes): gloo runs coalesced reduce-scatters one at a time (~7x the time of one on the concatenation at
+  micro-batch 8 on this project's CPU runners), so per-sample reduce-scatters, which NCCL would group, would be
+  a second code path for GPUs alone.
+These two functions do that (a gather whose backward reduce-scatters, and a reduce-scatter whose backward gathers),
+and ``gathered`` gathers a saved share again in the backward. Under ``torch.compile`` (which traces torch's
+redistribution) torch's own path runs: ``cost.tp_copies`` prices whichever runs.
 """
 
 from __future__ import annotations
@@ -56,13 +61,14 @@ def _gather(local: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def _scatter(partial: torch.Tensor, mesh) -> torch.Tensor:
-    """[b, s, ...] partial sums -> the rank's [b, s/tp, ...] of their sum, each sample's reduce-scattered."""
-    group, partial = mesh.get_group(), partial.contiguous()
-    share = partial.new_empty((partial.shape[0], partial.shape[SEQUENCE_DIM] // mesh.size(),
-                               *partial.shape[SEQUENCE_DIM + 1:]))
-    with _coalesced(group, partial.shape[0]):
-        for sample in range(partial.shape[0]):
-            collective_api.reduce_scatter_single(share[sample], partial[sample], group=group)
+    """[b, s, ...] partial sums -> the rank's [b, s/tp, ...] of their sum: reduce-scattered from a view at batch 1,
+    from the ranks' chunks concatenated past it (module doc)."""
+    tp, group = mesh.size(), mesh.get_group()
+    share = partial.new_empty((partial.shape[0], partial.shape[SEQUENCE_DIM] // tp, *partial.shape[SEQUENCE_DIM + 1:]))
+    if partial.shape[0] == 1:        # the ranks' chunks are consecutive slabs of the one sample: dim 0 of a view
+        collective_api.reduce_scatter_single(share[0], partial.contiguous()[0], group=group)
+    else:
+        collective_api.reduce_scatter_single(share, torch.cat(partial.chunk(tp, SEQUENCE_DIM)), group=group)
     return share
 
 
