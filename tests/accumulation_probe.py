@@ -6,11 +6,9 @@ shard), with the bytes each reads and writes. Rank 0 writes them to the JSON fil
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
 import torch.distributed as dist
+from probe_output import write_from_rank_0
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -98,11 +96,7 @@ def main() -> None:
     out = {f"zero{zero} {precision}{' ' + grad if grad else ''}": _run(zero, precision, grad)
            for zero, precision, grad in ((0, "32-true", ""), (0, "bf16-mixed", ""), (1, "bf16-mixed", ""),
                                          (1, "bf16-mixed", "bfloat16"), (3, "bf16-mixed", ""))}
-    if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_from_rank_0(out)
 
 
 if __name__ == "__main__":

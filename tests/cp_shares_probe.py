@@ -7,11 +7,10 @@ the backward, and whether every gradient is bitwise the same both ways."""
 
 import contextlib
 import dataclasses
-import json
-import sys
 
 import torch
 import torch.distributed as dist
+from probe_output import write_from_rank_0
 
 from tensoropt.models import sequence
 from tensoropt.models.transformer import DecoderLM, TransformerConfig
@@ -66,10 +65,7 @@ def main() -> None:
                           "whole": {k: v for k, v in whole.items() if k != "grads"},
                           "same_gradients": all(torch.equal(a, b) for a, b in zip(shares["grads"], whole["grads"])),
                           "kv_bytes_per_layer": 2 * 2 * 2 * SEQ * 8 * 4}     # K and V: batch, kv heads, seq, dim
-    if rank == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(out, f)
-    dist.destroy_process_group()
+    write_from_rank_0(out)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,11 @@ whole, tensor-parallel and sequence-parallel; rank 0 writes what it measured to 
 
 import copy
 import gc
-import json
-import sys
 import weakref
 
 import torch
 import torch.distributed as dist
+from probe_output import write_from_rank_0
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -368,11 +367,7 @@ def main() -> None:
         out["refused"] = None
     except TensorOptError as exc:
         out["refused"] = str(exc)
-    if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_from_rank_0(out)
 
 
 if __name__ == "__main__":

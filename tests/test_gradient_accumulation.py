@@ -2,16 +2,13 @@
 engine's data parallelism makes, counted below autograd under torchrun, are the bytes the cost model prices, and
 an estimate carries their time, except for Megatron-LM's runtime, whose products accumulate themselves."""
 
-import json
 
 import pytest
 from conftest import SMALL_GPT
 from workers import probe_under_torchrun
 
-import tensoropt
 from tensoropt.cost.accumulation import accumulation_bytes
 from tensoropt.cost.model import ModelCost, estimate
-from tensoropt.cost.profile import Cluster, load_profile
 from tensoropt.cost.runtimes import Runtime
 from tensoropt.cost.states import state_bytes
 from tensoropt.space.plan import BlockPlan, LayerStrategy, Plan
@@ -54,11 +51,8 @@ def test_the_runtimes_gradient_sums_move_the_bytes_priced(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("models") / "small.json"
-    path.write_text(json.dumps(SMALL_GPT))
-    graph = tensoropt.capture(str(path)).graph
-    return ModelCost(graph, tensoropt.fold(graph), Cluster(2, 2, load_profile("h100-80gb")))
+def model(small_gpt):
+    return small_gpt[1]
 
 
 def _plan(zero: int, micro_batches: int) -> Plan:
