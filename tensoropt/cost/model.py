@@ -138,7 +138,7 @@ class ModelCost:
                  facts: GraphFacts | None = None, runtime: Runtime = Runtime.OURS) -> None:
         self.graph, self.folded, self.cluster = graph, folded, cluster
         # whose tensor parallelism is priced: the planner prices ours; the public benchmarks price Megatron-LM's
-        # sequence-first stream and torch's own styles as their rows ran (``cost.tp_copies.Runtime``)
+        # sequence-first stream and torch's own styles as their rows ran (``cost.runtimes.Runtime``)
         self.runtime = runtime
         # the kernels the plans priced here run: eager PyTorch (one kernel per op) or compiled blocks (fused)
         self.compiled = compiled

@@ -20,15 +20,17 @@ class Runtime(str, Enum):
         """Its sequence-parallel collectives run along dim 0: no layout copies at any batch."""
         return self is Runtime.MEGATRON
 
-    def gathers_by_copy(self, compiled: bool) -> bool:
-        """Whether its batch-first sequence-parallel all-gathers copy past batch 1: torch's redistribution does (ours
-        under ``torch.compile`` traces it); ours eager gathers each sample on views, Megatron-LM's sequence-first
-        stream needs none."""
+    def redistributes(self, compiled: bool) -> bool:
+        """Whether its batch-first sequence-parallel collectives go through torch's redistribution, which copies
+        (reduce-scatters concatenate at any batch, all-gathers copy past batch 1): torch's styles, and ours under
+        ``torch.compile`` (which traces it); ours eager gathers each sample on views, Megatron-LM's sequence-first
+        stream needs no copy."""
         return not self.sequence_first and (compiled or self is not Runtime.OURS)
 
     @property
     def functional_sums(self) -> bool:
-        """It sums with torch's functional collectives, which copy (reduce-scatters concatenate at batch 1 too)."""
+        """It sums a row linear's output and a column linear's input gradient with torch's functional all-reduce,
+        which clones its input (without sequence parallelism; ``cost.tp_copies.reduce_copies_s``)."""
         return self is Runtime.TORCH_STYLES
 
     @property

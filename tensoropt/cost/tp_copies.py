@@ -40,8 +40,8 @@ def sp_copies_s(branches: list[tuple[float, float, bool]], micro_batch: int, tok
     if runtime.sequence_first:
         return 0.0, 0.0
     # ours eager: gathers on views, reduce-scatters on views at batch 1 and concatenated past it
-    gathers = micro_batch > 1 and runtime.gathers_by_copy(compiled)
-    scatters = micro_batch > 1 or runtime.gathers_by_copy(compiled) and (compiled or runtime.functional_sums)
+    gathers = micro_batch > 1 and runtime.redistributes(compiled)
+    scatters = micro_batch > 1 or runtime.redistributes(compiled)
     total = 0.0
     for out_bytes, _, sharded in branches:
         one = copy_s(out_bytes * tokens, profile)
@@ -66,7 +66,7 @@ def layout_change_copy_s(nbytes: float, micro_batch: int, compiled: bool, profil
                          runtime: Runtime = Runtime.OURS) -> float:
     """The gather at an SP chain's end moves a batch-first stream to dim 1 by torch's redistribution: a copy past
     batch 1."""
-    return copy_s(nbytes, profile) if micro_batch > 1 and runtime.gathers_by_copy(compiled) else 0.0
+    return copy_s(nbytes, profile) if micro_batch > 1 and runtime.redistributes(compiled) else 0.0
 
 
 __all__ = ["copy_s", "layout_change_copy_s", "reduce_copies_s", "sp_copies_s"]

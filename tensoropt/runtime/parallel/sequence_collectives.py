@@ -37,7 +37,7 @@ def partial_sum(t: DTensor) -> bool:
 
 
 def runs_in_place(t: DTensor) -> bool:
-    """Whether the collectives of ``t`` (a DTensor on a 1-D mesh) run per sample on views (module doc): eager."""
+    """Whether the collectives of ``t`` (a DTensor on a 1-D mesh) run on this module's buffers (module doc): eager."""
     return t.dim() > SEQUENCE_DIM and t.device_mesh.ndim == 1 and not torch.compiler.is_compiling()
 
 
@@ -72,6 +72,12 @@ def _scatter(partial: torch.Tensor, mesh) -> torch.Tensor:
     return share
 
 
+def _whole(share: DTensor) -> DTensor:
+    """The ``Replicate`` whole of a ``Shard(1)`` share, gathered per sample (``_gather``)."""
+    mesh = share.device_mesh
+    return DTensor.from_local(_gather(share._local_tensor, mesh), mesh, [Replicate()], run_check=False)
+
+
 def _own_share(whole: torch.Tensor, mesh) -> torch.Tensor:
     tp, rank = mesh.size(), mesh.get_local_rank()
     return whole.chunk(tp, dim=SEQUENCE_DIM)[rank]
@@ -83,8 +89,8 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, share: DTensor) -> DTensor:
-        ctx.mesh = mesh = share.device_mesh
-        return DTensor.from_local(_gather(share._local_tensor, mesh), mesh, [Replicate()], run_check=False)
+        ctx.mesh = share.device_mesh
+        return _whole(share)
 
     @staticmethod
     def backward(ctx, grad: DTensor) -> DTensor:
@@ -122,10 +128,7 @@ def gather_sequence(share: DTensor, mesh) -> DTensor:
 
 def gathered(share: DTensor) -> DTensor:
     """The whole of a ``Shard(1)`` share outside autograd: a kept input gathered again in the backward."""
-    if _sharded(share):
-        mesh = share.device_mesh
-        return DTensor.from_local(_gather(share._local_tensor, mesh), mesh, [Replicate()], run_check=False)
-    return share.redistribute(share.device_mesh, [Replicate()])
+    return _whole(share) if _sharded(share) else share.redistribute(share.device_mesh, [Replicate()])
 
 
 def scatter_sequence(partial: DTensor) -> DTensor | None:
