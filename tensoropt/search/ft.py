@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cost.accumulation import accumulation_bytes
 from ..cost.context import Context, ContextTable
 from ..cost.layer import BlockCost
 from ..cost.model import ModelCost, evaluate_rows
@@ -338,8 +339,19 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
     grads = {g: k for k, g in enumerate(space.grad_dtypes)}
     # ZeRO 1-3 as FSDP2 over bf16 weights with float32 states (the torch engine's bf16-mixed): ZeRO 1's gradients
     # held wider than the products make them (``cost.accumulation``), ZeRO 0's autocast copy without a counterpart
-    one = state_bytes(space.dtype, space.master_weights, space.precision, 1)
+    zero0, one = (state_bytes(space.dtype, space.master_weights, space.precision, z) for z in (0, 1))
     fsdp_mixed = one.grad != one.gathered_bytes
+
+    sums_more: dict[int, bool] = {}
+
+    def zero1_sums_more(micro_batches: int) -> bool:
+        """Whether ZeRO 1 sums a step's micro-batches in more bytes a parameter than ZeRO 0 (``cost.accumulation``),
+        once per count of micro-batches."""
+        if micro_batches not in sums_more:
+            sums_more[micro_batches] = bool(accumulation_bytes(1, micro_batches, 1, 1, one.grad, one.gathered_bytes)
+                                            > accumulation_bytes(1, micro_batches, 0, 1, zero0.grad,
+                                                                 zero0.gathered_bytes))
+        return sums_more[micro_batches]
     kinds = tuple((space.global_batch, space.dtype, space.master_weights, space.precision, model.compiled,
                    space.engine, g) for g in space.grad_dtypes)
     branch_sets: dict[tuple[str, ...], int] = {}
@@ -354,8 +366,8 @@ def _choices(model: ModelCost, devices: int, space: SearchSpace, runs: Callable[
     out, heads, parts, total = [], [], [], 0
     runnable: dict[tuple, tuple] = {}         # per (mesh, global choices): (v, z, off, gradients) rows, by v
     for dp, tp, pp, branches, mb, globals_, cp, ep in contexts(model, devices, space):
-        # under fsdp_mixed, fewer than 4 micro-batches a step: ZeRO 1's float32 sums take longer than ZeRO 0's
-        few = fsdp_mixed and space.global_batch // (dp * mb) < 4
+        # ZeRO 1's sums of this step's micro-batches take longer than ZeRO 0's (fsdp_mixed below 4 micro-batches)
+        few = zero1_sums_more(space.global_batch // (dp * mb))
         key = (globals_, dp * cp == 1, few)       # data parallelism runs over the dp x cp ranks
         if key not in undominated:
             undominated[key] = _undominated(globals_, dp * cp, pp, fsdp_mixed, few)
@@ -400,8 +412,8 @@ def _undominated(globals_: tuple[tuple[int, int, bool, str], ...], dp: int, pp: 
       micro-batches, slower below).
     - dp > 1: ZeRO 1 communicates what ZeRO 0 does (one all-reduce of the gradients) and divides the
       optimizer's states and step over dp: (K + copy) / dp <= K for dp >= 2 (the copy is 0 or half of K),
-      so ZeRO 0 goes where ZeRO 1 is allowed, but for ``few``: ``fsdp_mixed`` below 4 micro-batches a step, where
-      ZeRO 1's float32 sums take longer (10 (m - 1) + 6 bytes a parameter against 12 (m - 1)). ZeRO 2 is not
+      so ZeRO 0 goes where ZeRO 1 is allowed, but for ``few``: where ZeRO 1's sums of the step's micro-batches take
+      longer (``fsdp_mixed`` below 4 micro-batches: 10 (m - 1) + 6 bytes a parameter against 12 (m - 1)). ZeRO 2 is not
       comparable with them: it reduce-scatters every micro-batch and gathers once, at each collective's own
       bandwidth (gloo's run at a third of its all-reduce rate), so it can be slower; ZeRO 3 keeps the least.
     The exhaustive reference does not prune: the tests that compare it with FT check this is sound."""
